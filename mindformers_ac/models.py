@@ -1,0 +1,177 @@
+"""A small GPT in MindSpore PyNative whose cell names follow MindFormers.
+
+The layout is the one ``select_module`` patterns are written against::
+
+    GPTModel
+      embedding (word_embeddings, position_embeddings, embedding_dropout)
+      decoder: TransformerBlock
+        layers[i]: TransformerLayer
+          input_layernorm
+          self_attention: SelfAttention
+            linear_qkv
+            core_attention: CoreAttention (bmm_qk, softmax, attention_dropout, bmm_pv)
+            linear_proj
+          hidden_dropout
+          pre_mlp_layernorm
+          mlp: MLP (linear_fc1, activation_func, linear_fc2)
+          mlp_dropout
+        final_layernorm
+      output_layer
+
+Only kernels that exist in the CPU build are used (``nn.LayerNorm``,
+``nn.Dropout``, ``nn.Embedding``, ``mint.nn.Linear``, ``ops.gelu``,
+``ops.BatchMatMul``, ``mint.nn.functional.softmax``).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, mint, nn, ops
+
+
+@dataclass
+class GPTConfig:
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_heads: int = 4
+    seq_length: int = 32
+    vocab_size: int = 256
+    ffn_ratio: int = 4
+    dropout: float = 0.0
+
+
+def _dropout(p):
+    # nn.Dropout(p=0) still draws a mask on CPU; Identity keeps p=0 models free of random ops.
+    return nn.Dropout(p=p) if p > 0 else nn.Identity()
+
+
+class CoreAttention(nn.Cell):
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.hidden_size // config.num_heads
+        self.scale = float(1.0 / np.sqrt(self.head_dim))
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.softmax = mint.nn.functional.softmax
+        self.attention_dropout = _dropout(config.dropout)
+        self.bmm_pv = ops.BatchMatMul()
+
+    def construct(self, q, k, v, attention_mask):
+        scores = self.bmm_qk(q, k) * self.scale + attention_mask
+        probs = self.attention_dropout(self.softmax(scores, dim=-1))
+        return self.bmm_pv(probs, v)
+
+
+class SelfAttention(nn.Cell):
+    def __init__(self, config):
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_heads
+        self.linear_qkv = mint.nn.Linear(h, 3 * h)
+        self.core_attention = CoreAttention(config)
+        self.linear_proj = mint.nn.Linear(h, h)
+
+    def construct(self, x, attention_mask):
+        b, s, h = x.shape
+        qkv = self.linear_qkv(x).reshape(b, s, 3, self.num_heads, h // self.num_heads)
+        qkv = qkv.permute(2, 0, 3, 1, 4)
+        context = self.core_attention(qkv[0], qkv[1], qkv[2], attention_mask)
+        return self.linear_proj(context.permute(0, 2, 1, 3).reshape(b, s, h))
+
+
+class MLP(nn.Cell):
+    def __init__(self, config):
+        super().__init__()
+        h = config.hidden_size
+        self.linear_fc1 = mint.nn.Linear(h, config.ffn_ratio * h)
+        self.activation_func = ops.gelu
+        self.linear_fc2 = mint.nn.Linear(config.ffn_ratio * h, h)
+
+    def construct(self, x):
+        return self.linear_fc2(self.activation_func(self.linear_fc1(x)))
+
+
+class TransformerLayer(nn.Cell):
+    def __init__(self, config, layer_number):
+        super().__init__()
+        h = config.hidden_size
+        self.layer_number = layer_number
+        self.input_layernorm = nn.LayerNorm((h,))
+        self.self_attention = SelfAttention(config)
+        self.hidden_dropout = _dropout(config.dropout)
+        self.pre_mlp_layernorm = nn.LayerNorm((h,))
+        self.mlp = MLP(config)
+        self.mlp_dropout = _dropout(config.dropout)
+
+    def construct(self, x, attention_mask):
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), attention_mask))
+        return x + self.mlp_dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+
+class TransformerBlock(nn.Cell):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.layers = nn.CellList([TransformerLayer(config, i) for i in range(config.num_layers)])
+        self.final_layernorm = nn.LayerNorm((config.hidden_size,))
+
+    def construct(self, x, attention_mask):
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return self.final_layernorm(x)
+
+
+class Embedding(nn.Cell):
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.seq_length, config.hidden_size)
+        self.embedding_dropout = _dropout(config.dropout)
+        self.position_ids = Tensor(np.arange(config.seq_length, dtype=np.int32)[None, :])
+
+    def construct(self, tokens):
+        s = tokens.shape[1]
+        x = self.word_embeddings(tokens) + self.position_embeddings(self.position_ids[:, :s])
+        return self.embedding_dropout(x)
+
+
+class GPTModel(nn.Cell):
+    """Causal language model: ``model(tokens, labels)`` returns the mean cross-entropy loss."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config)
+        self.decoder = TransformerBlock(config)
+        self.output_layer = mint.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+        s = config.seq_length
+        # Additive causal mask, built once: it is a model input to every layer, never swapped.
+        self.attention_mask = Tensor(np.triu(np.full((s, s), -1e9, np.float32), 1)[None, None])
+
+    def construct(self, tokens, labels):
+        s = tokens.shape[1]
+        hidden = self.decoder(self.embedding(tokens), self.attention_mask[:, :, :s, :s])
+        logits = self.output_layer(hidden)
+        return self.loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_gpt(num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256,
+              dropout=0.0, seed=0):
+    """Build a ``GPTModel`` with deterministic weights for ``seed``."""
+    ms.set_seed(seed)
+    np.random.seed(seed)
+    config = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                       seq_length=seq_length, vocab_size=vocab_size, dropout=dropout)
+    return GPTModel(config)
+
+
+def synthetic_batch(batch_size, seq_length, vocab_size, seed=0):
+    """Token ids and next-token labels from a fixed random stream (no data download)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab_size, size=(batch_size, seq_length + 1), dtype=np.int32)
+    return Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:])
+
+
+def reference_model():
+    """Factory used by the CLI's default ``--model``: the 8-layer model the shipped configs target."""
+    return build_gpt(num_layers=8)
