@@ -1,0 +1,108 @@
+"""``mindformers-ac``: check a config, show what it would do to a model.
+
+    mindformers-ac validate CONFIG [--num-layers N] [--pp P]
+    mindformers-ac explain [CONFIG] [--model module:factory] [--layers PATH] [--pp P]
+
+A rejected config exits with status 2 and the ``ConfigError`` message (which
+names the field) on stderr, without a traceback.
+"""
+import argparse
+import importlib
+import logging
+import sys
+from importlib import resources
+
+from .config import AcConfig
+from .errors import ConfigError
+
+DEFAULT_MODEL = "mindformers_ac.models:reference_model"
+
+
+def default_config_path():
+    """The shipped default config (a mix of recompute and swap for the 8-layer reference model)."""
+    return str(resources.files("mindformers_ac") / "default_configs" / "default.yaml")
+
+
+def load_factory(spec):
+    """``package.module:function`` -> the model that function returns."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError("--model", f"expected 'module:factory', got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("--model", f"cannot load {spec!r}: {exc}") from None
+    return factory()
+
+
+def _summary(config):
+    rc, comm, swap = config.recompute, config.recompute_comm, config.swap
+    lines = [f"recompute: mode={rc.mode}"]
+    if rc.full_recompute_layer is not None:
+        lines.append(f"  full_recompute_layer: {list(rc.full_recompute_layer)}")
+    for pattern, specs in (rc.select_module or {}).items() if rc.mode == "select" else ():
+        lines.append(f"  select {pattern!r}: {list(specs)}")
+    if rc.exclude_op:
+        lines.append(f"  exclude_op: {rc.exclude_op}")
+    lines.append(f"recompute_comm: enable={comm.enable}")
+    for pattern, specs in (comm.select_module or {}).items() if comm.enable else ():
+        lines.append(f"  select {pattern!r}: {list(specs)}")
+    lines.append(f"swap: enable={swap.enable} default_prefetch={swap.default_prefetch}")
+    if swap.enable:
+        lines += [f"  layer_swap: {list(e['layers'])}" for e in swap.layer_swap or ()]
+        lines += [f"  op_swap {e['op_name']!r}: {list(e['layers'])}" for e in swap.op_swap or ()]
+    return "\n".join(lines)
+
+
+def cmd_validate(args):
+    from .plan import check_layer_ids
+    config = AcConfig.from_yaml(args.config)
+    if args.num_layers is not None:
+        check_layer_ids(config, args.num_layers, args.pp)
+    print(_summary(config))
+    checked = f"layer ids checked against {args.num_layers} layers" if args.num_layers else \
+        "structure checked; pass --num-layers N to check layer ids too"
+    print(f"OK: {args.config} ({checked})")
+    return 0
+
+
+def cmd_explain(args):
+    from .plan import plan_ac
+    config = AcConfig.from_yaml(args.config or default_config_path())
+    model = load_factory(args.model)
+    plan = plan_ac(model, config=config, pp=args.pp, layers=args.layers)
+    print(plan.explain())
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    validate = sub.add_parser("validate", help="check a YAML config")
+    validate.add_argument("config")
+    validate.add_argument("--num-layers", type=int, default=None)
+    validate.add_argument("--pp", type=int, default=1)
+    validate.set_defaults(func=cmd_validate)
+    explain = sub.add_parser("explain", help="print the plan a config gives on a model")
+    explain.add_argument("config", nargs="?", default=None,
+                         help="YAML config (default: the shipped default config)")
+    explain.add_argument("--model", default=DEFAULT_MODEL,
+                         help=f"model factory as module:function (default {DEFAULT_MODEL})")
+    explain.add_argument("--layers", default=None, help="path of the layer list, if not found automatically")
+    explain.add_argument("--pp", type=int, default=1)
+    explain.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

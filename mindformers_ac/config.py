@@ -1,0 +1,304 @@
+"""The ``recompute``, ``recompute_comm`` and ``swap`` sections of a trainer YAML.
+
+Each section is a dataclass whose fields and defaults are MindFormers'. The
+structure of every value is checked when the dataclass is built, so a bad
+value fails before any model is looked at; checks that need the model (layer
+counts, pattern matches, overlaps between sections) are done by ``plan_ac``.
+
+Every rejection is a ``ConfigError`` whose message starts with the field path,
+e.g. ``swap.op_swap[1].layers[0]: ...``.
+"""
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import regex
+import yaml
+
+from .errors import ConfigError
+from .layer_specs import spec_ranges
+
+logger = logging.getLogger("mindformers_ac")
+
+RECOMPUTE_MODES = ("None", "full", "select")
+SECTIONS = ("recompute", "recompute_comm", "swap")
+
+
+def _type_name(value):
+    return "null" if value is None else type(value).__name__
+
+
+def check_bool(value, field_path):
+    if not isinstance(value, bool):
+        raise ConfigError(field_path, f"expected true or false, got {_type_name(value)} {value!r}")
+    return value
+
+
+def check_pattern(pattern, field_path):
+    """A ``select_module`` / ``op_name`` key must be a regex that compiles."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ConfigError(field_path, f"expected a non-empty regex string, got "
+                                      f"{_type_name(pattern)} {pattern!r}")
+    try:
+        regex.compile(pattern)
+    except regex.error as exc:
+        raise ConfigError(field_path, f"invalid regex {pattern!r}: {exc}") from None
+    return pattern
+
+
+def check_pattern_map(value, field_path):
+    """``{regex: layer specs}`` as used by select_module and the dict form of exclude_op."""
+    if not isinstance(value, dict):
+        raise ConfigError(field_path, f"expected a mapping of path regex to layer specs such as "
+                                      f"{{'.*mlp': [0-3]}}, got {_type_name(value)} {value!r}")
+    if not value:
+        raise ConfigError(field_path, "expected at least one 'regex: layers' entry, got an empty mapping")
+    for pattern, specs in value.items():
+        check_pattern(pattern, f"{field_path}[{pattern!r}]")
+        spec_ranges(specs, f"{field_path}[{pattern!r}]")
+    return value
+
+
+def check_keys(section, allowed, field_path):
+    if not isinstance(section, dict):
+        raise ConfigError(field_path, f"expected a mapping with keys {', '.join(allowed)}, got "
+                                      f"{_type_name(section)} {section!r}")
+    unknown = [k for k in section if k not in allowed]
+    if unknown:
+        raise ConfigError(f"{field_path}.{unknown[0]}", f"unknown key; allowed keys are: "
+                                                        f"{', '.join(allowed)}")
+
+
+def _field_names(cls):
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@dataclass
+class RecomputeConfig:
+    """``recompute`` section: drop activations in forward, rebuild them in backward.
+
+    mode: ``"None"`` (or ``None``) off, ``"full"`` whole layers, ``"select"``
+        modules/ops matched by ``select_module`` (plus whole layers in
+        ``full_recompute_layer`` if given).
+    full_recompute_layer: layer specs, required for ``full``.
+    select_module: ``{path regex: layer specs}``, required for ``select``.
+    exclude_op: ops whose outputs are kept inside recomputed regions: a list of
+        names (case-insensitive substrings of the op name) or ``{path regex:
+        layer specs}``.
+    """
+
+    mode: Optional[str] = "None"
+    full_recompute_layer: Optional[Union[list, tuple]] = None
+    select_module: Optional[dict] = None
+    exclude_op: Optional[Union[list, tuple, dict]] = None
+
+    def __post_init__(self):
+        if self.mode is None:
+            self.mode = "None"
+        if self.mode not in RECOMPUTE_MODES:
+            raise ConfigError("recompute.mode", f"expected one of None, full, select, got "
+                                                f"{_type_name(self.mode)} {self.mode!r}")
+        if self.full_recompute_layer is not None:
+            spec_ranges(self.full_recompute_layer, "recompute.full_recompute_layer")
+        if self.select_module is not None:
+            check_pattern_map(self.select_module, "recompute.select_module")
+        if self.exclude_op is not None:
+            self._check_exclude_op()
+        if self.mode == "full" and self.full_recompute_layer is None:
+            raise ConfigError("recompute.full_recompute_layer",
+                              "required when mode is full: list the layers to recompute, e.g. [0-3]")
+        if self.mode == "select" and self.select_module is None:
+            raise ConfigError("recompute.select_module",
+                              "required when mode is select: map module path regexes to layers, "
+                              "e.g. {'.*mlp': [0-3]}")
+
+    def _check_exclude_op(self):
+        path = "recompute.exclude_op"
+        if isinstance(self.exclude_op, dict):
+            check_pattern_map(self.exclude_op, path)
+            return
+        if not isinstance(self.exclude_op, (list, tuple)):
+            raise ConfigError(path, f"expected a list of op names such as ['AllGather'] or a mapping "
+                                    f"of op path regex to layer specs, got "
+                                    f"{_type_name(self.exclude_op)} {self.exclude_op!r}")
+        for i, name in enumerate(self.exclude_op):
+            if not isinstance(name, str) or not name.strip():
+                raise ConfigError(f"{path}[{i}]", f"expected a non-empty op name string, got "
+                                                  f"{_type_name(name)} {name!r}")
+
+    @property
+    def enabled(self):
+        return self.mode != "None"
+
+
+@dataclass
+class RecomputeCommConfig:
+    """``recompute_comm`` section: re-run matched communication ops in backward.
+
+    Independent of ``recompute.mode``. ``select_module`` (``{op path regex:
+    layer specs}``) is required when ``enable`` is true; its matches must be ops.
+    """
+
+    enable: bool = False
+    select_module: Optional[dict] = None
+
+    def __post_init__(self):
+        check_bool(self.enable, "recompute_comm.enable")
+        if self.select_module is not None:
+            check_pattern_map(self.select_module, "recompute_comm.select_module")
+        if self.enable and self.select_module is None:
+            raise ConfigError("recompute_comm.select_module",
+                              "required when enable is true: map comm op path regexes to layers, "
+                              "e.g. {'.*\\.all_gather': [0-3]}")
+
+    @property
+    def enabled(self):
+        return self.enable
+
+
+@dataclass
+class SwapConfig:
+    """``swap`` section: keep activations in host memory, prefetch them before backward.
+
+    default_prefetch: p >= 1; layer i is fetched back when layer i+p starts its backward.
+    layer_swap: ``[{layers: specs}, ...]`` whole layers (every entry is applied;
+        entries must not overlap).
+    op_swap: ``[{op_name: path regex, layers: specs}, ...]`` modules/ops inside layers.
+    """
+
+    enable: bool = False
+    default_prefetch: int = 1
+    layer_swap: Optional[Union[list, tuple]] = None
+    op_swap: Optional[Union[list, tuple]] = None
+
+    def __post_init__(self):
+        check_bool(self.enable, "swap.enable")
+        p = self.default_prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ConfigError("swap.default_prefetch", f"expected an integer >= 1, got "
+                                                       f"{_type_name(p)} {p!r}")
+        self._check_entries("layer_swap", ("layers",))
+        self._check_entries("op_swap", ("op_name", "layers"))
+        self._check_layer_swap_disjoint()
+        if not self.enable and (self.layer_swap or self.op_swap):
+            logger.warning("swap.enable is false: layer_swap and op_swap are ignored")
+        if self.enable and not (self.layer_swap or self.op_swap):
+            logger.warning("swap.enable is true but neither layer_swap nor op_swap is set: "
+                           "nothing will be swapped")
+
+    def _check_entries(self, name, keys):
+        entries, path = getattr(self, name), f"swap.{name}"
+        if entries is None:
+            return
+        example = "{" + ", ".join(f"{k}: ..." for k in keys) + "}"
+        if not isinstance(entries, (list, tuple)):
+            raise ConfigError(path, f"expected a list of {example} entries, got "
+                                    f"{_type_name(entries)} {entries!r}")
+        for i, entry in enumerate(entries):
+            check_keys(entry, keys, f"{path}[{i}]")
+            for key in keys:
+                if key not in entry:
+                    raise ConfigError(f"{path}[{i}].{key}", "required key is missing")
+            if "op_name" in keys:
+                check_pattern(entry["op_name"], f"{path}[{i}].op_name")
+            spec_ranges(entry["layers"], f"{path}[{i}].layers")
+
+    def _check_layer_swap_disjoint(self):
+        seen = {}
+        for i, entry in enumerate(self.layer_swap or ()):
+            for start, end in spec_ranges(entry["layers"], f"swap.layer_swap[{i}].layers"):
+                for layer in range(start, end + 1):
+                    if layer in seen:
+                        raise ConfigError(f"swap.layer_swap[{i}].layers",
+                                          f"layer {layer} is already listed in "
+                                          f"swap.layer_swap[{seen[layer]}]; entries must not overlap")
+                    seen[layer] = i
+
+    @property
+    def enabled(self):
+        return self.enable
+
+
+_SECTION_TYPES = {"recompute": RecomputeConfig, "recompute_comm": RecomputeCommConfig,
+                  "swap": SwapConfig}
+
+
+def section_from_value(name, value):
+    """Build section ``name`` from a dataclass instance, a mapping or ``None`` (defaults)."""
+    cls = _SECTION_TYPES[name]
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    check_keys(value, _field_names(cls), name)
+    return cls(**value)
+
+
+@dataclass
+class AcConfig:
+    """The three sections together; ``from_yaml`` reads them out of a whole trainer YAML."""
+
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    recompute_comm: RecomputeCommConfig = field(default_factory=RecomputeCommConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
+
+    def __post_init__(self):
+        for name in SECTIONS:
+            setattr(self, name, section_from_value(name, getattr(self, name)))
+
+    @classmethod
+    def from_dict(cls, data):
+        """Read the three sections of ``data``; other top-level keys are ignored."""
+        if not isinstance(data, dict):
+            raise ConfigError(None, f"expected a mapping with recompute / recompute_comm / swap "
+                                    f"sections at the top level, got {_type_name(data)}")
+        return cls(**{name: data.get(name) for name in SECTIONS})
+
+    @classmethod
+    def from_yaml(cls, path):
+        """Load a trainer YAML safely (no object construction) and read its sections."""
+        path = os.fspath(path)
+        try:
+            with open(path, encoding="utf-8") as stream:
+                data = yaml.safe_load(stream)
+        except FileNotFoundError:
+            raise ConfigError(None, f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(None, f"config path is a directory, not a YAML file: {path}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else path
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(None, f"YAML syntax error in {where}: {problem}") from None
+        if data is None:
+            data = {}
+        try:
+            return cls.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(exc.field, f"{exc.reason} (in {path})") from None
+
+    def to_dict(self):
+        """Plain sections, as they would be written in a trainer YAML."""
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self):
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def resolve_config(config=None, recompute=None, recompute_comm=None, swap=None):
+    """One ``AcConfig`` from either ``config=`` or the three MindFormers-style arguments."""
+    if config is not None:
+        if any(v is not None for v in (recompute, recompute_comm, swap)):
+            raise ConfigError("config", "pass either config=AcConfig(...) or the recompute / "
+                                    "recompute_comm / swap sections, not both")
+        if isinstance(config, AcConfig):
+            return config
+        if isinstance(config, dict):
+            return AcConfig.from_dict(config)
+        if isinstance(config, (str, os.PathLike)):
+            return AcConfig.from_yaml(config)
+        raise ConfigError("config", f"expected an AcConfig, a mapping or a YAML path, got "
+                                f"{_type_name(config)}")
+    return AcConfig(recompute=recompute, recompute_comm=recompute_comm, swap=swap)

@@ -1,0 +1,391 @@
+"""Dry run: resolve a config against a model into an ``AcPlan``, checking every rule.
+
+``plan_ac`` reads the model (layer list, whitelists) and never changes it.
+``apply_ac`` executes exactly the plan this returns, so what ``explain``
+prints is what training gets. All cross-section rules live here, in one pass,
+so a rejected config fails before anything is installed:
+
+* layer specs within ``[0, num_layers - 1]`` (global ids);
+* ``swap.default_prefetch`` in ``[1, num_layers - 1]`` and ``layer + p < num_layers``
+  for every swapped layer;
+* no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
+* no op swap on a recomputed module or on its parent or child;
+* no swap with pipeline parallelism (``pp > 1``).
+"""
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import regex
+import yaml
+
+from .config import AcConfig, resolve_config
+from .errors import ConfigError
+from .layer_specs import format_layer_specs, parse_layer_specs
+from .layers import LayerStack, find_layer_stack
+from .matching import drop_covered, match_entries
+from .whitelist import is_under, layer_inventory
+
+logger = logging.getLogger("mindformers_ac")
+
+
+@dataclass
+class LayerPlan:
+    """What happens to one layer (global id ``layer_id``)."""
+
+    layer_id: int
+    full_recompute: bool = False
+    recompute: tuple = ()        # select-recompute target paths (cells or ops)
+    recompute_comm: tuple = ()   # comm op paths re-run in backward
+    exclude: tuple = ()          # op names (list form) or paths (dict form) kept inside recompute
+    exclude_by_path: bool = False
+    layer_swap: bool = False
+    op_swap: tuple = ()          # module / op paths swapped
+    prefetch_layer: Optional[int] = None
+    op_paths: frozenset = field(default=frozenset(), repr=False)  # which target paths are ops
+
+    @property
+    def recomputed(self):
+        return self.full_recompute or bool(self.recompute) or bool(self.recompute_comm)
+
+    @property
+    def swapped(self):
+        return self.layer_swap or bool(self.op_swap)
+
+    @property
+    def is_empty(self):
+        return not (self.recomputed or self.swapped)
+
+    def describe(self):
+        """Short human-readable actions, e.g. ``['full recompute', 'exclude AllGather']``."""
+        parts = []
+        if self.full_recompute:
+            parts.append("full recompute")
+        if self.recompute:
+            parts.append("recompute " + ", ".join(self.recompute))
+        if self.recompute_comm:
+            parts.append("comm recompute " + ", ".join(self.recompute_comm))
+        if self.exclude:
+            parts.append("keep " + ", ".join(self.exclude))
+        if self.layer_swap:
+            parts.append("layer swap")
+        if self.op_swap:
+            parts.append("swap " + ", ".join(self.op_swap))
+        if self.prefetch_layer is not None:
+            parts.append(f"prefetch at layer {self.prefetch_layer} backward")
+        return parts
+
+
+@dataclass
+class PatternMatch:
+    """Where one config pattern landed: ``paths[layer_id]`` lists the matched paths."""
+
+    field: str
+    pattern: str
+    layer_ids: tuple
+    paths: dict
+
+    @property
+    def matched(self):
+        return any(self.paths.values())
+
+
+@dataclass
+class AcPlan:
+    """The resolved, validated plan: pure data, printable, writable back as YAML."""
+
+    config: AcConfig
+    layers: dict
+    num_layers: int
+    layer_path: str
+    pp: int = 1
+    matches: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+    def active_layers(self):
+        return [lp for lp in self.layers.values() if not lp.is_empty]
+
+    def __str__(self):
+        header = (f"AcPlan: {len(self.layers)} layers at '{self.layer_path}' "
+                  f"(global ids {min(self.layers)}-{max(self.layers)} of {self.num_layers}), pp={self.pp}")
+        rows = [("layer", "recompute", "comm recompute", "keep (exclude_op)", "swap", "prefetch at")]
+        for lp in self.layers.values():
+            recompute = "full" if lp.full_recompute else ", ".join(lp.recompute) or "-"
+            swap = "layer" if lp.layer_swap else ", ".join(lp.op_swap) or "-"
+            rows.append((str(lp.layer_id), recompute, ", ".join(lp.recompute_comm) or "-",
+                         ", ".join(lp.exclude) or "-", swap,
+                         "-" if lp.prefetch_layer is None else str(lp.prefetch_layer)))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        lines = [header] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                            for row in rows]
+        return "\n".join(lines)
+
+    def explain(self):
+        """The table plus, for every pattern, the paths it matched per layer."""
+        lines = [str(self), "", "Pattern matches:"]
+        if not self.matches:
+            lines.append("  (no patterns in this config)")
+        for m in self.matches:
+            lines.append(f"  {m.field} -> layers {format_layer_specs(m.layer_ids)}")
+            if not m.matched:
+                lines.append("      matched nothing")
+            for layer_id, paths in m.paths.items():
+                if paths:
+                    lines.append(f"      layer {layer_id}: {', '.join(paths)}")
+        if self.warnings:
+            lines += ["", "Warnings:"] + [f"  {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+    def to_dict(self):
+        """The three YAML sections that reproduce this plan with exact paths."""
+        full = [lp.layer_id for lp in self.layers.values() if lp.full_recompute]
+        select = _paths_to_layers(self.layers.values(), "recompute")
+        recompute = {"mode": "None"}
+        if select:
+            recompute = {"mode": "select", "select_module": select}
+            if full:
+                recompute["full_recompute_layer"] = format_layer_specs(full)
+        elif full:
+            recompute = {"mode": "full", "full_recompute_layer": format_layer_specs(full)}
+        excluded = [lp for lp in self.layers.values() if lp.exclude]
+        if excluded and recompute["mode"] != "None":
+            if excluded[0].exclude_by_path:
+                recompute["exclude_op"] = _paths_to_layers(excluded, "exclude")
+            else:
+                recompute["exclude_op"] = list(excluded[0].exclude)
+        comm = _paths_to_layers(self.layers.values(), "recompute_comm")
+        layer_swap = [lp.layer_id for lp in self.layers.values() if lp.layer_swap]
+        op_swap = _paths_to_layers(self.layers.values(), "op_swap")
+        swap = {"enable": bool(layer_swap or op_swap),
+                "default_prefetch": self.config.swap.default_prefetch}
+        if layer_swap:
+            swap["layer_swap"] = [{"layers": format_layer_specs(layer_swap)}]
+        if op_swap:
+            swap["op_swap"] = [{"op_name": name, "layers": specs} for name, specs in op_swap.items()]
+        return {"recompute": recompute,
+                "recompute_comm": {"enable": True, "select_module": comm} if comm else {"enable": False},
+                "swap": swap}
+
+    def to_yaml(self):
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def _paths_to_layers(layer_plans, attr):
+    by_path = {}
+    for lp in layer_plans:
+        for path in getattr(lp, attr):
+            by_path.setdefault(regex.escape(path, special_only=True), []).append(lp.layer_id)
+    return {path: format_layer_specs(ids) for path, ids in by_path.items()}
+
+
+class _Planner:
+    """One planning pass; holds per-call state only (nothing survives the call)."""
+
+    def __init__(self, config, stack, pp, match_patterns=True):
+        self.config, self.stack, self.pp = config, stack, pp
+        self.match_patterns = match_patterns
+        self.num_layers = stack.num_layers
+        self.inventories = {}
+        self.matches, self.warnings = [], []
+        self.plans = {i: LayerPlan(i) for i in stack.layer_ids}
+        self.targets = {i: {} for i in stack.layer_ids}  # per layer: path -> WhitelistEntry
+
+    def warn(self, message):
+        self.warnings.append(message)
+        logger.warning(message)
+
+    def inventory(self, layer_id):
+        if layer_id not in self.inventories:
+            self.inventories[layer_id] = layer_inventory(self.stack.cell(layer_id))
+        return self.inventories[layer_id]
+
+    def layer_ids(self, specs, field_path):
+        return parse_layer_specs(specs, self.num_layers, field_path)
+
+    def match(self, field_path, pattern, specs):
+        """Match ``pattern`` in every local layer of ``specs``; record and warn if empty."""
+        layer_ids = self.layer_ids(specs, field_path)
+        if not self.match_patterns:
+            return {}
+        local = [i for i in layer_ids if self.stack.holds(i)]
+        found = {i: match_entries(pattern, self.inventory(i), field_path) for i in local}
+        self.matches.append(PatternMatch(field_path, pattern, tuple(layer_ids),
+                                         {i: [e.path for e in es] for i, es in found.items()}))
+        if local and not any(found.values()):
+            section = field_path.split("[")[0]
+            self.warn(f"{section} pattern '{pattern}' did not match any module")
+        return found
+
+    def plan(self):
+        self.plan_recompute()
+        self.plan_comm()
+        self.plan_swap()
+        for i, lp in self.plans.items():
+            entries = self.targets[i]
+            lp.op_paths = frozenset(p for p, e in entries.items() if e.is_op)
+        return self.plans
+
+    def plan_recompute(self):
+        rc = self.config.recompute
+        if not rc.enabled:
+            if rc.exclude_op:
+                self.warn("recompute.exclude_op has no effect when recompute.mode is None")
+            return
+        if rc.mode == "full" and rc.select_module:
+            self.warn("recompute.select_module is ignored when recompute.mode is full")
+        full = set()
+        if rc.full_recompute_layer is not None:
+            full = set(self.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"))
+        for i in full & set(self.plans):
+            self.plans[i].full_recompute = True
+        if rc.mode == "select":
+            chosen = {i: [] for i in self.plans}
+            for pattern, specs in rc.select_module.items():
+                for i, entries in self.match(f"recompute.select_module[{pattern!r}]", pattern, specs).items():
+                    if i not in full:
+                        chosen[i].extend(entries)
+            for i, entries in chosen.items():
+                order = {e.path: k for k, e in enumerate(self.inventory(i))} if entries else {}
+                kept = drop_covered(sorted(entries, key=lambda e: order[e.path]))
+                self.plans[i].recompute = tuple(e.path for e in kept)
+                self.targets[i].update({e.path: e for e in kept})
+        self.plan_exclude(rc.exclude_op)
+
+    def plan_exclude(self, exclude_op):
+        if not exclude_op:
+            return
+        recomputed = [i for i, lp in self.plans.items() if lp.full_recompute or lp.recompute]
+        if isinstance(exclude_op, dict):
+            for pattern, specs in exclude_op.items():
+                found = self.match(f"recompute.exclude_op[{pattern!r}]", pattern, specs)
+                for i, entries in found.items():
+                    if entries and i not in recomputed:
+                        self.warn(f"recompute.exclude_op[{pattern!r}]: layer {i} is not recomputed, "
+                                  f"so excluding {', '.join(e.path for e in entries)} has no effect")
+                    elif entries:
+                        lp = self.plans[i]
+                        lp.exclude = lp.exclude + tuple(e.path for e in entries if e.path not in lp.exclude)
+                        lp.exclude_by_path = True
+            return
+        names = tuple(dict.fromkeys(str(name) for name in exclude_op))
+        for i in recomputed:
+            self.plans[i].exclude = names
+
+    def plan_comm(self):
+        rcc = self.config.recompute_comm
+        if not rcc.enabled:
+            return
+        for pattern, specs in rcc.select_module.items():
+            field_path = f"recompute_comm.select_module[{pattern!r}]"
+            for i, entries in self.match(field_path, pattern, specs).items():
+                lp = self.plans[i]
+                for entry in entries:
+                    if not entry.is_op:
+                        self.warn(f"{field_path}: {entry.path} in layer {i} is expected to be "
+                                  f"operation but got cell, this configuration will not be effective")
+                    elif lp.full_recompute or any(is_under(entry.path, t) for t in lp.recompute):
+                        logger.info("recompute_comm: %s in layer %d is already recomputed with its "
+                                    "enclosing region", entry.path, i)
+                    elif entry.path not in lp.recompute_comm:
+                        lp.recompute_comm = lp.recompute_comm + (entry.path,)
+                        self.targets[i][entry.path] = entry
+
+    def plan_swap(self):
+        sc = self.config.swap
+        if not sc.enabled:
+            return
+        if self.pp != 1:
+            raise ConfigError("swap.enable", f"swap is not supported with pipeline parallelism "
+                                             f"(pp={self.pp}); use recompute on pipeline stages")
+        p = sc.default_prefetch
+        if p > self.num_layers - 1:
+            raise ConfigError("swap.default_prefetch", f"must be in [1, {self.num_layers - 1}] for a "
+                                                       f"model with {self.num_layers} layers, got {p}")
+        for k, entry in enumerate(sc.layer_swap or ()):
+            field_path = f"swap.layer_swap[{k}].layers"
+            for i in self.layer_ids(entry["layers"], field_path):
+                self.check_prefetch_bound(i, field_path)
+                if i not in self.plans:
+                    continue
+                lp = self.plans[i]
+                if lp.recomputed:
+                    raise ConfigError(field_path, f"layer {i} is also recomputed "
+                                                  f"({'; '.join(lp.describe())}); a layer can't be both "
+                                                  f"recomputed and swapped")
+                lp.layer_swap, lp.prefetch_layer = True, i + p
+        for k, entry in enumerate(sc.op_swap or ()):
+            field_path = f"swap.op_swap[{k}]"
+            for i in self.layer_ids(entry["layers"], f"{field_path}.layers"):
+                self.check_prefetch_bound(i, f"{field_path}.layers")
+            for i, entries in self.match(f"{field_path}.op_name", entry["op_name"], entry["layers"]).items():
+                self.add_op_swap(i, drop_covered(entries), field_path)
+
+    def check_prefetch_bound(self, layer_id, field_path):
+        p = self.config.swap.default_prefetch
+        if layer_id + p >= self.num_layers:
+            raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < num_layers "
+                                          f"{self.num_layers}: the last layer that can be swapped is "
+                                          f"{self.num_layers - p - 1}")
+
+    def add_op_swap(self, layer_id, entries, field_path):
+        lp = self.plans[layer_id]
+        if entries and lp.layer_swap:
+            self.warn(f"{field_path}: layer {layer_id} is swapped whole by layer_swap; "
+                      f"the op swap of {', '.join(e.path for e in entries)} is covered")
+            return
+        for entry in entries:
+            if lp.full_recompute:
+                raise ConfigError(field_path, f"{entry.path} in layer {layer_id} lies in a fully "
+                                              f"recomputed layer; recompute and swap can't share a module")
+            clash = [t for t in lp.recompute + lp.recompute_comm
+                     if is_under(entry.path, t) or is_under(t, entry.path)]
+            if clash:
+                raise ConfigError(field_path, f"{entry.path} in layer {layer_id} overlaps the recompute "
+                                              f"target {clash[0]} (same module, parent or child); "
+                                              f"recompute and swap can't share a module")
+            if entry.path not in lp.op_swap:
+                lp.op_swap = lp.op_swap + (entry.path,)
+                self.targets[layer_id][entry.path] = entry
+        if lp.op_swap:
+            lp.prefetch_layer = layer_id + self.config.swap.default_prefetch
+
+
+def _check_pp(pp):
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ConfigError("pp", f"expected the pipeline-parallel size as an integer >= 1, got {pp!r}")
+
+
+def check_layer_ids(config, num_layers, pp=1):
+    """The checks that need only the layer count (``mindformers-ac validate --num-layers``).
+
+    Layer-spec bounds, prefetch bounds, full-recompute vs layer-swap overlap
+    and pp. Pattern matches need a model and are left to ``plan_ac``.
+    """
+    _check_pp(pp)
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ConfigError("num_layers", f"expected an integer >= 1, got {num_layers!r}")
+    stack = LayerStack([None] * num_layers, "<count only>", None, 0, num_layers)
+    return _Planner(resolve_config(config), stack, pp, match_patterns=False).plan()
+
+
+def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
+    """Resolve and validate a config against ``model`` without changing it.
+
+    Takes MindFormers' arguments (three sections as dataclasses, dicts or
+    ``None``) or ``config=`` (an ``AcConfig``, a dict of sections or a YAML
+    path). ``layers`` names the layer list when it can't be found
+    automatically. Raises ``ConfigError`` for any rule in this module's
+    docstring; logs a warning for each pattern that matched nothing.
+    """
+    _check_pp(pp)
+    config = resolve_config(config, recompute, recompute_comm, swap)
+    stack = find_layer_stack(model, layers)
+    planner = _Planner(config, stack, pp)
+    layer_plans = planner.plan()
+    plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,
+                  layer_path=stack.path, pp=pp, matches=planner.matches, warnings=planner.warnings)
+    for lp in plan.active_layers():
+        logger.info("plan: layer %d: %s", lp.layer_id, "; ".join(lp.describe()))
+    if not plan.active_layers():
+        logger.info("plan: no layer is recomputed or swapped")
+    return plan

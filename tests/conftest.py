@@ -1,0 +1,29 @@
+"""Shared test set-up: synchronous PyNative on CPU, small reference models, a model fingerprint."""
+import hashlib
+
+import mindspore as ms
+import pytest
+
+ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+
+
+def model_fingerprint(model):
+    """Everything apply/plan could change: cell tree, instance attributes, hooks, parameter bytes."""
+    cells = []
+    for path, cell in model.cells_and_names():
+        attrs = tuple(sorted((k, id(v)) for k, v in vars(cell).items()
+                             if callable(v) or k in ("_cells", "_params")))
+        hooks = tuple(len(getattr(cell, name, None) or ())
+                      for name in ("_forward_pre_hook", "_forward_hook", "_backward_pre_hook",
+                                   "_backward_hook"))
+        cells.append((path, type(cell).__name__, id(cell), attrs, hooks,
+                      tuple(sorted(cell._cells)), getattr(cell, "_saved_tensors_pack_hook", None)))
+    params = tuple((p.name, hashlib.sha1(p.asnumpy().tobytes()).hexdigest())
+                   for p in model.get_parameters())
+    return cells, params
+
+
+@pytest.fixture(scope="module")
+def gpt8():
+    from mindformers_ac.models import build_gpt
+    return build_gpt(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64)

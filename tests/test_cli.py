@@ -1,0 +1,87 @@
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import mindformers_ac as mac
+from mindformers_ac.cli import default_config_path, main
+from mindformers_ac.models import reference_model
+
+CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
+SCENARIOS = {"select_mlp", "full_first_half", "full_exclude_op", "full_all", "full_swap",
+             "select_attention_mlp", "comm_recompute", "swap_layer_op"}
+
+
+def test_every_seed_scenario_has_a_config():
+    assert SCENARIOS <= {p.stem for p in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_model()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_configs_plan_on_the_reference_model(path, reference):
+    plan = mac.plan_ac(reference, config=mac.AcConfig.from_yaml(path))
+    assert plan.num_layers == 8
+    if path.stem != "comm_recompute":  # all_gather exists only in the tensor-parallel model
+        assert plan.active_layers(), "config plans nothing on the reference model"
+    assert main(["validate", str(path), "--num-layers", "8"]) == 0
+
+
+def test_scenario_contents(reference):
+    plans = {p.stem: mac.plan_ac(reference, config=mac.AcConfig.from_yaml(p)) for p in CONFIGS}
+    assert all(lp.recompute == ("mlp",) for lp in plans["select_mlp"].layers.values())
+    assert [lp.full_recompute for lp in plans["full_first_half"].layers.values()] == [True] * 4 + [False] * 4
+    assert plans["full_exclude_op"].layers[0].exclude == ("AllGather", "ReduceScatter", "AllToAll")
+    assert all(lp.full_recompute for lp in plans["full_all"].layers.values())
+    fs = plans["full_swap"].layers
+    assert [fs[i].layer_swap for i in range(8)] == [False] * 4 + [True] * 3 + [False]
+    sam = plans["select_attention_mlp"].layers
+    assert [sam[i].recompute for i in (0, 4)] == [("self_attention",), ("mlp",)]
+    slo = plans["swap_layer_op"].layers
+    assert slo[0].layer_swap and slo[2].op_swap == ("mlp",) and slo[2].prefetch_layer == 3
+
+
+def test_default_config_is_valid_for_the_reference_model(reference):
+    plan = mac.plan_ac(reference, config=default_config_path())
+    assert any(lp.full_recompute for lp in plan.layers.values())
+    assert any(lp.layer_swap for lp in plan.layers.values())
+
+
+def test_validate_prints_summary(capsys):
+    assert main(["validate", str(CONFIGS[0])]) == 0
+    assert "OK:" in capsys.readouterr().out
+
+
+def test_validate_rejects_with_field_path(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("swap:\n  enable: true\n  layer_swap:\n    - layers: [0-1]\n    - layers: [1]\n")
+    assert main(["validate", str(bad)]) == 2
+    assert "swap.layer_swap[1].layers: layer 1 is already listed" in capsys.readouterr().err
+    assert main(["validate", str(CONFIGS[0].parent / "select_mlp.yaml"), "--num-layers", "4"]) == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_explain_on_a_factory(capsys):
+    assert main(["explain", str(pathlib.Path(__file__).parent.parent / "configs" / "select_mlp.yaml"),
+                 "--model", "mindformers_ac.models:reference_model"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute.select_module['.*mlp'] -> layers ['0-7']" in out and "layer 7: mlp" in out
+
+
+def test_explain_bad_factory(capsys):
+    assert main(["explain", "--model", "no_such_module:make"]) == 2
+    assert "--model: cannot load" in capsys.readouterr().err
+
+
+def test_console_script_exits_non_zero_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("recompute:\n  mode: fast\n")
+    proc = subprocess.run([sys.executable, "-m", "mindformers_ac.cli", "validate", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "recompute.mode: expected one of None, full, select" in proc.stderr
+    assert "Traceback" not in proc.stderr

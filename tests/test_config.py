@@ -1,0 +1,174 @@
+import textwrap
+
+import pytest
+
+import mindformers_ac as mac
+from mindformers_ac import AcConfig, ConfigError, RecomputeConfig, RecomputeCommConfig, SwapConfig
+
+
+def write(tmp_path, text, name="cfg.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_defaults_match_mindformers():
+    cfg = AcConfig()
+    assert (cfg.recompute.mode, cfg.recompute.full_recompute_layer, cfg.recompute.select_module,
+            cfg.recompute.exclude_op) == ("None", None, None, None)
+    assert (cfg.recompute_comm.enable, cfg.recompute_comm.select_module) == (False, None)
+    assert (cfg.swap.enable, cfg.swap.default_prefetch, cfg.swap.layer_swap, cfg.swap.op_swap) == \
+        (False, 1, None, None)
+
+
+def test_whole_trainer_yaml_other_keys_ignored_and_missing_sections_default(tmp_path):
+    path = write(tmp_path, """
+        seed: 42
+        model: {num_layers: 8}
+        runner_config: {epochs: 1}
+        recompute:
+          mode: full
+          full_recompute_layer: [0-3, 6]
+    """)
+    cfg = AcConfig.from_yaml(path)
+    assert cfg.recompute.mode == "full"
+    assert cfg.recompute.full_recompute_layer == ["0-3", 6]
+    assert cfg.swap == SwapConfig() and cfg.recompute_comm == RecomputeCommConfig()
+
+
+@pytest.mark.parametrize("mode_text", ["None", "null", "~"])
+def test_none_and_null_both_mean_off(tmp_path, mode_text):
+    cfg = AcConfig.from_yaml(write(tmp_path, f"recompute:\n  mode: {mode_text}\n"))
+    assert cfg.recompute.mode == "None" and not cfg.recompute.enabled
+
+
+def test_null_sections_mean_defaults():
+    cfg = AcConfig.from_dict({"recompute": None, "swap": None})
+    assert cfg == AcConfig()
+
+
+def test_empty_yaml_file_is_all_defaults(tmp_path):
+    assert AcConfig.from_yaml(write(tmp_path, "")) == AcConfig()
+
+
+def test_dataclass_construction_validates():
+    with pytest.raises(ConfigError, match=r"^recompute\.mode: expected one of None, full, select"):
+        RecomputeConfig(mode="partial")
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        AcConfig.from_yaml(missing)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path, "recompute:\n  mode: full\n  full_recompute_layer: [0-3\nswap: {}\n")
+    with pytest.raises(ConfigError) as info:
+        AcConfig.from_yaml(path)
+    msg = str(info.value)
+    assert "cfg.yaml" in msg and "line" in msg and "YAML syntax error" in msg
+
+
+def test_yaml_is_loaded_safely(tmp_path):
+    path = write(tmp_path, "recompute: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="YAML"):
+        AcConfig.from_yaml(path)
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        AcConfig.from_yaml(write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_errors_from_yaml_name_the_file(tmp_path):
+    path = write(tmp_path, "swap:\n  enable: 'yes'\n")
+    with pytest.raises(ConfigError, match=r"^swap\.enable: .*cfg\.yaml"):
+        AcConfig.from_yaml(path)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = AcConfig.from_dict({
+        "recompute": {"mode": "select", "select_module": {".*mlp": ["0-3"]}, "exclude_op": ["AllGather"]},
+        "recompute_comm": {"enable": True, "select_module": {r".*\.all_gather": [0]}},
+        "swap": {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": ["4-5"]}]},
+    })
+    path = write(tmp_path, cfg.to_yaml(), "out.yaml")
+    assert AcConfig.from_yaml(path) == cfg
+
+
+def test_exclude_op_with_mode_none_warns(caplog):
+    plan_input = {"recompute": {"mode": "None", "exclude_op": ["MatMul"]}}
+    from mindformers_ac.plan import check_layer_ids
+    with caplog.at_level("WARNING", logger="mindformers_ac"):
+        plans = check_layer_ids(plan_input, 4)
+    assert "recompute.exclude_op has no effect" in caplog.text
+    assert all(not lp.exclude for lp in plans.values())
+
+
+def test_swap_disabled_with_entries_warns(caplog):
+    with caplog.at_level("WARNING", logger="mindformers_ac"):
+        SwapConfig(enable=False, layer_swap=[{"layers": [0]}])
+    assert "swap.enable is false" in caplog.text
+
+
+STRUCTURAL_ERRORS = [
+    ({"recompute": {"mode": "partial"}}, "recompute.mode"),
+    ({"recompute": {"mode": 1}}, "recompute.mode"),
+    ({"recompute": {"mode": "full"}}, "recompute.full_recompute_layer"),
+    ({"recompute": {"mode": "select"}}, "recompute.select_module"),
+    ({"recompute": {"mode": "full", "full_recompute_layer": "0-3"}}, "recompute.full_recompute_layer"),
+    ({"recompute": {"mode": "full", "full_recompute_layer": [True]}}, "recompute.full_recompute_layer[0]"),
+    ({"recompute": {"mode": "full", "full_recompute_layer": [0, "2-1"]}}, "recompute.full_recompute_layer[1]"),
+    ({"recompute": {"mode": "select", "select_module": [".*mlp"]}}, "recompute.select_module"),
+    ({"recompute": {"mode": "select", "select_module": {}}}, "recompute.select_module"),
+    ({"recompute": {"mode": "select", "select_module": {".*mlp(": [0]}}}, "recompute.select_module['.*mlp(']"),
+    ({"recompute": {"mode": "select", "select_module": {".*mlp": "0-3"}}}, "recompute.select_module['.*mlp']"),
+    ({"recompute": {"mode": "select", "select_module": {".*mlp": [0, 0]}}}, "recompute.select_module['.*mlp'][1]"),
+    ({"recompute": {"mode": "full", "full_recompute_layer": [0], "exclude_op": "AllGather"}}, "recompute.exclude_op"),
+    ({"recompute": {"mode": "full", "full_recompute_layer": [0], "exclude_op": ["AllGather", 3]}}, "recompute.exclude_op[1]"),
+    ({"recompute": {"mode": "full", "full_recompute_layer": [0], "extra": 1}}, "recompute.extra"),
+    ({"recompute": ["full"]}, "recompute"),
+    ({"recompute_comm": {"enable": "yes"}}, "recompute_comm.enable"),
+    ({"recompute_comm": {"enable": True}}, "recompute_comm.select_module"),
+    ({"recompute_comm": {"enable": True, "select_module": {"x": ["1-"]}}}, "recompute_comm.select_module['x'][0]"),
+    ({"recompute_comm": {"enable": False, "modules": {}}}, "recompute_comm.modules"),
+    ({"swap": {"enable": 1}}, "swap.enable"),
+    ({"swap": {"enable": True, "default_prefetch": 0}}, "swap.default_prefetch"),
+    ({"swap": {"enable": True, "default_prefetch": True}}, "swap.default_prefetch"),
+    ({"swap": {"enable": True, "default_prefetch": 1.5}}, "swap.default_prefetch"),
+    ({"swap": {"enable": True, "layer_swap": {"layers": [0]}}}, "swap.layer_swap"),
+    ({"swap": {"enable": True, "layer_swap": [[0, 1]]}}, "swap.layer_swap[0]"),
+    ({"swap": {"enable": True, "layer_swap": [{"layer": [0]}]}}, "swap.layer_swap[0].layer"),
+    ({"swap": {"enable": True, "layer_swap": [{}]}}, "swap.layer_swap[0].layers"),
+    ({"swap": {"enable": True, "layer_swap": [{"layers": [0, 1]}, {"layers": [1]}]}}, "swap.layer_swap[1].layers"),
+    ({"swap": {"enable": True, "op_swap": [{"op_name": ".*mlp", "layers": [0]}, {"op_name": ".*mlp"}]}}, "swap.op_swap[1].layers"),
+    ({"swap": {"enable": True, "op_swap": [{"op_name": ".*mlp", "layers": [0, -2]}]}}, "swap.op_swap[0].layers[1]"),
+    ({"swap": {"enable": True, "op_swap": [{"op_name": 5, "layers": [0]}]}}, "swap.op_swap[0].op_name"),
+    ({"swap": {"enable": True, "op_swap": [{"op_name": "[", "layers": [0]}]}}, "swap.op_swap[0].op_name"),
+    ({"swap": {"enable": True, "prefetch": 2}}, "swap.prefetch"),
+]
+
+
+@pytest.mark.parametrize("data, field", STRUCTURAL_ERRORS, ids=[f for _, f in STRUCTURAL_ERRORS])
+def test_structural_errors_name_the_field(data, field):
+    with pytest.raises(ConfigError) as info:
+        AcConfig.from_dict(data)
+    assert info.value.field == field, str(info.value)
+    assert str(info.value).startswith(field + ": ")
+
+
+def test_unknown_key_error_lists_allowed_keys():
+    with pytest.raises(ConfigError) as info:
+        AcConfig.from_dict({"swap": {"enable": True, "prefetch": 2}})
+    assert "enable, default_prefetch, layer_swap, op_swap" in str(info.value)
+
+
+def test_public_names_exist():
+    for name in ("RecomputeConfig", "RecomputeCommConfig", "SwapConfig", "AcConfig", "ConfigError",
+                 "parse_layer_specs", "get_single_layer_whitelist", "plan_ac", "CheckpointPolicy"):
+        assert hasattr(mac, name), name
