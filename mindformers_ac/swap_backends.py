@@ -1,0 +1,328 @@
+"""Copy backends and the host buffer pool behind the activation swap engine.
+
+Two backends share one small interface, used only by ``SwapExecutor``:
+
+``alloc_host(nbytes)``            a host buffer the pool keeps and reuses
+``start_d2h(tensor, buffer)``     start copying a device tensor into the buffer; returns a ticket
+``wait_d2h(ticket)``              after it returns the caller may drop the device tensor
+``matches(ticket, tensor)``       True/False: does the device tensor still equal its host copy?
+                                  None when the backend cannot tell cheaply
+``start_h2d(ticket)``             start the copy back; returns an object with ``result() -> Tensor``
+``load_now(ticket)``              copy back synchronously (an on-demand load)
+``close()``                       stop worker threads; idempotent
+
+* ``HostCopyBackend`` (CPU build): a single worker thread does the copies with
+  numpy. ``Tensor.asnumpy()`` aliases the tensor's memory on CPU, so every
+  offload is a real ``np.copyto`` into a pool buffer; ``Tensor(ndarray)``
+  copies, so a buffer is free again as soon as its load has returned.
+* ``DeviceCopyBackend`` (Ascend/GPU): a dedicated copy stream per direction,
+  events ordering copies against the compute stream both ways, pinned host
+  buffers, non-blocking copies. It has NOT yet run on a device (the CPU build
+  has no working streams, events or pinned memory); its scheduling is tested
+  with a fake runtime that records the calls.
+
+``select_backend()`` picks one from ``ms.get_context("device_target")``.
+"""
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor
+
+logger = logging.getLogger("mindformers_ac.swap")
+
+
+class UnsupportedTensorError(TypeError):
+    """The backend cannot copy this tensor (e.g. a dtype numpy does not know); the caller keeps it on device."""
+
+
+class HostBufferPool:
+    """Bounded pool of host buffers, reused across steps.
+
+    Buffers are bucketed by exact byte size: a training step saves the same
+    shapes every step, so once warm every ``acquire`` is served from the free
+    list and nothing is allocated. ``max_bytes`` bounds the bytes the pool owns
+    (free and in use). When a new buffer would pass the bound, idle buffers of
+    other sizes are dropped first; if that is not enough ``acquire`` returns
+    ``None`` and the caller must keep the tensor on the device (the executor
+    counts it as ``over_budget``). Thread safe.
+    """
+
+    def __init__(self, allocator, max_bytes=None):
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None (unbounded), got {max_bytes}")
+        self._alloc = allocator
+        self.max_bytes = max_bytes
+        self._free = {}            # nbytes -> [buffer, ...]
+        self._lock = threading.Lock()
+        self.total_bytes = 0       # owned by the pool, free or in use
+        self.in_use_bytes = 0
+        self.peak_total_bytes = 0
+        self.peak_in_use_bytes = 0
+        self.allocations = 0
+        self.reuses = 0
+        self.refusals = 0
+
+    def _evict_idle(self, needed):
+        # Caller holds the lock. Drop idle buffers of other sizes until `needed` fits.
+        for size in list(self._free):
+            while self._free[size] and self.total_bytes + needed > self.max_bytes:
+                self._free[size].pop()
+                self.total_bytes -= size
+            if not self._free[size]:
+                del self._free[size]
+            if self.total_bytes + needed <= self.max_bytes:
+                return
+
+    def acquire(self, nbytes):
+        """A buffer of exactly ``nbytes`` bytes, or ``None`` when the bound forbids it."""
+        with self._lock:
+            bucket = self._free.get(nbytes)
+            if bucket:
+                buf = bucket.pop()
+                self.reuses += 1
+            else:
+                if self.max_bytes is not None and self.total_bytes + nbytes > self.max_bytes:
+                    self._evict_idle(nbytes)
+                    if self.total_bytes + nbytes > self.max_bytes:
+                        self.refusals += 1
+                        return None
+                buf = self._alloc(nbytes)
+                self.allocations += 1
+                self.total_bytes += nbytes
+                self.peak_total_bytes = max(self.peak_total_bytes, self.total_bytes)
+            self.in_use_bytes += nbytes
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+            return buf
+
+    def release(self, buf, nbytes):
+        """Give a buffer back; it must not be read or written by the caller afterwards."""
+        with self._lock:
+            self.in_use_bytes -= nbytes
+            self._free.setdefault(nbytes, []).append(buf)
+
+    def clear(self):
+        """Drop every idle buffer; buffers in use stay counted until released."""
+        with self._lock:
+            for size, bucket in self._free.items():
+                self.total_bytes -= size * len(bucket)
+            self._free.clear()
+
+    def stats(self):
+        with self._lock:
+            return {"pool_bytes": self.total_bytes, "pool_in_use_bytes": self.in_use_bytes,
+                    "pool_peak_bytes": self.peak_total_bytes, "pool_peak_in_use_bytes": self.peak_in_use_bytes,
+                    "pool_max_bytes": self.max_bytes, "pool_allocations": self.allocations,
+                    "pool_reuses": self.reuses, "pool_refusals": self.refusals}
+
+
+class _HostTicket:
+    __slots__ = ("host", "future")
+
+    def __init__(self, host, future):
+        self.host = host
+        self.future = future
+
+
+class HostCopyBackend:
+    """CPU backend: numpy copies on one worker thread (streams do not exist on CPU).
+
+    Offload: the tensor is viewed with ``asnumpy()`` on the caller's thread
+    (the only MindSpore call, so the worker never touches the runtime while
+    the main thread computes) and ``np.copyto`` runs on the worker. Load:
+    ``Tensor(host_view)`` on the worker (prefetch) or on the caller (on demand).
+    """
+
+    name = "host"
+
+    def __init__(self):
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mac-swap")
+        self._closed = False
+
+    @staticmethod
+    def alloc_host(nbytes):
+        return np.empty(nbytes, dtype=np.uint8)
+
+    @staticmethod
+    def host_view(tensor):
+        """The tensor's data as an ndarray (aliases on CPU); raises UnsupportedTensorError."""
+        try:
+            return np.ascontiguousarray(tensor.asnumpy())
+        except (TypeError, RuntimeError, ValueError) as err:
+            raise UnsupportedTensorError(f"cannot view dtype {tensor.dtype} as numpy: {err}") from err
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("swap backend is closed; create a new SwapExecutor (or SwapManager().reset())")
+
+    def start_d2h(self, tensor, buffer):
+        self._check_open()
+        src = self.host_view(tensor)
+        dst = buffer[:src.nbytes].view(src.dtype).reshape(src.shape)
+        return _HostTicket(dst, self._worker.submit(np.copyto, dst, src))
+
+    @staticmethod
+    def wait_d2h(ticket):
+        ticket.future.result()
+
+    def matches(self, ticket, tensor):
+        try:
+            now = self.host_view(tensor)
+        except UnsupportedTensorError:
+            return None
+        # Byte comparison: NaNs compare equal to themselves, which value comparison would not.
+        return np.array_equal(ticket.host.reshape(-1).view(np.uint8), now.reshape(-1).view(np.uint8))
+
+    def start_h2d(self, ticket):
+        self._check_open()
+        return self._worker.submit(Tensor, ticket.host)
+
+    @staticmethod
+    def load_now(ticket):
+        return Tensor(ticket.host)
+
+    @staticmethod
+    def reusable(load):
+        """Host backend loads are complete copies once ``result()`` returned."""
+        del load
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            self._worker.shutdown(wait=True)
+
+
+class MindSporeDeviceOps:
+    """The three tensor primitives the device backend needs, on the real MindSpore runtime."""
+
+    def __init__(self, device_target):
+        self.device_target = device_target
+
+    @staticmethod
+    def empty_pinned(nbytes):
+        return Tensor(np.empty(nbytes, dtype=np.uint8)).pin_memory()
+
+    @staticmethod
+    def copy_to_host(src, host_buffer, nbytes):
+        # A dtype/shape view of the pinned bytes, filled without blocking the host.
+        dst = host_buffer[:nbytes].view(src.dtype).reshape(src.shape)
+        dst.copy_(src, non_blocking=True)
+        return dst
+
+    def copy_to_device(self, host):
+        return host.move_to(self.device_target, blocking=False)
+
+
+class _DeviceTicket:
+    __slots__ = ("host", "done", "tensor")
+
+    def __init__(self, host, done, tensor):
+        self.host, self.done, self.tensor = host, done, tensor
+
+
+class _DeviceLoad:
+    __slots__ = ("tensor", "loaded", "_rt")
+
+    def __init__(self, tensor, loaded, rt):
+        self.tensor, self.loaded, self._rt = tensor, loaded, rt
+
+    def result(self):
+        # The compute stream (current on the caller) must not read the tensor before the H2D copy ends.
+        self._rt.current_stream().wait_event(self.loaded)
+        return self.tensor
+
+    def done(self):
+        return bool(self.loaded.query())
+
+
+class DeviceCopyBackend:
+    """Ascend/GPU backend: copy streams, events and pinned host buffers.
+
+    NOT YET RUN ON A DEVICE: the CPU build cannot create streams, events or
+    pinned memory, so this class is exercised only with an injected fake
+    ``runtime`` and ``ops`` (tests/test_swap_engine.py) that record which
+    stream each copy runs on and which events order it.
+
+    Ordering contract:
+    * D2H: an event recorded on the compute stream after the producer is
+      waited by the D2H stream before the copy; ``wait_d2h`` makes the compute
+      stream wait for the copy's event before the device memory can be reused.
+    * H2D: the H2D stream waits for the D2H event of the same ticket (the host
+      buffer must be complete); ``result()`` makes the compute stream wait for
+      the H2D event; ``reusable`` synchronizes that event before the pinned
+      buffer goes back to the pool.
+    * ``matches`` returns None: comparing device data would cost a copy, so
+      in-place modification after offload is not detected on this backend.
+
+    ``runtime`` needs ``Stream()``, ``Event()``, ``StreamCtx(stream)``,
+    ``current_stream()``; ``ops`` needs ``empty_pinned``, ``copy_to_host``,
+    ``copy_to_device`` (see ``MindSporeDeviceOps``).
+    """
+
+    name = "device"
+
+    def __init__(self, runtime=None, ops=None, device_target=None):
+        if runtime is None:
+            import mindspore.runtime as runtime  # pylint: disable=import-outside-toplevel
+        self._rt = runtime
+        self._ops = ops or MindSporeDeviceOps(device_target or ms.get_context("device_target"))
+        self.d2h_stream = runtime.Stream()
+        self.h2d_stream = runtime.Stream()
+
+    def alloc_host(self, nbytes):
+        return self._ops.empty_pinned(nbytes)
+
+    def start_d2h(self, tensor, buffer):
+        produced = self._rt.Event()
+        produced.record(self._rt.current_stream())
+        self.d2h_stream.wait_event(produced)
+        with self._rt.StreamCtx(self.d2h_stream):
+            host = self._ops.copy_to_host(tensor, buffer, int(tensor.nbytes))
+            done = self._rt.Event()
+            done.record(self.d2h_stream)
+        # The ticket keeps the device tensor until wait_d2h has ordered its reuse after the copy.
+        return _DeviceTicket(host, done, tensor)
+
+    def wait_d2h(self, ticket):
+        self._rt.current_stream().wait_event(ticket.done)
+        ticket.tensor = None
+
+    @staticmethod
+    def matches(ticket, tensor):
+        del ticket, tensor
+        return None
+
+    def start_h2d(self, ticket):
+        self.h2d_stream.wait_event(ticket.done)
+        with self._rt.StreamCtx(self.h2d_stream):
+            dev = self._ops.copy_to_device(ticket.host)
+            loaded = self._rt.Event()
+            loaded.record(self.h2d_stream)
+        return _DeviceLoad(dev, loaded, self._rt)
+
+    def load_now(self, ticket):
+        load = self.start_h2d(ticket)
+        tensor = load.result()
+        self.reusable(load)
+        return tensor
+
+    @staticmethod
+    def reusable(load):
+        """Block until the H2D copy has read the pinned buffer, so the pool may hand it out again."""
+        if isinstance(load, _DeviceLoad):
+            load.loaded.synchronize()
+
+    def close(self):
+        """Streams are released with the backend; nothing to stop."""
+
+
+def select_backend(device_target=None):
+    """``HostCopyBackend`` for CPU, ``DeviceCopyBackend`` for Ascend/GPU."""
+    target = device_target or ms.get_context("device_target")
+    if target == "CPU":
+        return HostCopyBackend()
+    if target in ("Ascend", "GPU"):
+        return DeviceCopyBackend(device_target=target)
+    raise ValueError(f"no swap backend for device_target={target!r}; expected 'CPU', 'Ascend' or 'GPU'")

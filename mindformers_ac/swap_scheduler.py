@@ -1,0 +1,279 @@
+"""Swap groups: which saved tensors go to host, and when they come back.
+
+A *group* is one region of forward (a layer call, a sub-cell call, a
+``swap(fn)`` call, an ``async_save_on_cpu`` block) during which the
+scheduler's pack/unpack hooks are active. Every group has a *key* (a global
+layer id, a cell label, a block id); prefetching a key loads back the tensors
+of its most recent call.
+
+Per saved tensor, in order:
+1. weights (``data_ptr`` or storage equal to a known parameter) are returned as is;
+2. a view already offloaded in this group shares that handle (one copy per view);
+3. kept on device, with a reason counted in the report: ``input`` (storage of a
+   tensor the group, layer or model received as input), ``unmarked`` (group
+   swaps only ``swap_tensor_wrapper`` tensors), ``check_fn`` / ``policy``
+   (user rule said keep), ``small`` (< ``min_bytes``), ``over_budget`` (host
+   pool full);
+4. otherwise offloaded: the copy starts at pack, the device tensor is held
+   until the group closes (so its address cannot be reused by a new tensor
+   while the dedup table is live), then verified and dropped.
+"""
+import logging
+import weakref
+
+import mindspore as ms
+
+from mindformers_ac.policy import CheckpointPolicy
+from mindformers_ac.swap_executor import SwapExecutor, SwapHandle
+
+logger = logging.getLogger("mindformers_ac.swap")
+
+DEFAULT_MIN_BYTES = 1024
+
+
+def storage_ptr(t):
+    """Address of the storage behind ``t`` (views of one storage share it)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (AttributeError, RuntimeError, TypeError):
+        return t.data_ptr()
+
+
+def storage_nbytes(t):
+    try:
+        return int(t.untyped_storage().nbytes())
+    except (AttributeError, RuntimeError, TypeError):
+        return int(t.nbytes)
+
+
+def tensor_storage_ptrs(*values):
+    """Storage addresses of the tensors in ``values`` (one level of tuple/list/dict is searched)."""
+    ptrs = set()
+    for v in values:
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else (v,)
+        for item in items:
+            if isinstance(item, ms.Tensor):
+                ptrs.add(storage_ptr(item))
+            elif isinstance(item, (tuple, list)):
+                ptrs.update(storage_ptr(x) for x in item if isinstance(x, ms.Tensor))
+    return ptrs
+
+
+class _Kept:
+    """Packed form of a tensor left on the device; its death releases the resident count."""
+
+    __slots__ = ("tensor", "group", "__weakref__")
+
+    def __init__(self, tensor, group):
+        self.tensor, self.group = tensor, group
+
+
+class _Group:
+    __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "kept", "pending",
+                 "handles", "marked", "hooks", "on_first_unpack", "unpacked")
+
+    def __init__(self, key, gen, mode, policy_fn, check_fn, exclude, on_first_unpack):
+        self.key, self.gen, self.mode = key, gen, mode
+        self.policy_fn, self.check_fn, self.exclude = policy_fn, check_fn, exclude
+        self.on_first_unpack, self.unpacked = on_first_unpack, False
+        self.seen = {}          # view key -> SwapHandle (live only while the group is open)
+        self.kept = set()       # storage ptrs counted as resident in this group
+        self.pending = []       # handles whose offload is not finished
+        self.handles = []       # weakrefs to every handle of this group, for prefetch
+        self.marked = {}        # storage ptr -> (tensor, tag) from swap_tensor_wrapper
+        self.hooks = None
+
+    def mark(self, tensor, tag):
+        # The tensor is held until the group closes so its address stays unique meanwhile.
+        self.marked[storage_ptr(tensor)] = (tensor, tag)
+
+
+class SwapScheduler:
+    """Pack/unpack hooks and group bookkeeping over a ``SwapExecutor``.
+
+    ``open_group``/``close_group`` bracket a forward region (strictly nested);
+    ``prefetch(key)`` starts loading the latest call of ``key`` (only keys
+    declared with ``mark_prefetchable`` keep their groups for it, so keys that
+    are never prefetched do not accumulate). ``begin_call(key)`` starts a new
+    call of a key, so groups from several sub-cells of one layer call are
+    prefetched together and an older micro-batch's groups are not.
+    """
+
+    def __init__(self, executor=None, min_bytes=DEFAULT_MIN_BYTES, params=()):
+        self.owns_executor = executor is None
+        self.executor = executor if executor is not None else SwapExecutor()
+        self.report = self.executor.report
+        self.min_bytes = min_bytes
+        self.param_ptrs = set()
+        self.add_params(params)
+        self.extra_exclude = set()      # storages of the top-level model call's inputs
+        self._stack = []
+        self._gen = {}
+        self._prefetchable = set()
+        self._waiting = {}              # key -> closed groups awaiting prefetch
+
+    def add_params(self, params):
+        """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
+        for p in params:
+            try:
+                self.param_ptrs.add(p.data_ptr())
+                self.param_ptrs.add(storage_ptr(p))
+            except (RuntimeError, TypeError):  # uninitialised parameter: it cannot be packed either
+                continue
+
+    def mark_prefetchable(self, key):
+        self._prefetchable.add(key)
+
+    def current_group(self):
+        return self._stack[-1] if self._stack else None
+
+    def begin_call(self, key):
+        self._gen[key] = self._gen.get(key, 0) + 1
+        waiting = self._waiting.get(key)
+        if waiting:  # groups never prefetched (e.g. forward without backward) whose handles are all gone
+            waiting[:] = [g for g in waiting if any(r() is not None for r in g.handles)]
+
+    # --- groups ------------------------------------------------------------------------
+    def open_group(self, key, mode="all", exclude=(), policy_fn=None, check_fn=None, on_first_unpack=None):
+        """Start a region whose saved tensors follow ``mode``: 'all' (every candidate, filtered by
+        ``policy_fn(tensor) -> CheckpointPolicy``), 'check' (``check_fn(tensor) -> bool``), 'marked'
+        (only ``swap_tensor_wrapper`` tensors; inside another group it follows that group's rule)."""
+        parent = self.current_group()
+        excl = set(exclude) | self.extra_exclude
+        if parent is not None:
+            excl |= parent.exclude
+            if mode == "marked" and parent.mode != "marked":
+                mode, policy_fn, check_fn = parent.mode, parent.policy_fn, parent.check_fn
+        g = _Group(key, self._gen.get(key, 0), mode, policy_fn, check_fn, excl, on_first_unpack)
+        g.hooks = ms.saved_tensors_hooks(self._pack, self._unpack)
+        g.hooks.__enter__()
+        self._stack.append(g)
+        return g
+
+    def close_group(self, g):
+        """End the region: finish its copies, verify them, drop device references.
+        Raises RuntimeError if a saved tensor was modified in place after its offload."""
+        if self.current_group() is not g:
+            raise RuntimeError(f"swap group {g.key!r} closed out of order; swap regions must nest "
+                               "(a forward hook that did not run? use always_call hooks)")
+        self._stack.pop()
+        g.hooks.__exit__(None, None, None)
+        error = None
+        for h in g.pending:
+            try:
+                self.executor.finish_offload(h)
+            except RuntimeError as err:
+                error = error or err
+            self.report.drop_resident(("offload", id(h)))
+        g.pending.clear()
+        g.seen.clear()
+        g.marked.clear()
+        if g.handles and g.key in self._prefetchable:
+            self._waiting.setdefault(g.key, []).append(g)
+        if error is not None:
+            raise error
+
+    def prefetch(self, key, trigger=None):
+        """Start loading the latest call of ``key``; returns the number of loads issued."""
+        groups = self._waiting.pop(key, None)
+        if not groups:
+            return 0
+        gen = max(g.gen for g in groups)
+        older = [g for g in groups if g.gen != gen]
+        if older:
+            self._waiting[key] = older
+        self.report.events.append(("prefetch", key, trigger))
+        issued = 0
+        # Backward unpacks in reverse pack order: issue the last-saved tensors first.
+        for g in reversed([g for g in groups if g.gen == gen]):
+            for ref in reversed(g.handles):
+                h = ref()
+                if h is not None and self.executor.prefetch(h):
+                    issued += 1
+        return issued
+
+    # --- hooks -------------------------------------------------------------------------
+    def _keep_reason(self, g, t, sptr):
+        if sptr in g.exclude:
+            return "input"
+        if g.mode == "marked":
+            return None if sptr in g.marked else "unmarked"
+        if g.mode == "check":
+            if not g.check_fn(t):
+                return "check_fn"
+        elif g.policy_fn is not None:
+            decision = g.policy_fn(t)
+            if not isinstance(decision, CheckpointPolicy):
+                raise TypeError(f"swap policy_fn must return a CheckpointPolicy, got {decision!r}")
+            # An explicit MUST_SWAP overrides the size threshold; anything else keeps the tensor.
+            return None if decision is CheckpointPolicy.MUST_SWAP else "policy"
+        return "small" if t.nbytes < self.min_bytes else None
+
+    def _pack(self, t):
+        g = self.current_group()
+        ptr = t.data_ptr()
+        if g is None or ptr in self.param_ptrs:
+            return t
+        sptr = storage_ptr(t)
+        if sptr in self.param_ptrs:
+            return t
+        stats = self.report.layers[g.key]
+        view = (ptr, tuple(t.shape), t.dtype)
+        prev = g.seen.get(view)
+        if prev is not None:
+            prev.refs += 1
+            stats.dedup_hits += 1
+            return prev
+        reason = self._keep_reason(g, t, sptr)
+        if reason is None:
+            tag = g.marked.get(sptr, (None, None))[1]
+            h = self.executor.start_offload(t, g.key, tag)
+            if h is not None:
+                h.owner = g
+                g.seen[view] = h
+                g.pending.append(h)
+                g.handles.append(weakref.ref(h))
+                stats.offloaded_bytes += h.nbytes
+                stats.num_offloaded += 1
+                self.report.add_resident(("offload", id(h)), h.nbytes)
+                return h
+            reason = "over_budget"
+        return self._keep(g, t, sptr, reason, stats)
+
+    def _keep(self, g, t, sptr, reason, stats):
+        nbytes = storage_nbytes(t)
+        if sptr not in g.kept:
+            g.kept.add(sptr)
+            stats.resident_bytes += nbytes
+            stats.num_resident += 1
+            stats.kept_reasons[reason] += 1
+            if reason == "over_budget":
+                stats.over_budget_bytes += nbytes
+        holder = _Kept(t, g)
+        self.report.add_resident(sptr, nbytes)
+        weakref.finalize(holder, self.report.drop_resident, sptr)
+        return holder
+
+    def _unpack(self, packed):
+        if isinstance(packed, _Kept):
+            self._first_unpack(packed.group)
+            return packed.tensor
+        if isinstance(packed, SwapHandle):
+            self._first_unpack(packed.owner)
+            tensor = self.executor.load(packed)
+            packed.refs -= 1
+            if packed.refs <= 0:
+                packed._loaded = None   # pylint: disable=protected-access  # autograd holds it now
+            return tensor
+        return packed
+
+    @staticmethod
+    def _first_unpack(g):
+        if g is not None and g.on_first_unpack is not None and not g.unpacked:
+            g.unpacked = True
+            g.on_first_unpack()
+
+    def close(self):
+        """Stop the executor if this scheduler created it."""
+        if self.owns_executor:
+            self.executor.close()
