@@ -3,18 +3,30 @@
 Build the model, then call ``apply_ac(model, recompute, recompute_comm, swap)``
 with the sections of a MindFormers-style YAML (or ``config=AcConfig``).
 ``plan_ac`` is the same call as a dry run: it returns the ``AcPlan`` that
-``apply_ac`` would execute and changes nothing.
+``apply_ac`` would execute and changes nothing. ``measure_step`` reports the
+activation memory of one training step per layer.
 """
+from .accounting import StepMemory, StepMeter, measure_step
+from .apply import ac_state, apply_ac, remove_ac
 from .config import AcConfig, RecomputeCommConfig, RecomputeConfig, SwapConfig
 from .errors import ConfigError
 from .layer_specs import parse_layer_specs
+from .meter import SavedTensorMeter
 from .plan import AcPlan, LayerPlan, plan_ac
 from .policy import CheckpointPolicy
+from .recompute import (RecomputeStats, checkpoint, checkpoint_wrapper, exclude_policy, is_in_recompute,
+                        unwrap, wrap_op_output)
+from .swap import (SwapExecutor, SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper, swap,
+                   swap_tensor_wrapper, swap_wrapper)
 from .whitelist import get_single_layer_whitelist
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig",
-    "RecomputeConfig", "SwapConfig", "get_single_layer_whitelist", "parse_layer_specs", "plan_ac",
+    "RecomputeConfig", "RecomputeStats", "SavedTensorMeter", "StepMemory", "StepMeter", "SwapConfig",
+    "SwapExecutor", "SwapManager", "SwapReport", "ac_state", "apply_ac", "async_save_on_cpu", "checkpoint",
+    "checkpoint_wrapper", "exclude_policy", "get_single_layer_whitelist", "is_in_recompute", "measure_step",
+    "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap", "swap_tensor_wrapper",
+    "swap_wrapper", "unwrap", "wrap_op_output",
 ]

@@ -1,5 +1,6 @@
-"""``mindformers-ac``: check a config, show what it would do to a model.
+"""``mindformers-ac``: train with AC side by side, check a config, show what it would do.
 
+    mindformers-ac train [CONFIG] [--steps N] [--layers L --hidden H --seq S --batch B --dropout P] [--report DIR]
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
     mindformers-ac explain [CONFIG] [--model module:factory] [--layers PATH] [--pp P]
 
@@ -75,9 +76,50 @@ def cmd_explain(args):
     return 0
 
 
+def cmd_train(args):
+    from .report import layer_table, summary_text, write_report
+    from .train import TrainSpec, train_and_compare
+    spec = TrainSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                     batch=args.batch, dropout=args.dropout, steps=args.steps, seed=args.seed)
+    config = args.config or default_config_path()
+    AcConfig.from_yaml(config)   # structural errors first, before any model is built
+    result = train_and_compare(spec, config)
+    print()
+    print(layer_table(result))
+    print()
+    print(summary_text(result))
+    if args.report:
+        for path in write_report(result, args.report):
+            print(f"wrote {path}")
+    s = result["summary"]
+    return 0 if s["losses_match_bitwise"] and s["grads_match_bitwise"] else 1
+
+
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+        return value
+    return parse
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train the reference GPT without and with a config, compare")
+    train.add_argument("config", nargs="?", default=None,
+                       help="YAML config (default: the shipped default config, a mix of recompute and swap)")
+    train.add_argument("--steps", type=_positive(int), default=20)
+    train.add_argument("--layers", type=_positive(int), default=8)
+    train.add_argument("--hidden", type=_positive(int), default=128)
+    train.add_argument("--heads", type=_positive(int), default=4)
+    train.add_argument("--seq", type=_positive(int), default=64)
+    train.add_argument("--batch", type=_positive(int), default=4)
+    train.add_argument("--dropout", type=float, default=0.1)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--report", default=None, metavar="DIR", help="write report.json and memory.png here")
+    train.set_defaults(func=cmd_train)
     validate = sub.add_parser("validate", help="check a YAML config")
     validate.add_argument("config")
     validate.add_argument("--num-layers", type=int, default=None)

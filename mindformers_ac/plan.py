@@ -334,6 +334,10 @@ class _Planner:
                       f"the op swap of {', '.join(e.path for e in entries)} is covered")
             return
         for entry in entries:
+            if entry.is_op:
+                self.warn(f"{field_path}: {entry.path} in layer {layer_id} is an operation; op_swap "
+                          f"swaps what a module saves, name its module instead (not effective)")
+                continue
             if lp.full_recompute:
                 raise ConfigError(field_path, f"{entry.path} in layer {layer_id} lies in a fully "
                                               f"recomputed layer; recompute and swap can't share a module")
@@ -377,6 +381,11 @@ def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, conf
     automatically. Raises ``ConfigError`` for any rule in this module's
     docstring; logs a warning for each pattern that matched nothing.
     """
+    return plan_with_layers(model, recompute, recompute_comm, swap, pp, config=config, layers=layers)[0]
+
+
+def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
+    """``plan_ac`` that also returns the ``LayerStack`` it planned against (for ``apply_ac``)."""
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
     stack = find_layer_stack(model, layers)
@@ -388,4 +397,4 @@ def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, conf
         logger.info("plan: layer %d: %s", lp.layer_id, "; ".join(lp.describe()))
     if not plan.active_layers():
         logger.info("plan: no layer is recomputed or swapped")
-    return plan
+    return plan, stack

@@ -11,11 +11,12 @@ def model_fingerprint(model):
     """Everything apply/plan could change: cell tree, instance attributes, hooks, parameter bytes."""
     cells = []
     for path, cell in model.cells_and_names():
+        # MindSpore keeps an inert CellBackwardHook primitive after the last backward hook is removed
         attrs = tuple(sorted((k, id(v)) for k, v in vars(cell).items()
-                             if callable(v) or k in ("_cells", "_params")))
-        hooks = tuple(len(getattr(cell, name, None) or ())
+                             if (callable(v) or k in ("_cells", "_params")) and not k.startswith("_cell_backward")))
+        hooks = tuple(len(getattr(cell, name))
                       for name in ("_forward_pre_hook", "_forward_hook", "_backward_pre_hook",
-                                   "_backward_hook"))
+                                   "_backward_hook", "_forward_pre_hook_with_kwargs", "_forward_hook_with_kwargs"))
         cells.append((path, type(cell).__name__, id(cell), attrs, hooks,
                       tuple(sorted(cell._cells)), getattr(cell, "_saved_tensors_pack_hook", None)))
     params = tuple((p.name, hashlib.sha1(p.asnumpy().tobytes()).hexdigest())

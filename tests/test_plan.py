@@ -72,14 +72,16 @@ ALL_ERRORS = [(data, 1, field, "") for data, field in STRUCTURAL_ERRORS] + MODEL
 
 
 @pytest.mark.parametrize("data, pp, field, words", ALL_ERRORS, ids=[f"{e[2]}-{i}" for i, e in enumerate(ALL_ERRORS)])
-def test_invalid_config_names_field_and_leaves_model_untouched(gpt8, data, pp, field, words):
+@pytest.mark.parametrize("entry", [mac.plan_ac, mac.apply_ac], ids=["plan_ac", "apply_ac"])
+def test_invalid_config_names_field_and_leaves_model_untouched(gpt8, data, pp, field, words, entry):
     before = model_fingerprint(gpt8)
     with pytest.raises(ConfigError) as info:
-        mac.plan_ac(gpt8, config=data, pp=pp)
+        entry(gpt8, config=data, pp=pp)
     assert info.value.field == field, str(info.value)
     assert str(info.value).startswith(field + ": ")
     assert words in str(info.value)
     assert model_fingerprint(gpt8) == before
+    assert mac.ac_state(gpt8) is None
 
 
 def test_at_least_thirty_distinct_invalid_configs():
@@ -266,3 +268,10 @@ def test_layer_list_named_by_caller_and_error_when_missing():
     assert info.value.field == "model" and "decoder.layers" in str(info.value) and "layers=" in str(info.value)
     with pytest.raises(ConfigError, match="^layers: 'missing.path' is not"):
         mac.plan_ac(holder, config=full([0]), layers="missing.path")
+
+
+def test_op_swap_on_an_operation_warns_and_is_skipped(gpt8, caplog):
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        plan = mac.plan_ac(gpt8, config=swap(op_swap=[{"op_name": r"mlp(\.activation_func)?|.*bmm_qk", "layers": [1]}]))
+    assert plan.layers[1].op_swap == ("mlp",)
+    assert "self_attention.core_attention.bmm_qk in layer 1 is an operation" in caplog.text

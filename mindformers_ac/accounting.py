@@ -1,0 +1,197 @@
+"""One accounting of activation memory, used by ``train``, the benchmarks and the tests.
+
+The figure is *bytes kept alive for backward*, per layer, at the end of the
+forward pass (where activation memory peaks in a training step):
+
+* outside recompute and swap regions, a saved-tensor meter counts every
+  storage autograd packs (deduplicated by ``data_ptr``, weights excluded) and
+  attributes it to the layer running at the time (``"other"`` for the
+  embedding, head and loss);
+* inside regions the engines' own hooks hide the meter, so the engines report
+  what they keep: ``RecomputeStats.kept_bytes`` (inputs, excluded ops, random
+  masks) and ``SwapReport`` resident bytes (what stayed on the device).
+
+On a model without AC the per-layer figures are exactly what an independent
+``SavedTensorMeter`` measures (a test checks this to the byte).
+
+Use ``measure_step(model, step_fn, *args)`` on your own model: it runs one
+step and returns a ``StepMemory`` with the per-layer figures.
+"""
+import contextlib
+from dataclasses import dataclass, field
+
+
+from .layers import find_layer_stack
+from .meter import SavedTensorMeter
+
+OTHER = "other"
+
+
+class LayerMeter(SavedTensorMeter):
+    """A ``SavedTensorMeter`` that attributes each storage to the layer that packed it first."""
+
+    def __init__(self, params, layer_cells):
+        super().__init__(params)
+        self.layer_cells = layer_cells        # global id -> cell
+        self._running = []                    # stack of layer ids currently in forward
+        self._owner = {}                      # data_ptr -> layer id
+        self.by_layer = {}                    # layer id -> bytes held now
+        self.by_layer_at_peak = {}
+        self._handles = []
+
+    def _enter(self, layer_id):
+        def pre(cell, args):
+            self._running.append(layer_id)
+        return pre
+
+    def _exit(self, cell, args, output):
+        if self._running:
+            self._running.pop()
+
+    def attach(self):
+        for layer_id, cell in self.layer_cells.items():
+            self._handles.append(cell.register_forward_pre_hook(self._enter(layer_id)))
+            self._handles.append(cell.register_forward_hook(self._exit, always_call=True))
+
+    def detach(self):
+        while self._handles:
+            self._handles.pop().remove()
+
+    def pack(self, t):
+        ptr = t.data_ptr()
+        new = ptr not in self.counts and ptr not in self.param_ptrs
+        peak_before = self.peak
+        packed = super().pack(t)
+        if new:
+            owner = self._running[-1] if self._running else OTHER
+            self._owner[ptr] = owner
+            self.by_layer[owner] = self.by_layer.get(owner, 0) + self._nbytes[ptr]
+            if self.peak > peak_before:
+                self.by_layer_at_peak = dict(self.by_layer)
+        return packed
+
+    def _release(self, ptr):
+        nbytes, owner = self._nbytes.get(ptr, 0), self._owner.get(ptr)
+        super()._release(ptr)
+        if ptr not in self.counts and owner is not None:
+            self.by_layer[owner] -= nbytes
+            del self._owner[ptr]
+
+
+@dataclass
+class LayerMemory:
+    """One layer's figures for one step (bytes; ``ops_rerun`` a count)."""
+
+    layer: object
+    kept_bytes: int = 0          # on the device for backward at the end of forward
+    recomputed_bytes: int = 0    # dropped in forward, rebuilt in backward
+    offloaded_bytes: int = 0     # copied to host memory
+    prefetched_bytes: int = 0    # back on the device in time (prefetch finished before use)
+    on_demand_bytes: int = 0     # loaded when backward needed it (no or late prefetch)
+    ops_rerun: int = 0
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+@dataclass
+class StepMemory:
+    """Per-layer activation memory of one training step (see the module docstring)."""
+
+    layers: dict = field(default_factory=dict)   # global id or "other" -> LayerMemory
+
+    @property
+    def kept_bytes(self):
+        return sum(lm.kept_bytes for lm in self.layers.values())
+
+    @property
+    def offloaded_bytes(self):
+        return sum(lm.offloaded_bytes for lm in self.layers.values())
+
+    @property
+    def recomputed_bytes(self):
+        return sum(lm.recomputed_bytes for lm in self.layers.values())
+
+    def as_dict(self):
+        return {"kept_bytes": self.kept_bytes, "recomputed_bytes": self.recomputed_bytes,
+                "offloaded_bytes": self.offloaded_bytes,
+                "layers": {str(k): lm.as_dict() for k, lm in self.layers.items()}}
+
+
+def _engine_figures(state, memory):
+    """Add what the recompute and swap engines report for this step to ``memory``."""
+    if state is None:
+        return
+    for layer_id, stats in state.recompute_stats.items():
+        lm = memory.layers.setdefault(layer_id, LayerMemory(layer_id))
+        lm.kept_bytes += stats.kept_bytes
+        lm.recomputed_bytes += stats.dropped_bytes
+        lm.ops_rerun += stats.ops_rerun
+    report = state.swap_report
+    if report is None:
+        return
+    for layer_id, s in report.layers.items():
+        lm = memory.layers.setdefault(layer_id, LayerMemory(layer_id))
+        lm.kept_bytes += s.resident_bytes
+        lm.offloaded_bytes += s.offloaded_bytes
+        lm.prefetched_bytes += s.prefetched_bytes
+        lm.on_demand_bytes += s.on_demand_bytes + s.late_bytes
+
+
+class StepMeter:
+    """Measure steps of one model; ``with meter.step() as memory: run the step``.
+
+    Attaches layer hooks once (``close()`` removes them). Works with or without
+    ``apply_ac``: with it, the engines' per-step counters are read and reset.
+    """
+
+    def __init__(self, model, layers=None):
+        from .apply import ac_state
+        self.model = model
+        self.state = ac_state(model)
+        stack = find_layer_stack(model, layers)
+        self.layer_ids = list(stack.layer_ids)
+        self.layer_cells = {i: stack.cell(i) for i in stack.layer_ids}
+        self.params = list(model.get_parameters())
+        self._meter = None
+
+    def _reset_engines(self):
+        if self.state is None:
+            return
+        for stats in self.state.recompute_stats.values():
+            stats.reset()
+        if self.state.swap_report is not None:
+            self.state.swap_report.end_step()
+
+    @contextlib.contextmanager
+    def step(self):
+        self._reset_engines()
+        meter = LayerMeter(self.params, self.layer_cells)
+        meter.attach()
+        memory = StepMemory({i: LayerMemory(i) for i in self.layer_ids})
+        memory.layers[OTHER] = LayerMemory(OTHER)
+        try:
+            with meter.hooks():
+                yield memory
+        finally:
+            meter.detach()
+        for owner, nbytes in meter.by_layer_at_peak.items():
+            memory.layers[owner].kept_bytes += nbytes
+        _engine_figures(self.state, memory)
+        self._meter = meter
+
+
+def measure_step(model, step_fn, *args, layers=None, **kwargs):
+    """Run ``step_fn(*args, **kwargs)`` (forward + backward of ``model``) once; return its ``StepMemory``.
+
+    ``step_fn`` is typically ``ms.value_and_grad(model, None, params)`` or a
+    training step that calls it. Works on any model whose layer list
+    ``plan_ac`` finds (or that ``layers`` names), with or without ``apply_ac``.
+    """
+    meter = StepMeter(model, layers)
+    with meter.step() as memory:
+        step_fn(*args, **kwargs)
+    return memory
+
+
+__all__ = ["LayerMemory", "LayerMeter", "StepMemory", "StepMeter", "measure_step"]

@@ -1,0 +1,286 @@
+"""Policy-driven activation recompute for MindSpore PyNative (HyperParallel's checkpoint API).
+
+``checkpoint(fn, *args)`` runs ``fn`` so that only what a policy says is kept
+for backward; everything else is rebuilt, on the first unpack in backward, by
+running ``fn`` again on its saved inputs. Unlike ``mindspore.recompute`` with
+``use_reentrant=False``, gradients are bitwise equal to a run without
+recompute even with dropout: random ops are never run again (Dropout keeps its
+mask as bits and its output is rebuilt exactly; other random ops keep their
+outputs).
+
+What stays alive between forward and backward: the region's inputs (detached),
+the outputs and saved tensors of ops the policy keeps (MUST_SAVE / PREFER_SAVE,
+random ops), Dropout masks as bits, and tokens. Parameters are never counted.
+
+Failure modes, all raised as errors that name the fix:
+
+* the re-run takes a different code path (op sequence differs): RuntimeError
+  naming the first diverging op; a region must be a pure function of its
+  inputs and parameters (parameters must not change between forward and
+  backward);
+* backpropagating the same graph twice: RuntimeError (tokens are single use);
+* ``policy_fn`` returning anything but a ``CheckpointPolicy``: TypeError;
+* wrapping a cell twice: ValueError.
+
+The engine installs its own ``saved_tensors_hooks`` inside regions; an outer
+hook (e.g. ``SavedTensorMeter``) does not see what a region saves, so each
+region reports its own bytes in ``RecomputeStats``.
+"""
+import collections
+import functools
+import re
+import weakref
+
+from mindspore import nn
+
+from .policy import CheckpointPolicy
+from .recompute_dispatch import ENGINE, RANDOM_OP_PATTERN, OpContext, is_random_op_name
+from .recompute_region import PathTracker, root_cell_of, run_region
+from .recompute_output import OpOutputHandle, wrap_op_output
+
+__all__ = [
+    "CheckpointPolicy", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "RecomputeStats",
+    "checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
+    "is_in_recompute", "is_random_op_name", "remove_checkpoint", "unwrap", "wrap_op_output",
+]
+
+
+def is_in_recompute():
+    """True only while a backward-time recompute re-runs a forward (per thread)."""
+    return ENGINE.in_recompute()
+
+
+class RecomputeStats:
+    """Counters of one or more regions (``apply_ac`` shares one per layer).
+
+    ``kept_bytes``: bytes kept for backward by the live regions of this stats
+    object, read when the latest region forward ended (storage-deduplicated
+    inside a region, weights excluded); ``peak_kept_bytes`` its maximum.
+    ``dropped_bytes`` / ``swapped_bytes``: same, for bytes dropped for recompute
+    and handed to the swap executor (``dropped_bytes`` is a lower bound: a
+    storage freed during the forward and reallocated at the same address is
+    counted once). ``live_bytes`` / ``live_regions`` fall back
+    to 0 when backward has freed the regions. ``ops_forward``: ops run in region
+    forwards; ``ops_rerun``: ops run again in backward (``rerun_by_op`` by name);
+    ``ops_reused``: ops whose kept outputs replaced a re-run (policy saves,
+    excluded ops, random ops); ``recompute_calls``: backward-time re-runs.
+    """
+
+    _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
+                 "ops_rerun", "ops_reused", "recompute_calls", "live_bytes", "live_regions")
+
+    def __init__(self):
+        self._generation = 0
+        self.reset()
+
+    def reset(self):
+        """Zero every counter; regions still alive no longer report to this object."""
+        self._generation += 1
+        for name in self._COUNTERS:
+            setattr(self, name, 0)
+        self._live_dropped = 0
+        self._live_swapped = 0
+        self.rerun_by_op = collections.Counter()
+
+    def count_rerun(self, op_name, n=1):
+        self.ops_rerun += n
+        self.rerun_by_op[op_name] += n
+
+    def open_region(self, owner, kept, dropped, swapped):
+        """Account a finished forward; the bytes are released when ``owner`` is garbage."""
+        self.live_bytes += kept
+        self._live_dropped += dropped
+        self._live_swapped += swapped
+        self.live_regions += 1
+        self.kept_bytes = self.live_bytes
+        self.dropped_bytes = self._live_dropped
+        self.swapped_bytes = self._live_swapped
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        fin = weakref.finalize(owner, self._close_region, self._generation, kept, dropped, swapped)
+        fin.atexit = False   # nothing to release at interpreter exit
+
+    def _close_region(self, generation, kept, dropped, swapped):
+        if generation != self._generation:
+            return
+        self.live_bytes -= kept
+        self._live_dropped -= dropped
+        self._live_swapped -= swapped
+        self.live_regions -= 1
+
+    def as_dict(self):
+        d = {name: getattr(self, name) for name in self._COUNTERS}
+        d["rerun_by_op"] = dict(self.rerun_by_op)
+        return d
+
+    def __repr__(self):
+        return f"RecomputeStats({self.as_dict()})"
+
+
+def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
+               swap_executor=None, **kwargs):
+    """Run ``fn(*args, **kwargs)`` keeping only what ``policy_fn`` says; rebuild the rest in backward.
+
+    ``policy_fn(ctx, op, *op_args, **op_kwargs) -> CheckpointPolicy`` is asked
+    for every op dispatched in ``fn`` (in forward and again in the recompute;
+    the forward answer is the one applied). ``op.name`` is the dispatched op's
+    name; ``ctx`` is an ``OpContext`` (``op_name``, ``cell_path``, ``op_path``,
+    ``attr_path``, ``is_recompute``). Legacy ops arrive as ``(primitive, name,
+    (inputs...))``. Default (None): recompute every op. Random ops are kept
+    whatever the policy says. MUST_SWAP hands the op's saved tensors and output
+    to ``swap_executor`` (``offload(tensor) -> handle``, ``load(handle) ->
+    Tensor``); without one it acts as MUST_SAVE (warned once).
+
+    ``swap_inputs=True`` offloads the region's saved inputs the same way.
+    ``context_fn() -> (forward_ctx, recompute_ctx)``: context managers entered
+    around the forward and the recompute. ``stats``: a ``RecomputeStats`` to
+    count into (a private one otherwise).
+
+    Without gradient recording (no ``value_and_grad`` around) ``fn`` just runs.
+    Nested calls are fine: a region inside a region is replayed, not redrawn.
+    """
+    if not callable(fn):
+        raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
+    root = root_cell_of(fn)
+    options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
+                   swap_executor=swap_executor, swap_inputs=swap_inputs, context_fn=context_fn,
+                   tracker=PathTracker(root) if root is not None else None)
+    return run_region(fn, args, kwargs, **options)
+
+
+class _WrapInfo:
+    """What ``checkpoint_wrapper`` changed on a cell, to undo it."""
+
+    __slots__ = ("original", "tracker", "stats", "options", "had_instance_construct")
+
+    def __init__(self, original, tracker, stats, options, had_instance_construct):
+        self.original, self.tracker, self.stats = original, tracker, stats
+        self.options, self.had_instance_construct = options, had_instance_construct
+
+
+_WRAP_ATTR = "__mac_checkpoint__"
+
+
+def _wrap_info(obj):
+    target = obj.__dict__.get("construct") if isinstance(obj, nn.Cell) else obj
+    return getattr(target, _WRAP_ATTR, None)
+
+
+def is_checkpoint_wrapped(cell_or_fn):
+    """True if ``checkpoint_wrapper`` wrapped this cell (or returned this function)."""
+    return _wrap_info(cell_or_fn) is not None
+
+
+def get_checkpoint_stats(cell_or_fn):
+    """The ``RecomputeStats`` a wrapped cell or function counts into."""
+    info = _wrap_info(cell_or_fn)
+    if info is None:
+        raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
+    return info.stats
+
+
+def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
+                       swap_executor=None):
+    """Make every call of a cell (or function) a ``checkpoint`` region.
+
+    For an ``nn.Cell`` the *instance's* ``construct`` is replaced and the same
+    cell is returned: parameter names, the cell tree and other instances are
+    unchanged; ``unwrap(cell)`` restores it. Forward hooks that track
+    ``ctx.cell_path`` stay on the sub-cells until ``unwrap``. For a function a
+    new callable is returned. Wrapping twice raises ValueError. Keyword
+    arguments are those of ``checkpoint``; ``stats`` defaults to a new
+    ``RecomputeStats`` (see ``get_checkpoint_stats``).
+    """
+    if is_checkpoint_wrapped(cell_or_fn):
+        raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
+                         "call unwrap() on it first to change its options")
+    stats = stats if stats is not None else RecomputeStats()
+    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
+                   swap_inputs=swap_inputs, context_fn=context_fn)
+    if not isinstance(cell_or_fn, nn.Cell):
+        if not callable(cell_or_fn):
+            raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+        root = root_cell_of(cell_or_fn)
+        tracker = PathTracker(root) if root is not None else None
+
+        @functools.wraps(cell_or_fn)
+        def wrapped_fn(*args, **kwargs):
+            return run_region(cell_or_fn, args, kwargs, tracker=tracker, **options)
+        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, False))
+        return wrapped_fn
+    return _wrap_cell(cell_or_fn, options)
+
+
+def _wrap_cell(cell, options):
+    if getattr(cell, "_recompute_cell", None) is not None:
+        raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
+                         "the two recompute mechanisms can't be combined on one cell")
+    had_instance = "construct" in cell.__dict__
+    original = cell.construct   # bound: the class method or an instance override
+    tracker = PathTracker(cell)
+
+    def construct(*args, **kwargs):
+        return run_region(original, args, kwargs, tracker=tracker, **options)
+
+    setattr(construct, _WRAP_ATTR, _WrapInfo(original, tracker, options["stats"], options, had_instance))
+    cell.construct = construct
+    tracker.install()
+    return cell
+
+
+def unwrap(cell_or_fn):
+    """Undo ``checkpoint_wrapper``: restore the cell's construct (returns the cell) or return the function."""
+    info = _wrap_info(cell_or_fn)
+    if info is None:
+        raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
+    if info.tracker is not None:
+        info.tracker.remove()
+    if not isinstance(cell_or_fn, nn.Cell):
+        return info.original
+    if info.had_instance_construct:
+        cell_or_fn.construct = info.original
+    else:
+        del cell_or_fn.construct
+    return cell_or_fn
+
+
+remove_checkpoint = unwrap
+
+
+def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix=""):
+    """A ``policy_fn`` that keeps (MUST_SAVE) excluded ops and asks ``base_policy`` (default: recompute) otherwise.
+
+    ``names``: op names matched case-insensitively as substrings of the
+    dispatched op name (``"matmul"`` matches ``MatMulExt`` and ``BatchMatMul``;
+    ``"AllGather"`` matches ``InnerCommAllGather``). ``path_patterns``: regexes
+    ``fullmatch``-ed against ``ctx.op_path`` (``cell_path.OpName``, e.g.
+    ``self_attention.core_attention.Softmax``) and ``ctx.attr_path`` (the
+    attribute holding the op, e.g. ``self_attention.core_attention.softmax``,
+    when it can be found). Paths are relative to the region root; pass
+    ``path_prefix`` (e.g. ``"mlp"`` for a region on ``layer.mlp``) to match
+    patterns written against layer-relative paths.
+    """
+    if isinstance(names, str) or isinstance(path_patterns, str):
+        raise TypeError("exclude_policy(names=..., path_patterns=...) takes lists of strings, not a string")
+    lowered = tuple(n.lower() for n in names)
+    compiled = tuple(re.compile(p) for p in path_patterns)
+
+    def policy(ctx, op, *args, **kwargs):
+        name = ctx.op_name.lower()
+        if any(n in name for n in lowered):
+            return CheckpointPolicy.MUST_SAVE
+        if compiled:
+            paths = [ctx.op_path]
+            attr = ctx.attr_path
+            if attr is not None:
+                paths.append(attr)
+            if path_prefix:
+                paths = [f"{path_prefix}.{p}" for p in paths]
+            if any(p.fullmatch(path) for p in compiled for path in paths):
+                return CheckpointPolicy.MUST_SAVE
+        if base_policy is not None:
+            return base_policy(ctx, op, *args, **kwargs)
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy.exclude_names = lowered
+    policy.exclude_patterns = tuple(p.pattern for p in compiled)
+    return policy

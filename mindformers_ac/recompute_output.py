@@ -1,0 +1,336 @@
+"""Output recompute of one op attribute (MindFormers' ``output_recompute`` / ``recompute_comm``).
+
+Recomputing a single op as a tiny region saves nothing: its consumers still
+save its output. Instead, the *scope* cell (normally the transformer layer)
+runs under ``saved_tensors_hooks`` that recognise packs of the wrapped op's
+output storage (by ``data_ptr``, recorded when the op returns, checked against
+a weak reference to the output so a reused address is never mistaken) and
+store a token instead; in backward the first unpack runs the op again on its
+inputs (without recording a graph) and every token of that output takes the
+result. The op's inputs stay alive (usually saved anyway by the op itself).
+
+Limits: only packs of the output tensor itself made while the scope cell runs
+are replaced (a consumer that saves a view or slice of it, or runs in another
+layer, keeps it); a checkpoint region or a swap hook installed
+*inside* the scope takes precedence for what it covers; an op found to run a
+random kernel on its first call is kept, with a warning.
+"""
+import logging
+import weakref
+
+import mindspore as ms
+from mindspore import Tensor, nn
+from mindspore.graph.api import _pynative_executor as _executor
+from mindspore.utils import MsDispatchMode
+
+from .meter import storage_nbytes
+from .recompute_dispatch import ENGINE, AttrProxy, is_random_op_name, op_name_of
+
+logger = logging.getLogger("mindformers_ac.recompute")
+
+_SCOPE_ATTR = "_mac_output_scope"
+
+
+def _outputs(out):
+    return out if isinstance(out, (tuple, list)) else (out,)
+
+
+class _RandomProbe(MsDispatchMode):
+    """Sees the ops of one call and notes whether any is random (ops are forwarded unchanged)."""
+
+    def __init__(self):
+        super().__init__()
+        self.random_ops = []
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        name = op_name_of(func)
+        if is_random_op_name(name):
+            self.random_ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class _ScopeRun:
+    """Outputs recorded during one forward of the scope; owns the accounting of that forward."""
+
+    __slots__ = ("stats_bytes", "__weakref__")
+
+    def __init__(self):
+        self.stats_bytes = {}   # stats object id -> [stats, kept, dropped, seen ptrs]
+
+
+class _OutputRecord:
+    """One call of the wrapped op: its inputs, and its result once re-run."""
+
+    __slots__ = ("target", "args", "kwargs", "outs", "result", "run", "__weakref__")
+
+    def __init__(self, target, args, kwargs, outs, run):
+        self.target, self.args, self.kwargs, self.run = target, args, kwargs, run
+        self.outs = [weakref.ref(t) if isinstance(t, Tensor) else None for t in outs]
+        self.result = None
+
+    def rerun(self):
+        if self.result is None:
+            ENGINE.enter_recompute()
+            try:
+                with ms._no_grad():   # the backward must not record a graph for the re-run
+                    self.result = _outputs(self.target.call_original(*self.args, **self.kwargs))
+            finally:
+                ENGINE.exit_recompute()
+            self.target.stats.count_rerun(self.target.name)
+            self.target.stats.recompute_calls += 1
+        return self.result
+
+
+class _OutputToken:
+    __slots__ = ("record", "index")
+
+    def __init__(self, record, index):
+        self.record, self.index = record, index
+
+
+class _Scope:
+    """The saved-tensors hooks of one scope cell, shared by every op wrapped under it."""
+
+    def __init__(self, cell):
+        self.cell = cell
+        self.targets = []
+        self.live = {}          # data_ptr -> (record, output index), during one scope forward
+        self.run = None
+        self._ctx = None
+        self._handles = []
+
+    def attach(self, target):
+        if not self.targets:
+            self._handles = [self.cell.register_forward_pre_hook(self._enter),
+                             self.cell.register_forward_hook(self._exit, always_call=True)]
+        self.targets.append(target)
+
+    def detach(self, target):
+        self.targets.remove(target)
+        if not self.targets:
+            for h in self._handles:
+                h.remove()
+            self._handles = []
+            object.__delattr__(self.cell, _SCOPE_ATTR)
+
+    def _enter(self, _cell, _args):
+        # Inside a checkpoint region (or its re-run) the region already drops what it can.
+        if self._ctx is not None or ENGINE.top() is not None or ENGINE.in_recompute() \
+                or not _executor.requires_grad():
+            return
+        self.live = {}
+        self.run = _ScopeRun()
+        self._ctx = ms.saved_tensors_hooks(self._pack, _unpack_output)
+        self._ctx.__enter__()
+
+    def _exit(self, _cell, _args, _output):
+        if self._ctx is None:
+            return
+        ctx, self._ctx = self._ctx, None
+        ctx.__exit__(None, None, None)
+        self.live = {}
+        run, self.run = self.run, None
+        for stats, kept, dropped, _ in run.stats_bytes.values():
+            stats.open_region(run, kept, dropped, 0)
+
+    def record(self, target, args, kwargs, out):
+        if self.run is None:
+            return
+        outs = _outputs(out)
+        rec = _OutputRecord(target, args, kwargs, outs, self.run)
+        for j, t in enumerate(outs):
+            if isinstance(t, Tensor):
+                self.live[t.data_ptr()] = (rec, j)
+        entry = self.run.stats_bytes.setdefault(id(target.stats), [target.stats, 0, 0, set()])
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, Tensor) and a.data_ptr() not in entry[3]:
+                entry[3].add(a.data_ptr())
+                entry[1] += storage_nbytes(a)
+
+    def _pack(self, t):
+        hit = self.live.get(t.data_ptr())
+        if hit is None:
+            return t
+        rec, j = hit
+        out = rec.outs[j]() if rec.outs[j] is not None else None
+        if out is None or out.shape != t.shape or out.dtype != t.dtype:
+            return t
+        entry = rec.run.stats_bytes[id(rec.target.stats)]
+        if ("out", t.data_ptr()) not in entry[3]:
+            entry[3].add(("out", t.data_ptr()))
+            entry[2] += storage_nbytes(t)
+        return _OutputToken(rec, j)
+
+
+def _unpack_output(obj):
+    if isinstance(obj, _OutputToken):
+        return obj.record.rerun()[obj.index]
+    return obj
+
+
+class _Target:
+    """The wrapped op: calls it, records its output in the scope, re-runs it in backward."""
+
+    def __init__(self, op, name, scope, stats):
+        self.op, self.name, self.scope, self.stats = op, name, scope, stats
+        self.random = None      # decided on the first recorded call
+
+    def call_original(self, *args, **kwargs):
+        return self.op(*args, **kwargs)
+
+    def active(self):
+        return self.random is not True and self.scope.run is not None and not ENGINE.in_recompute()
+
+    def set_random(self, random_ops):
+        self.random = bool(random_ops)
+        if self.random:
+            ENGINE.warn_once(("random_output", self.name),
+                             "output recompute of %s skipped: it runs random op(s) %s, whose output "
+                             "can't be reproduced; its output is kept", self.name, random_ops)
+
+    def observe(self, args, kwargs, call):
+        """Run ``call()`` (the op), recording its output when the scope is collecting."""
+        if not self.active():
+            return call()
+        if self.random is None:
+            probe = _RandomProbe()
+            with probe:
+                out = call()
+            self.set_random(probe.random_ops)
+            if self.random:
+                return out
+        else:
+            out = call()
+        self.scope.record(self, args, kwargs, out)
+        return out
+
+
+class _FunctionProxy:
+    """Stands in the attribute slot of a function or Primitive op."""
+
+    mac_is_op_proxy = True   # a checkpoint region's PathTracker may name it too
+
+    def __init__(self, target):
+        self._mac_target = target
+
+    def __call__(self, *args, **kwargs):
+        t = self._mac_target
+        return t.observe(args, kwargs, lambda: t.op(*args, **kwargs))
+
+    def __getattr__(self, name):   # keep Primitive attributes (name, attrs) reachable
+        return getattr(self.__dict__["_mac_target"].op, name)
+
+
+class _ConstructPatch:
+    """For a Cell op held as a sub-cell attribute: observe calls through its instance ``construct``.
+
+    (Forward hooks are not an option: MindSpore ignores them on cells with a custom bprop,
+    and the slot can't hold a non-Cell proxy without changing the cell tree.)
+    """
+
+    def __init__(self, target):
+        cell = self.cell = target.op
+        self.had_instance = "construct" in cell.__dict__
+        original = self.original = cell.construct
+
+        def construct(*args, **kwargs):
+            return target.observe(args, kwargs, lambda: original(*args, **kwargs))
+
+        cell.construct = construct
+
+    def remove(self):
+        if self.had_instance:
+            self.cell.construct = self.original
+        else:
+            del self.cell.construct
+
+
+class OpOutputHandle:
+    """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
+
+    def __init__(self, owner, attr, registry, original, target, patch, proxy=None):
+        self.owner, self.attr, self.registry = owner, attr, registry
+        self.original, self.target, self._patch, self.proxy = original, target, patch, proxy
+        self.removed = False
+
+    @property
+    def stats(self):
+        return self.target.stats
+
+    def remove(self):
+        if self.removed:
+            return
+        self.removed = True
+        if self._patch is not None:
+            self._patch.remove()
+            object.__delattr__(self.original, "_mac_output_wrapped")
+        else:
+            slots = self.owner.__dict__ if self.registry is None else getattr(self.owner, self.registry)
+            current = slots.get(self.attr)
+            if isinstance(current, AttrProxy) and current.mac_inner is self.proxy:
+                current.mac_inner = self.original   # a region's tracker wrapped our proxy: unwrap inside it
+            elif self.registry is None:
+                setattr(self.owner, self.attr, self.original)
+            else:
+                slots[self.attr] = self.original
+        self.target.scope.detach(self.target)
+
+
+def _scope_of(cell):
+    scope = cell.__dict__.get(_SCOPE_ATTR)
+    if scope is None:
+        scope = _Scope(cell)
+        object.__setattr__(cell, _SCOPE_ATTR, scope)   # plain attribute: not a sub-cell or parameter
+    return scope
+
+
+def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None):
+    """Drop the output of op ``owner_cell.<attr_name>`` (or ``owner_cell.<registry>[attr_name]``) for backward.
+
+    The op may be a Python function, a Primitive, or a Cell (e.g. a collective
+    with a custom ``bprop``). A registry slot or a function/Primitive attribute
+    is replaced by a proxy; a Cell attribute keeps its object and gets an
+    instance ``construct`` patch (the cell tree and parameter names stay). Consumers running inside ``scope`` (default:
+    ``owner_cell``; pass the transformer layer) do not keep the op's output;
+    backward rebuilds it by running the op again on its inputs, counted in
+    ``stats`` (``ops_rerun``, ``recompute_calls``, ``dropped_bytes``). Returns an
+    ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
+    twice raises ValueError.
+    """
+    from .recompute import RecomputeStats   # late: recompute imports this module
+
+    if registry is None:
+        if not hasattr(owner_cell, attr_name):
+            raise AttributeError(f"{type(owner_cell).__name__} has no op attribute '{attr_name}'")
+        op = getattr(owner_cell, attr_name)
+    else:
+        slots = getattr(owner_cell, registry, None)
+        if not isinstance(slots, dict) or attr_name not in slots:
+            raise AttributeError(f"{type(owner_cell).__name__}.{registry} has no op '{attr_name}'")
+        op = slots[attr_name]
+    tracker_proxy = op if isinstance(op, AttrProxy) else None   # a checkpoint region names this attribute
+    if tracker_proxy is not None:
+        op = tracker_proxy.mac_inner
+    if isinstance(op, _FunctionProxy) or getattr(op, "_mac_output_wrapped", False):
+        raise ValueError(f"op '{attr_name}' of {type(owner_cell).__name__} is already output-recomputed; "
+                         "remove() its handle first")
+    if not callable(op):
+        raise TypeError(f"'{attr_name}' of {type(owner_cell).__name__} is not callable ({type(op).__name__})")
+    name = f"{type(owner_cell).__name__}.{attr_name}"
+    target = _Target(op, name, _scope_of(scope if scope is not None else owner_cell),
+                     stats if stats is not None else RecomputeStats())
+    if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
+        logger.warning("output recompute of %s skipped: %s is random; its output is kept", name, op)
+        target.random = True
+    target.scope.attach(target)
+    if isinstance(op, nn.Cell) and registry is None:
+        object.__setattr__(op, "_mac_output_wrapped", True)
+        return OpOutputHandle(owner_cell, attr_name, registry, op, target, _ConstructPatch(target))
+    proxy = _FunctionProxy(target)
+    if tracker_proxy is not None:
+        tracker_proxy.mac_inner = proxy
+    elif registry is None:
+        setattr(owner_cell, attr_name, proxy)
+    else:
+        getattr(owner_cell, registry)[attr_name] = proxy
+    return OpOutputHandle(owner_cell, attr_name, registry, op, target, None, proxy)

@@ -1,0 +1,87 @@
+"""Print and save the comparison ``train`` produces: a per-layer table, a summary, JSON and a plot."""
+import json
+import os
+
+MiB = 2 ** 20
+
+
+def _mib(nbytes):
+    return f"{nbytes / MiB:.2f}"
+
+
+def layer_table(result):
+    """The per-layer table as text: what was applied and where the bytes went."""
+    header = ("layer", "applied", "baseline MiB", "kept MiB", "recomputed MiB", "offloaded MiB",
+              "in time MiB", "on demand MiB", "ops re-run")
+    rows = [header]
+    for row in result["layers"]:
+        rows.append((str(row["layer"]), "; ".join(row["applied"]) or "-", _mib(row["baseline_kept_bytes"]),
+                     _mib(row["kept_bytes"]), _mib(row["recomputed_bytes"]), _mib(row["offloaded_bytes"]),
+                     _mib(row["prefetched_bytes"]), _mib(row["on_demand_bytes"]), str(row["ops_rerun"])))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) if c >= 2 else cell.ljust(w)
+                               for c, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
+
+
+def summary_text(result):
+    s = result["summary"]
+    match = "yes" if s["losses_match_bitwise"] and s["grads_match_bitwise"] else "NO"
+    return "\n".join([
+        f"peak activation memory: {_mib(s['baseline_peak_activation_bytes'])} MiB without AC, "
+        f"{_mib(s['ac_peak_activation_bytes'])} MiB with AC "
+        f"(saving {s['activation_saving_pct']:.1f}%; {_mib(s['offloaded_bytes'])} MiB offloaded to host, "
+        f"{_mib(s['recomputed_bytes'])} MiB recomputed)",
+        f"step time: {s['baseline_step_time_s'] * 1000:.1f} ms without, {s['ac_step_time_s'] * 1000:.1f} ms with "
+        f"(ratio {s['step_time_ratio']:.2f}x, median)",
+        f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
+        f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
+        f"losses and gradients bitwise equal in every step: {match}",
+    ])
+
+
+def write_report(result, directory):
+    """``report.json`` (every figure) and ``memory.png`` in ``directory``; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    json_path = os.path.join(directory, "report.json")
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=2)
+    png_path = os.path.join(directory, "memory.png")
+    plot_memory(result, png_path)
+    return json_path, png_path
+
+
+def plot_memory(result, path):
+    """Per layer: activation bytes without AC beside with AC, split into kept on device / offloaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["layers"]
+    labels = [str(r["layer"]) for r in rows]
+    x = list(range(len(rows)))
+    base = [r["baseline_kept_bytes"] / MiB for r in rows]
+    kept = [r["kept_bytes"] / MiB for r in rows]
+    offloaded = [r["offloaded_bytes"] / MiB for r in rows]
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rows) + 2), 4.2))
+    ax.bar([i - width / 2 for i in x], base, width, label="without AC (kept on device)", color="#9e9e9e")
+    ax.bar([i + width / 2 for i in x], kept, width, label="with AC: kept on device", color="#1f77b4")
+    ax.bar([i + width / 2 for i in x], offloaded, width, bottom=kept, label="with AC: offloaded to host",
+           color="#ff7f0e", hatch="//", edgecolor="white")
+    recomputed = [r["recomputed_bytes"] / MiB for r in rows]
+    on_top = [k + o for k, o in zip(kept, offloaded)]
+    ax.bar([i + width / 2 for i in x], recomputed, width, bottom=on_top,
+           label="with AC: dropped, recomputed in backward", fill=False, hatch="..", edgecolor="#2ca02c")
+    top = max(base + [t + r for t, r in zip(on_top, recomputed)] + [1e-9])
+    ax.set_ylim(0, top * 1.4)
+    s = result["summary"]
+    ax.set_title(f"Activation memory per layer: {s['activation_saving_pct']:.0f}% saved on device, "
+                 f"step time x{s['step_time_ratio']:.2f}")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("MiB kept for backward")
+    ax.legend(fontsize=8, loc="upper left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,142 @@
+"""Step time and kept activation bytes of the recompute engine against baseline and Cell.recompute().
+
+    PYTHONPATH=. python scripts/bench_recompute.py [--layers 4 --hidden 256 --seq 128 --batch 4]
+
+Rows: baseline, full, select mlp, select core_attention, full + exclude
+matmul, MindSpore's Cell.recompute() (fresh model: it can't be undone), and
+"baseline + 1 forward" (the floor for full recompute). Kept bytes come from
+the engine's RecomputeStats for engine rows and from SavedTensorMeter for the
+others (the engine's own hooks hide an outer meter inside its regions, so for
+engine rows the meter is run too and the bytes outside the regions are added).
+"""
+import argparse
+import gc
+import statistics
+import time
+
+import mindspore as ms
+
+from mindformers_ac.meter import MiB, SavedTensorMeter
+from mindformers_ac.models import build_gpt, synthetic_batch
+from mindformers_ac import recompute as rc
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    return p.parse_args()
+
+
+def make_model(a):
+    m = build_gpt(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, seq_length=a.seq,
+                  vocab_size=a.vocab, dropout=a.dropout, seed=0)
+    m.set_train(True)
+    return m
+
+
+class Case:
+    """One configuration: a fresh model, its step function, and the stats of its regions."""
+
+    def __init__(self, a, name, setup, batch, extra_forward=False):
+        self.name = name
+        self.model = make_model(a)
+        self.stats = setup(self.model)
+        self.params = self.model.trainable_params()
+        self.grad_fn = ms.value_and_grad(self.model, None, self.params)
+        self.batch = batch
+        self.extra_forward = extra_forward
+        self.times = []
+
+    def step(self):
+        t0 = time.perf_counter()
+        if self.extra_forward:
+            self.model(*self.batch)
+        _, grads = self.grad_fn(*self.batch)
+        grads[0].asnumpy()
+        return time.perf_counter() - t0
+
+    def kept_and_rerun(self):
+        """Kept bytes of one step: meter outside the regions plus each region's own peak."""
+        meter = SavedTensorMeter(self.params)
+        for s in self.stats or ():
+            s.reset()
+        with meter.hooks():
+            self.grad_fn(*self.batch)
+        kept = meter.peak + sum(s.peak_kept_bytes for s in self.stats or ())
+        rerun = sum(s.ops_rerun for s in self.stats or ())
+        return kept, rerun
+
+
+def run_interleaved(a, cases):
+    """Time cases round-robin, one step each per round, so drift on a busy machine hits all alike."""
+    for case in cases:
+        for _ in range(a.warmup):
+            case.step()
+    # Seven models are alive at once here, unlike in training: keep the cyclic GC from walking
+    # all of them on every collection (that cost would land on whichever case allocates most).
+    gc.collect()
+    gc.freeze()
+    for _ in range(a.steps):
+        for case in cases:
+            case.times.append(case.step())
+
+
+def per_layer(policy=None, sub=None):
+    def setup(model):
+        stats = []
+        for layer in model.decoder.layers:
+            s = rc.RecomputeStats()
+            target = layer if sub is None else sub(layer)
+            rc.checkpoint_wrapper(target, policy_fn=policy, stats=s)
+            stats.append(s)
+        return stats
+    return setup
+
+
+def cell_recompute(model):
+    for layer in model.decoder.layers:
+        layer.recompute()
+    return None
+
+
+def main():
+    a = parse_args()
+    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    batch = synthetic_batch(a.batch, a.seq, a.vocab, seed=0)
+    layer_in = a.batch * a.seq * a.hidden * 4
+    cases = [
+        Case(a, "baseline", lambda m: None, batch),
+        Case(a, "baseline + 1 forward", lambda m: None, batch, extra_forward=True),
+        Case(a, "Cell.recompute() full", cell_recompute, batch),
+        Case(a, "full", per_layer(), batch),
+        Case(a, "select mlp", per_layer(sub=lambda l: l.mlp), batch),
+        Case(a, "select core_attention", per_layer(sub=lambda l: l.self_attention.core_attention), batch),
+        Case(a, "full + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"])), batch),
+    ]
+    run_interleaved(a, cases)
+    base = statistics.median(cases[0].times)
+    print(f"model: {a.layers} layers, hidden {a.hidden}, heads {a.heads}, seq {a.seq}, batch {a.batch}, "
+          f"dropout {a.dropout}; median of {a.steps} interleaved steps; "
+          f"layer input {layer_in / MiB:.2f} MiB per layer")
+    print(f"{'config':<24}{'step s':>8}{'x base':>8}{'x Cell.rc':>10}{'kept MiB':>10}{'ops rerun':>10}")
+    cell_rc = statistics.median(cases[2].times)
+    for case in cases:
+        t = statistics.median(case.times)
+        kept, rerun = case.kept_and_rerun()
+        print(f"{case.name:<24}{t:>8.3f}{t / base:>8.2f}{t / cell_rc:>10.2f}{kept / MiB:>10.2f}{rerun:>10}")
+    full = cases[3]
+    per_layer_kept = [s.peak_kept_bytes for s in full.stats]
+    print(f"full: kept per layer {[round(b / layer_in, 3) for b in per_layer_kept]} x layer input "
+          f"(input + attention mask + dropout mask bits)")
+
+
+if __name__ == "__main__":
+    main()
