@@ -16,6 +16,7 @@ setup(
         "pyyaml",
         "regex",
         "psutil",
+        "matplotlib",
     ],
     extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.cli:main"]},

@@ -57,25 +57,17 @@ class LayerMeter(SavedTensorMeter):
         while self._handles:
             self._handles.pop().remove()
 
-    def pack(self, t):
-        ptr = t.data_ptr()
-        new = ptr not in self.counts and ptr not in self.param_ptrs
-        peak_before = self.peak
-        packed = super().pack(t)
-        if new:
-            owner = self._running[-1] if self._running else OTHER
-            self._owner[ptr] = owner
-            self.by_layer[owner] = self.by_layer.get(owner, 0) + self._nbytes[ptr]
-            if self.peak > peak_before:
-                self.by_layer_at_peak = dict(self.by_layer)
-        return packed
+    def storage_added(self, ptr, nbytes):
+        owner = self._running[-1] if self._running else OTHER
+        self._owner[ptr] = owner
+        self.by_layer[owner] = self.by_layer.get(owner, 0) + nbytes
+        if self.current == self.peak:
+            self.by_layer_at_peak = dict(self.by_layer)
 
-    def _release(self, ptr):
-        nbytes, owner = self._nbytes.get(ptr, 0), self._owner.get(ptr)
-        super()._release(ptr)
-        if ptr not in self.counts and owner is not None:
+    def storage_released(self, ptr, nbytes):
+        owner = self._owner.pop(ptr, None)
+        if owner is not None:
             self.by_layer[owner] -= nbytes
-            del self._owner[ptr]
 
 
 @dataclass

@@ -80,10 +80,17 @@ def cmd_train(args):
     from .report import layer_table, summary_text, write_report
     from .train import TrainSpec, train_and_compare
     spec = TrainSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                     batch=args.batch, dropout=args.dropout, steps=args.steps, seed=args.seed)
+                     batch=args.batch, dropout=args.dropout, steps=args.steps, seed=args.seed, tp=args.tp)
     config = args.config or default_config_path()
     AcConfig.from_yaml(config)   # structural errors first, before any model is built
-    result = train_and_compare(spec, config)
+    if spec.tp > 1:
+        from .train import train_and_compare_tp
+        rank, result = train_and_compare_tp(spec, config)
+        if rank != 0:
+            s = result["summary"]
+            return 0 if s["losses_match_bitwise"] and s["grads_match_bitwise"] else 1
+    else:
+        result = train_and_compare(spec, config)
     print()
     print(layer_table(result))
     print()
@@ -118,6 +125,9 @@ def build_parser():
     train.add_argument("--batch", type=_positive(int), default=4)
     train.add_argument("--dropout", type=float, default=0.1)
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--tp", type=_positive(int), default=1,
+                       help="tensor-parallel size; > 1 must run under msrun with that many workers "
+                            "(see docs/distributed.md and `python -m mindformers_ac.launch`)")
     train.add_argument("--report", default=None, metavar="DIR", help="write report.json and memory.png here")
     train.set_defaults(func=cmd_train)
     validate = sub.add_parser("validate", help="check a YAML config")

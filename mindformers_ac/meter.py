@@ -108,7 +108,15 @@ class SavedTensorMeter:
             self.counts[ptr] = n
             return
         self.counts.pop(ptr, None)
-        self.current -= self._nbytes.pop(ptr, 0)
+        nbytes = self._nbytes.pop(ptr, 0)
+        self.current -= nbytes
+        self.storage_released(ptr, nbytes)
+
+    def storage_added(self, ptr, nbytes):
+        """Called once per new storage after ``current``/``peak`` are updated (for subclasses)."""
+
+    def storage_released(self, ptr, nbytes):
+        """Called when the last packed reference to a storage dies (for subclasses)."""
 
     def pack(self, t):
         self.n_pack += 1
@@ -123,6 +131,7 @@ class SavedTensorMeter:
             self._nbytes[ptr] = nb
             self.current += nb
             self.peak = max(self.peak, self.current)
+            self.storage_added(ptr, nb)
         # The callback gets the pointer, not the holder, so it can't keep the holder alive.
         weakref.finalize(holder, self._release, ptr).atexit = False
         return holder

@@ -52,10 +52,11 @@ class _RandomProbe(MsDispatchMode):
 class _ScopeRun:
     """Outputs recorded during one forward of the scope; owns the accounting of that forward."""
 
-    __slots__ = ("stats_bytes", "__weakref__")
+    __slots__ = ("stats_bytes", "dropped_any", "__weakref__")
 
     def __init__(self):
         self.stats_bytes = {}   # stats object id -> [stats, kept, dropped, seen ptrs]
+        self.dropped_any = {}   # target -> whether a consumer's save of its output was dropped
 
 
 class _OutputRecord:
@@ -132,12 +133,21 @@ class _Scope:
         run, self.run = self.run, None
         for stats, kept, dropped, _ in run.stats_bytes.values():
             stats.open_region(run, kept, dropped, 0)
+        for target, dropped in run.dropped_any.items():
+            if not dropped:
+                ENGINE.warn_once(("nothing_dropped", target.name),
+                                 "output recompute of %s saves nothing: no op in its layer saved its "
+                                 "output tensor for backward (a consumer that saves a view or a copy, "
+                                 "e.g. of a non-contiguous output, keeps it); return a contiguous "
+                                 "tensor from the op or recompute its enclosing module instead",
+                                 target.name)
 
     def record(self, target, args, kwargs, out):
         if self.run is None:
             return
         outs = _outputs(out)
         rec = _OutputRecord(target, args, kwargs, outs, self.run)
+        self.run.dropped_any.setdefault(target, False)
         for j, t in enumerate(outs):
             if isinstance(t, Tensor):
                 self.live[t.data_ptr()] = (rec, j)
@@ -156,6 +166,7 @@ class _Scope:
         if out is None or out.shape != t.shape or out.dtype != t.dtype:
             return t
         entry = rec.run.stats_bytes[id(rec.target.stats)]
+        rec.run.dropped_any[rec.target] = True
         if ("out", t.data_ptr()) not in entry[3]:
             entry[3].add(("out", t.data_ptr()))
             entry[2] += storage_nbytes(t)

@@ -36,7 +36,17 @@ def summary_text(result):
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
         f"losses and gradients bitwise equal in every step: {match}",
-    ])
+    ] + _collectives_lines(s.get("collectives_per_step")))
+
+
+def _collectives_lines(per_step):
+    if not per_step:
+        return []
+    lines = ["collectives in the last step (tensor parallel):"]
+    for label, counts in per_step.items():
+        lines.append(f"  {label:>8}: forward {counts['forward']}, backward {counts['backward']}, "
+                     f"re-run in backward {counts['rerun_in_backward'] or 0}")
+    return lines
 
 
 def write_report(result, directory):

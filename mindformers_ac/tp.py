@@ -130,7 +130,9 @@ class _TPComm(nn.Cell):
         axis = self._axis(x)
         if axis == 0:
             return self._prim("AllGather")(x)
-        return self._prim("AllGather")(x.swapaxes(0, axis)).swapaxes(0, axis)
+        # contiguous: a strided view would make consumers save a private copy, which output
+        # recompute (recompute_comm) can't recognise as this op's output
+        return self._prim("AllGather")(x.swapaxes(0, axis)).swapaxes(0, axis).contiguous()
 
     def own_slice(self, x):
         if self.tp_size == 1:

@@ -35,11 +35,17 @@ class TrainSpec:
     steps: int = 20
     seed: int = 0
     lr: float = 0.05
+    tp: int = 1
 
-    def build_model(self):
-        from .models import build_gpt
-        return build_gpt(num_layers=self.layers, hidden_size=self.hidden, num_heads=self.heads,
-                         seq_length=self.seq, vocab_size=self.vocab, dropout=self.dropout, seed=self.seed)
+    def build_model(self, rank=0):
+        """The reference GPT, or this rank's tensor-parallel slice of it when ``tp > 1``."""
+        dims = dict(num_layers=self.layers, hidden_size=self.hidden, num_heads=self.heads,
+                    seq_length=self.seq, vocab_size=self.vocab, dropout=self.dropout, seed=self.seed)
+        if self.tp == 1:
+            from .models import build_gpt
+            return build_gpt(**dims)
+        from .tp import build_tp_gpt
+        return build_tp_gpt(self.tp, rank, **dims)
 
 
 def _digest(tensors):
@@ -69,30 +75,54 @@ class Progress:
         self.stream.flush()
 
 
-def run_variant(spec, config_path, label):
+def _collectives(model, state):
+    """Collectives run this step: forward / backward calls per primitive, and re-runs in backward
+    counted by the recompute engine (an op it re-runs really communicates again)."""
+    from .tp import collective_counts
+    counts = collective_counts(model)
+    rerun = {}
+    for stats in state.recompute_stats.values() if state is not None else ():
+        for name, n in stats.rerun_by_op.items():
+            if any(c in name.lower() for c in ("allgather", "all_gather", "allreduce", "all_reduce",
+                                                "reduce_scatter", "reducescatter", "alltoall")):
+                rerun[name] = rerun.get(name, 0) + n
+    return {"forward": counts["per_collective"].get("forward", {}),
+            "backward": counts["per_collective"].get("backward", {}),
+            "rerun_in_backward": rerun}
+
+
+def run_variant(spec, config_path, label, rank=0, show_progress=True):
     """Train ``spec`` (with ``config_path`` applied, unless None) and return every figure as a dict."""
     import mindspore as ms
     from mindspore import nn
 
     from .accounting import StepMeter
-    from .apply import apply_ac
+    from .apply import ac_state, apply_ac
     from .meter import reset_hwm, vm_hwm
     from .models import synthetic_batch
 
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
-    model = spec.build_model()
+    model = spec.build_model(rank)
     plan = apply_ac(model, config=config_path) if config_path else None
     optimizer = nn.SGD(model.trainable_params(), learning_rate=spec.lr)
     grad_fn = ms.value_and_grad(model, None, optimizer.parameters)
     meter = StepMeter(model)
-    progress = Progress(label, spec.steps)
-    record = {"losses": [], "loss_digests": [], "grad_digests": [], "step_times": [], "memory": []}
+    progress = Progress(label, spec.steps) if show_progress else None
+    record = {"losses": [], "loss_digests": [], "grad_digests": [], "step_times": [], "memory": [],
+              "collectives": []}
     reset_hwm()
     for step in range(spec.steps):
         tokens, labels = synthetic_batch(spec.batch, spec.seq, spec.vocab, seed=spec.seed + step)
+        if spec.tp > 1:
+            from .tp import reset_comm_counters
+            reset_comm_counters(model)
         start = time.perf_counter()
         with meter.step() as memory:
             loss, grads = grad_fn(tokens, labels)
+        if spec.tp > 1:
+            from .tp import sync_sequence_parallel_grads
+            grads = sync_sequence_parallel_grads(model, optimizer.parameters, grads)
+            record["collectives"].append(_collectives(model, ac_state(model)))
         optimizer(grads)
         seconds = time.perf_counter() - start
         record["losses"].append(float(loss.asnumpy()))
@@ -100,7 +130,8 @@ def run_variant(spec, config_path, label):
         record["grad_digests"].append(_digest(grads))
         record["step_times"].append(seconds)
         record["memory"].append(memory.as_dict())
-        progress.update(step, record["losses"][-1], seconds, memory.kept_bytes)
+        if progress is not None:
+            progress.update(step, record["losses"][-1], seconds, memory.kept_bytes)
     record["vm_hwm_bytes"] = vm_hwm()
     record["plan"] = {str(i): lp.describe() for i, lp in plan.layers.items()} if plan else {}
     return record
@@ -154,12 +185,12 @@ def compare(spec, config_path, baseline, ac):
     }
 
 
-def check_config(spec, config_path):
+def check_config(spec, config_path, rank=0):
     """Validate the config against the model ``spec`` builds (raises ``ConfigError``)."""
     import mindspore as ms
     from .plan import plan_ac
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    return plan_ac(spec.build_model(), config=config_path)
+    return plan_ac(spec.build_model(rank), config=config_path)
 
 
 def train_and_compare(spec, config_path):
@@ -170,6 +201,29 @@ def train_and_compare(spec, config_path):
         baseline = _run_in_subprocess(spec, None, "baseline", workdir)
         ac = _run_in_subprocess(spec, config_path, "with AC", workdir)
     return compare(spec, config_path, baseline, ac)
+
+
+def train_and_compare_tp(spec, config_path):
+    """Under msrun: this rank trains its TP slice without and with AC, one run after the other.
+
+    Both runs share the process (the communication group can be set up only
+    once), so the per-run VmHWM figures are not independent; the saved-tensor
+    accounting is. Returns ``(rank, comparison)``; rank 0 prints.
+    """
+    from .tp import init_tp
+    rank, world = init_tp()
+    if world != spec.tp:
+        raise RuntimeError(f"--tp {spec.tp} but the job has {world} ranks: launch it with "
+                           f"msrun --worker_num {spec.tp} --local_worker_num {spec.tp}")
+    plan = check_config(spec, config_path, rank)
+    if rank == 0:
+        print(plan)
+    baseline = run_variant(spec, None, "baseline", rank, show_progress=rank == 0)
+    ac = run_variant(spec, config_path, "with AC", rank, show_progress=rank == 0)
+    result = compare(spec, config_path, baseline, ac)
+    result["summary"]["collectives_per_step"] = {"baseline": baseline["collectives"][-1],
+                                                 "ac": ac["collectives"][-1]}
+    return rank, result
 
 
 def _worker(argv):

@@ -242,3 +242,20 @@ def test_is_in_recompute_only_during_backward_rerun():
     tokens, labels = synthetic_batch(BATCH, SEQ, VOCAB)
     ms.value_and_grad(model, None, model.trainable_params())(tokens, labels)
     assert seen == [False, True] and not mac.is_in_recompute()
+
+
+class _StridedAllGather(StandInAllGather):
+    def construct(self, x):
+        return ops.mul(x.swapaxes(0, 1), 1.0).swapaxes(0, 1)   # a strided view: consumers copy it
+
+
+def test_output_recompute_that_drops_nothing_says_why(caplog):
+    model = make_model(comm=True)
+    for layer in model.decoder.layers:
+        layer.mlp._comm_ops["all_gather"] = _StridedAllGather()
+    mac.apply_ac(model, config={"recompute_comm": {"enable": True, "select_module": {r".*\.all_gather": [0]}}})
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        train(model, steps=1)
+    assert "output recompute of MLP.all_gather saves nothing" in caplog.text
+    assert "return a contiguous tensor" in caplog.text
+    assert mac.ac_state(model).recompute_stats[0].ops_rerun == 0

@@ -147,3 +147,50 @@ def test_launcher_timeout_kills_everything(tmp_path):
     assert res.elapsed_s < 30
     time.sleep(0.5)
     assert _leftovers(str(out)) == []
+
+
+# ----------------------------------------------------------------------------- AC under msrun
+
+def _cli():
+    script = os.path.join(os.path.dirname(sys.executable), "mindformers-ac")
+    if not os.path.exists(script):
+        import shutil
+        script = shutil.which("mindformers-ac")
+    return script
+
+
+AC_MODES = {
+    "full": ("recompute:\n  mode: full\n  full_recompute_layer: [0-1]\n",
+             {"AllGather": 2 * LAYERS, "AllReduce": 2 * LAYERS}),
+    "full_exclude_collectives": ("recompute:\n  mode: full\n  full_recompute_layer: [0-1]\n"
+                                 "  exclude_op: [AllGather, ReduceScatter, AllReduce]\n", {}),
+    "select_mlp": ("recompute:\n  mode: select\n  select_module:\n    '.*mlp': [0-1]\n",
+                   {"AllGather": LAYERS, "AllReduce": LAYERS}),
+    "recompute_comm": ("recompute_comm:\n  enable: true\n  select_module:\n    '.*\\.all_gather': [0-1]\n",
+                       {"all_gather": 2 * LAYERS}),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(AC_MODES))
+def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_path, mode):
+    text, expected_rerun = AC_MODES[mode]
+    config = tmp_path / "ac.yaml"
+    config.write_text(text)
+    res = launch_msrun([_cli(), "train", str(config), "--tp", "2", "--layers", str(LAYERS), "--hidden", "32",
+                        "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "3", "--dropout", "0.1",
+                        "--report", str(tmp_path / "report")],
+                       nproc=2, timeout_s=240, log_dir=tmp_path / "logs", env=ENV)
+    assert res.returncode == 0, _tail(res)
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    s = report["summary"]
+    assert s["losses_match_bitwise"] and s["grads_match_bitwise"]
+    collectives = s["collectives_per_step"]
+    # AC never changes what forward and backward communicate, only what backward runs again
+    assert collectives["ac"]["forward"] == collectives["baseline"]["forward"]
+    assert collectives["ac"]["backward"] == collectives["baseline"]["backward"]
+    assert collectives["baseline"]["rerun_in_backward"] == {}
+    rerun = {}
+    for name, n in collectives["ac"]["rerun_in_backward"].items():
+        key = "all_gather" if name.endswith("all_gather") else name
+        rerun[key] = rerun.get(key, 0) + n
+    assert rerun == expected_rerun
