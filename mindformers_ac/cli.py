@@ -3,6 +3,7 @@
     mindformers-ac train [CONFIG] [--steps N] [--layers L --hidden H --seq S --batch B --dropout P] [--report DIR]
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
     mindformers-ac explain [CONFIG] [--model module:factory] [--layers PATH] [--pp P]
+    mindformers-ac plan --budget SIZE [CONFIG] [--model module:factory | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
 
 A rejected config exits with status 2 and the ``ConfigError`` message (which
 names the field) on stderr, without a traceback.
@@ -102,6 +103,34 @@ def cmd_train(args):
     return 0 if s["losses_match_bitwise"] and s["grads_match_bitwise"] else 1
 
 
+def cmd_plan(args):
+    from .models import synthetic_batch
+    from .planner import parse_budget, plan_budget
+    from .planner_profile import profile_model, profile_reference
+    prefetch = args.prefetch
+    if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
+        prefetch = AcConfig.from_yaml(args.config).swap.default_prefetch if args.config else 1
+    parse_budget(args.budget, 1)   # a malformed --budget fails before minutes of profiling
+    if args.model:
+        batches = [synthetic_batch(args.batch, args.seq, args.vocab, seed=args.seed + k) for k in range(4)]
+        profile = profile_model(lambda: load_factory(args.model), batches, prefetch=prefetch,
+                                steps=args.profile_steps, description=args.model)
+    else:
+        profile = profile_reference(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                                    batch=args.batch, vocab=args.vocab, dropout=args.dropout, seed=args.seed,
+                                    prefetch=prefetch, steps=args.profile_steps)
+    plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak), pp=args.pp)
+    print(f"profiled {profile.description}")
+    print(plan.report())
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(plan.to_yaml())
+        print(f"wrote {args.out}")
+    else:
+        print(plan.to_yaml())
+    return 0
+
+
 def _positive(kind):
     def parse(text):
         value = kind(text)
@@ -143,6 +172,29 @@ def build_parser():
     explain.add_argument("--layers", default=None, help="path of the layer list, if not found automatically")
     explain.add_argument("--pp", type=int, default=1)
     explain.set_defaults(func=cmd_explain)
+    plan = sub.add_parser("plan", help="profile the reference GPT, choose recompute/swap per layer for a "
+                                       "memory budget, write the YAML")
+    plan.add_argument("config", nargs="?", default=None,
+                      help="YAML config whose swap.default_prefetch to plan with (its other sections are ignored)")
+    plan.add_argument("--budget", required=True,
+                      help="peak activation memory: 3GiB, 512MiB, bytes, or a fraction of the baseline (0.4x)")
+    plan.add_argument("--model", default=None,
+                      help="model factory as module:function returning a fresh model (same weights each call) "
+                           "called as model(tokens, labels) -> loss; default: the reference GPT built from "
+                           "--layers/--hidden/--heads/--dropout")
+    plan.add_argument("--layers", type=_positive(int), default=8)
+    plan.add_argument("--hidden", type=_positive(int), default=128)
+    plan.add_argument("--heads", type=_positive(int), default=4)
+    plan.add_argument("--seq", type=_positive(int), default=64)
+    plan.add_argument("--batch", type=_positive(int), default=4)
+    plan.add_argument("--vocab", type=_positive(int), default=256)
+    plan.add_argument("--dropout", type=float, default=0.1)
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--prefetch", type=int, default=None, help="swap.default_prefetch (default: CONFIG's, else 1)")
+    plan.add_argument("--pp", type=_positive(int), default=1, help="pipeline-parallel size; > 1 rules out swap")
+    plan.add_argument("--profile-steps", type=_positive(int), default=12, help="timed steps per option")
+    plan.add_argument("--out", default=None, help="write the YAML here (default: print it)")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -40,19 +40,57 @@ class GPTConfig:
     dropout: float = 0.0
 
 
-def _dropout(p):
-    # nn.Dropout(p=0) still draws a mask on CPU; Identity keeps p=0 models free of random ops.
-    return nn.Dropout(p=p) if p > 0 else nn.Identity()
+class DropoutSeeds:
+    """Per-model source of dropout seeds: a site id per dropout cell and the current step.
+
+    MindSpore 2.10's CPU ``Dropout`` kernel is not reproducible: from its 6th
+    call on, two runs of the same script draw different masks (measured, with
+    and without recompute). A fresh ``ops.Dropout`` primitive with explicit
+    seeds is, so each site draws from ``(seed + site, step)``: a counter-based
+    scheme in which a mask depends only on where and in which step it is
+    drawn. ``GPTModel`` advances the step once per forward.
+    """
+
+    def __init__(self, seed):
+        self.seed = seed
+        self.step = 0
+        self.sites = 0
+
+    def new_site(self):
+        self.sites += 1
+        return self.sites
+
+
+class SeededDropout(nn.Cell):
+    """``nn.Dropout`` with reproducible masks (see ``DropoutSeeds``); an identity outside training."""
+
+    def __init__(self, p, seeds):
+        super().__init__()
+        self.keep_prob = 1.0 - p
+        self.seeds = seeds
+        self.site = seeds.new_site()
+
+    def construct(self, x):
+        if not self.training:
+            return x
+        seed0 = (self.seeds.seed * 1000003 + self.site) % (2 ** 31 - 1)
+        out, _ = ops.Dropout(self.keep_prob, seed0, self.seeds.step + 1)(x)
+        return out
+
+
+def _dropout(p, seeds):
+    # Identity for p=0: a dropout with p=0 would still draw a mask on CPU.
+    return SeededDropout(p, seeds) if p > 0 else nn.Identity()
 
 
 class CoreAttention(nn.Cell):
-    def __init__(self, config):
+    def __init__(self, config, seeds):
         super().__init__()
         self.head_dim = config.hidden_size // config.num_heads
         self.scale = float(1.0 / np.sqrt(self.head_dim))
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.softmax = mint.nn.functional.softmax
-        self.attention_dropout = _dropout(config.dropout)
+        self.attention_dropout = _dropout(config.dropout, seeds)
         self.bmm_pv = ops.BatchMatMul()
 
     def construct(self, q, k, v, attention_mask):
@@ -62,12 +100,12 @@ class CoreAttention(nn.Cell):
 
 
 class SelfAttention(nn.Cell):
-    def __init__(self, config):
+    def __init__(self, config, seeds):
         super().__init__()
         h = config.hidden_size
         self.num_heads = config.num_heads
         self.linear_qkv = mint.nn.Linear(h, 3 * h)
-        self.core_attention = CoreAttention(config)
+        self.core_attention = CoreAttention(config, seeds)
         self.linear_proj = mint.nn.Linear(h, h)
 
     def construct(self, x, attention_mask):
@@ -91,16 +129,17 @@ class MLP(nn.Cell):
 
 
 class TransformerLayer(nn.Cell):
-    def __init__(self, config, layer_number):
+    def __init__(self, config, layer_number, seeds=None):
         super().__init__()
         h = config.hidden_size
+        seeds = seeds if seeds is not None else DropoutSeeds(0)
         self.layer_number = layer_number
         self.input_layernorm = nn.LayerNorm((h,))
-        self.self_attention = SelfAttention(config)
-        self.hidden_dropout = _dropout(config.dropout)
+        self.self_attention = SelfAttention(config, seeds)
+        self.hidden_dropout = _dropout(config.dropout, seeds)
         self.pre_mlp_layernorm = nn.LayerNorm((h,))
         self.mlp = MLP(config)
-        self.mlp_dropout = _dropout(config.dropout)
+        self.mlp_dropout = _dropout(config.dropout, seeds)
 
     def construct(self, x, attention_mask):
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), attention_mask))
@@ -108,10 +147,10 @@ class TransformerLayer(nn.Cell):
 
 
 class TransformerBlock(nn.Cell):
-    def __init__(self, config):
+    def __init__(self, config, seeds=None):
         super().__init__()
         self.config = config
-        self.layers = nn.CellList([TransformerLayer(config, i) for i in range(config.num_layers)])
+        self.layers = nn.CellList([TransformerLayer(config, i, seeds) for i in range(config.num_layers)])
         self.final_layernorm = nn.LayerNorm((config.hidden_size,))
 
     def construct(self, x, attention_mask):
@@ -121,11 +160,11 @@ class TransformerBlock(nn.Cell):
 
 
 class Embedding(nn.Cell):
-    def __init__(self, config):
+    def __init__(self, config, seeds):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.seq_length, config.hidden_size)
-        self.embedding_dropout = _dropout(config.dropout)
+        self.embedding_dropout = _dropout(config.dropout, seeds)
         self.position_ids = Tensor(np.arange(config.seq_length, dtype=np.int32)[None, :])
 
     def construct(self, tokens):
@@ -137,11 +176,12 @@ class Embedding(nn.Cell):
 class GPTModel(nn.Cell):
     """Causal language model: ``model(tokens, labels)`` returns the mean cross-entropy loss."""
 
-    def __init__(self, config):
+    def __init__(self, config, seed=0):
         super().__init__()
         self.config = config
-        self.embedding = Embedding(config)
-        self.decoder = TransformerBlock(config)
+        self.dropout_seeds = DropoutSeeds(seed)
+        self.embedding = Embedding(config, self.dropout_seeds)
+        self.decoder = TransformerBlock(config, self.dropout_seeds)
         self.output_layer = mint.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.loss = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
         s = config.seq_length
@@ -149,6 +189,8 @@ class GPTModel(nn.Cell):
         self.attention_mask = Tensor(np.triu(np.full((s, s), -1e9, np.float32), 1)[None, None])
 
     def construct(self, tokens, labels):
+        # one step per forward: a recompute re-runs layers, never this, so it sees the same seeds
+        self.dropout_seeds.step += 1
         s = tokens.shape[1]
         hidden = self.decoder(self.embedding(tokens), self.attention_mask[:, :, :s, :s])
         logits = self.output_layer(hidden)
@@ -157,12 +199,18 @@ class GPTModel(nn.Cell):
 
 def build_gpt(num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256,
               dropout=0.0, seed=0):
-    """Build a ``GPTModel`` with deterministic weights for ``seed``."""
+    """Build a ``GPTModel`` with deterministic weights for ``seed``, in training mode.
+
+    Training mode matters: ``nn.Dropout`` is the identity in a cell that is not
+    ``set_train(True)``, and this model exists to be trained.
+    """
     ms.set_seed(seed)
     np.random.seed(seed)
     config = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                        seq_length=seq_length, vocab_size=vocab_size, dropout=dropout)
-    return GPTModel(config)
+    model = GPTModel(config, seed)
+    model.set_train(True)
+    return model
 
 
 def synthetic_batch(batch_size, seq_length, vocab_size, seed=0):

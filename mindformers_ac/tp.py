@@ -324,8 +324,8 @@ def _tp_kwargs(tp):
 class TPSelfAttention(SelfAttention):
     """``SelfAttention`` with this rank's heads: column-parallel qkv, row-parallel proj."""
 
-    def __init__(self, config, tp):
-        super().__init__(config)
+    def __init__(self, config, tp, seeds):
+        super().__init__(config, seeds)
         h = config.hidden_size
         if config.num_heads % tp["size"]:
             raise ValueError(f"num_heads {config.num_heads} not divisible by tp {tp['size']}")
@@ -353,28 +353,28 @@ class TPMLP(MLP):
 
 
 class TPTransformerLayer(TransformerLayer):
-    def __init__(self, config, layer_number, tp):
-        super().__init__(config, layer_number)
-        self.self_attention = TPSelfAttention(config, tp)
+    def __init__(self, config, layer_number, tp, seeds):
+        super().__init__(config, layer_number, seeds)
+        self.self_attention = TPSelfAttention(config, tp, seeds)
         self.mlp = TPMLP(config, tp)
 
 
 class TPTransformerBlock(TransformerBlock):
-    def __init__(self, config, tp):
-        super().__init__(config)
-        self.layers = nn.CellList([TPTransformerLayer(config, i, tp) for i in range(config.num_layers)])
+    def __init__(self, config, tp, seeds):
+        super().__init__(config, seeds)
+        self.layers = nn.CellList([TPTransformerLayer(config, i, tp, seeds) for i in range(config.num_layers)])
 
 
 class TPGPTModel(GPTModel):
     """``GPTModel`` whose decoder layers are tensor parallel (see the module docstring)."""
 
-    def __init__(self, config, tp_rank=0, tp_size=1, sequence_parallel=True, group=None):
-        super().__init__(config)
+    def __init__(self, config, tp_rank=0, tp_size=1, sequence_parallel=True, group=None, seed=0):
+        super().__init__(config, seed)
         if sequence_parallel and config.seq_length % tp_size:
             raise ValueError(f"seq_length {config.seq_length} not divisible by tp {tp_size}")
         tp = {"rank": tp_rank, "size": tp_size, "sp": sequence_parallel, "group": group}
         self.tp_rank, self.tp_size, self.sequence_parallel, self.group = tp_rank, tp_size, sequence_parallel, group
-        self.decoder = TPTransformerBlock(config, tp)
+        self.decoder = TPTransformerBlock(config, tp, self.dropout_seeds)
         self._comm_ops = {}
         if sequence_parallel:
             self._comm_ops = {"scatter": ScatterToTP(tp_rank, tp_size, SEQ_DIM, group),
@@ -385,6 +385,7 @@ class TPGPTModel(GPTModel):
         self._tp_comm_index = dict(_registry_cells(self))
 
     def construct(self, tokens, labels):
+        self.dropout_seeds.step += 1   # as GPTModel: one dropout step per forward
         s = tokens.shape[1]
         hidden = self.embedding(tokens)
         if self.sequence_parallel:
@@ -457,8 +458,10 @@ def build_tp_gpt(tp, rank, num_layers=4, hidden_size=64, num_heads=4, seq_length
         full_model = build_gpt(num_layers, hidden_size, num_heads, seq_length, vocab_size, dropout, seed)
     config = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
                        seq_length=seq_length, vocab_size=vocab_size, dropout=dropout)
-    model = TPGPTModel(config, tp_rank=rank, tp_size=tp, sequence_parallel=sequence_parallel, group=group)
+    model = TPGPTModel(config, tp_rank=rank, tp_size=tp, sequence_parallel=sequence_parallel, group=group,
+                       seed=seed)
     shard_full_params(model, full_model)
+    model.set_train(True)   # nn.Dropout is the identity outside training mode
     ms.set_seed(seed)
     np.random.seed(seed)
     return model

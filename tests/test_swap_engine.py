@@ -110,7 +110,6 @@ def test_layer_swap_exact_and_report(baseline):
             # device-resident activations of a swapped layer drop by >= 95% vs the independent meter
             assert st["resident_bytes"] <= 0.05 * layer_bytes[i], (st, layer_bytes[i])
             assert st["kept_reasons"].get("input", 0) >= 1      # the layer input stays on the device
-            assert st["dedup_hits"] >= 1                         # one copy per storage view
         assert 2 not in snap["layers"]                           # layer 2 is not swapped
         assert snap["live_resident_bytes"] == 0
     assert snaps[-1]["pool_allocations"] == snaps[0]["pool_allocations"]   # warm pool: no new buffers
@@ -508,3 +507,34 @@ def test_device_backend_stream_event_order():
         ]
     assert ex.pool.stats()["pool_allocations"] == 1  # ... and reused in the next step
     ex.close()
+
+
+class _Square(nn.Cell):
+    """Saves the same storage twice for backward (both inputs of the Mul are x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Dense(64, 64)
+
+    def construct(self, x):
+        y = self.dense(x)
+        return ops.mul(y, y)
+
+
+def test_one_host_copy_per_storage():
+    x = Tensor(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32))
+
+    def run(with_swap):
+        ms.set_seed(0)
+        net = nn.SequentialCell([_Square(), _Square()])
+        inst = install_layer_swap(net, [0], prefetch=1) if with_swap else None
+        grads = ms.value_and_grad(lambda t: net(t).sum(), None, net.trainable_params())(x)
+        return grads, inst
+    (base_loss, base_grads), _ = run(False)
+    (loss, grads), inst = run(True)
+    assert np.array_equal(base_loss.asnumpy(), loss.asnumpy())
+    assert all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(base_grads, grads))
+    st = inst.report.end_step()["layers"][0]
+    assert st["dedup_hits"] >= 1                       # y was packed twice, copied once
+    assert st["offloaded_bytes"] == 8 * 64 * 4         # one host copy of y; x is the layer input
+    inst.remove()

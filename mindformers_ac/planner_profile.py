@@ -1,0 +1,218 @@
+"""Measure what each per-layer AC option costs on a model: the planner's input.
+
+``profile_model(factory, ...)`` builds one fresh model per candidate option
+with the same factory, applies that option to every layer where it is allowed
+(``apply_ac``), and runs training steps exactly like ``train.run_variant``
+(``value_and_grad`` + SGD, ``StepMeter`` around the step). The models are
+stepped round-robin, so slow phases of a shared machine hit every option
+alike, and each option's step time is the median of its steps.
+
+From those runs, per layer and option:
+
+* ``mem``: bytes kept for backward at the end of forward (``StepMeter``'s
+  per-layer ``kept_bytes``, the same accounting ``train`` reports);
+* ``time``: seconds the option adds to one step, the step-time difference to
+  the baseline divided evenly over the layers it was applied to (assumes the
+  layers are alike: a transformer stack);
+* ``transient``: bytes a recompute rebuilds in backward (``recomputed_bytes``).
+
+The host copy bandwidth is measured with the same ``np.copyto`` the CPU swap
+backend uses; with the swap run's offloaded bytes it gives the fraction of
+the copy time hidden behind compute (``swap_overlap``), reported for the user.
+The swap cost itself is the measured step-time difference, shared among the
+swapped layers in proportion to their offloaded bytes.
+
+Side effect: sets MindSpore to synchronous PyNative mode, like ``train``
+(asynchronous step times on CPU are bimodal, useless for a cost model).
+"""
+import statistics
+import time
+
+import numpy as np
+
+from .errors import ConfigError
+from .planner import FULL, NONE, SELECT, SWAP, Option, Profile
+
+# Class names whose outputs "full recompute, keep matmul outputs" keeps: the
+# expensive ops of a transformer layer, whose outputs are small next to what
+# the layer saves in total.
+_MATMUL_CELLS = ("Linear", "Dense")
+_MATMUL_OPS = ("MatMul", "BatchMatMul", "MatMulExt")
+
+
+def candidate_options(layer):
+    """The options tried on every layer of a stack whose layers look like ``layer``.
+
+    Select recompute of every composite sub-cell (one with sub-cells of its
+    own) up to depth 2, plus all depth-1 composites together; full recompute;
+    full recompute keeping the outputs of the layer's matmuls (Linear/Dense
+    cells and MatMul primitives, as an ``exclude_op`` dict); layer swap.
+    """
+    from .whitelist import layer_inventory
+    cells = dict(layer.cells_and_names())
+    entries = layer_inventory(layer)
+    composites = [e.path for e in entries if e.kind == "cell" and e.path.count(".") <= 1
+                  and len(list(cells[e.path].cells_and_names())) > 1]
+    options = [Option("none", NONE)]
+    options += [Option(f"select {p}", SELECT, select=(p,)) for p in composites]
+    top = tuple(p for p in composites if "." not in p)
+    if len(top) > 1:
+        options.append(Option("select " + " + ".join(top), SELECT, select=top))
+    options.append(Option("full", FULL))
+    keep = []
+    for e in entries:
+        if e.kind == "cell" and type(cells[e.path]).__name__ in _MATMUL_CELLS:
+            keep.append(e.path)
+        elif e.kind == "op" and not any(e.path.startswith(k + ".") for k in keep):
+            owner = cells[e.owner_path] if e.owner_path else layer
+            if type(getattr(owner, e.attr, None)).__name__ in _MATMUL_OPS:
+                keep.append(e.path)
+    if keep:
+        options.append(Option("full, keep matmuls", FULL, exclude=tuple(keep)))
+    options.append(Option("layer swap", SWAP))
+    return options
+
+
+def host_copy_bandwidth(nbytes=32 * 2 ** 20, repeats=7):
+    """Bytes per second of ``np.copyto`` between two host buffers (median of ``repeats``)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times)
+
+
+class _Run:
+    """One fresh model with one option applied, stepped like ``train.run_variant``."""
+
+    def __init__(self, factory, option, config, batches, lr):
+        import mindspore as ms
+        from mindspore import nn
+        from .accounting import StepMeter
+        from .apply import apply_ac
+        self.option = option
+        self.model = factory()
+        self.plan = apply_ac(self.model, config=config) if config else None
+        self.optimizer = nn.SGD(self.model.trainable_params(), learning_rate=lr)
+        self.grad_fn = ms.value_and_grad(self.model, None, self.optimizer.parameters)
+        self.meter = StepMeter(self.model)
+        self.batches = batches
+        self.times, self.memory = [], None   # memory: the recorded step with the most kept bytes
+
+    def step(self, k, record=True):
+        tokens, labels = self.batches[k % len(self.batches)]
+        start = time.perf_counter()
+        with self.meter.step() as memory:
+            _, grads = self.grad_fn(tokens, labels)
+        self.optimizer(grads)
+        seconds = time.perf_counter() - start
+        if record:
+            self.times.append(seconds)
+            # train reports its peak step, so the profile keeps the same one
+            if self.memory is None or memory.kept_bytes > self.memory.kept_bytes:
+                self.memory = memory
+
+    def close(self):
+        from .apply import ac_state, remove_ac
+        if ac_state(self.model) is not None:
+            remove_ac(self.model)
+
+
+def _applied_layers(option, num_layers, prefetch):
+    if option.kind == NONE:
+        return []
+    if option.kind == SWAP:
+        return list(range(num_layers - prefetch))
+    return list(range(num_layers))
+
+
+def profile_model(factory, batches, *, prefetch=1, steps=12, warmup=2, lr=0.05, options=None,
+                  description=""):
+    """Profile every option of ``candidate_options`` (or ``options``) on models from ``factory``.
+
+    ``factory()`` must return a fresh model with the same weights each call;
+    ``batches`` is a list of ``(tokens, labels)`` the model's ``construct``
+    takes, cycled over the steps. ``steps`` timed steps per option after
+    ``warmup`` untimed ones. Returns a ``Profile``. Raises ``ConfigError``
+    for a ``prefetch`` outside ``[1, num_layers - 1]`` or if ``plan_ac``
+    rejects an option on this model (e.g. a layer list it can't find: build
+    the model so ``find_layer_stack`` sees it).
+    """
+    import mindspore as ms
+    from .layers import find_layer_stack
+    from .planner import option_sections
+    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    probe = factory()
+    stack = find_layer_stack(probe, None)
+    num_layers = stack.num_layers
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= max(1, num_layers - 1):
+        raise ConfigError("swap.default_prefetch", f"must be in [1, {max(1, num_layers - 1)}] for a model with "
+                                                   f"{num_layers} layers, got {prefetch!r}")
+    if options is None:
+        options = candidate_options(stack.cell(stack.layer_ids[0]))
+    options = [o for o in options if not (o.kind == SWAP and num_layers - prefetch < 1)]
+    del probe
+    runs = []
+    try:
+        for option in options:
+            applied = _applied_layers(option, num_layers, prefetch)
+            config = option_sections({i: option for i in applied}, prefetch) if applied else None
+            runs.append(_Run(factory, option, config, batches, lr))
+        for k in range(warmup + steps):
+            order = runs if k % 2 == 0 else runs[::-1]   # alternate so no option always runs first
+            for run in order:
+                run.step(k, record=k >= warmup)
+        return _profile_from_runs(runs, num_layers, prefetch, description)
+    finally:
+        for run in runs:
+            run.close()
+
+
+def _profile_from_runs(runs, num_layers, prefetch, description):
+    base = next(r for r in runs if r.option.kind == NONE)
+    base_time = statistics.median(base.times)
+    k_opts = len(runs)
+    mem = np.full((num_layers, k_opts), np.nan)
+    cost = np.full((num_layers, k_opts), np.nan)
+    transient = np.zeros((num_layers, k_opts))
+    offloaded = 0
+    for k, run in enumerate(runs):
+        applied = _applied_layers(run.option, num_layers, prefetch) if run.option.kind != NONE \
+            else list(range(num_layers))
+        delta = statistics.median(run.times) - base_time
+        layers = run.memory.layers
+        weights = np.array([layers[i].offloaded_bytes for i in applied], float) \
+            if run.option.kind == SWAP else np.ones(len(applied))
+        if run.option.kind == SWAP:
+            offloaded = float(weights.sum())
+        weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(applied), 1 / len(applied))
+        for w, i in zip(weights, applied):
+            mem[i, k] = layers[i].kept_bytes
+            transient[i, k] = layers[i].recomputed_bytes
+            cost[i, k] = 0.0 if run.option.kind == NONE else delta * w
+    bandwidth = host_copy_bandwidth()
+    swap_delta = sum(np.nansum(cost[:, k]) for k, r in enumerate(runs) if r.option.kind == SWAP)
+    raw_copy = 2 * offloaded / bandwidth   # offload in forward + load back in backward
+    overlap = float(np.clip(1 - swap_delta / raw_copy, 0, 1)) if raw_copy > 0 else None
+    return Profile(options=[r.option for r in runs], mem=mem, time=cost, transient=transient,
+                   other_bytes=int(base.memory.layers["other"].kept_bytes), baseline_step_s=base_time,
+                   prefetch=prefetch, host_bandwidth=bandwidth, swap_overlap=overlap,
+                   swap_copy_s=raw_copy if raw_copy > 0 else None, swap_cost_s=swap_delta if raw_copy > 0 else None,
+                   step_times={r.option.name: statistics.median(r.times) for r in runs},
+                   description=description)
+
+
+def profile_reference(layers=8, hidden=128, heads=4, seq=64, batch=4, vocab=256, dropout=0.1, seed=0,
+                      prefetch=1, steps=12, warmup=2):
+    """``profile_model`` on the reference GPT with ``train``'s synthetic batches (same seeds)."""
+    from .models import synthetic_batch
+    from .train import TrainSpec
+    spec = TrainSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=vocab,
+                     dropout=dropout, seed=seed)
+    batches = [synthetic_batch(batch, seq, vocab, seed=seed + k) for k in range(4)]
+    desc = f"reference GPT: {layers} layers, hidden {hidden}, heads {heads}, seq {seq}, batch {batch}"
+    return profile_model(spec.build_model, batches, prefetch=prefetch, steps=steps, warmup=warmup,
+                         description=desc)
