@@ -80,25 +80,23 @@ def cmd_explain(args):
 def cmd_train(args):
     from .report import layer_table, summary_text, write_report
     from .train import TrainSpec, train_and_compare
-    spec = TrainSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                     batch=args.batch, dropout=args.dropout, steps=args.steps, seed=args.seed, tp=args.tp)
+    spec = TrainSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch,
+                     vocab=args.vocab, dropout=args.dropout, steps=args.steps, seed=args.seed, tp=args.tp)
     config = args.config or default_config_path()
     AcConfig.from_yaml(config)   # structural errors first, before any model is built
     if spec.tp > 1:
         from .train import train_and_compare_tp
         rank, result = train_and_compare_tp(spec, config)
-        if rank != 0:
-            s = result["summary"]
-            return 0 if s["losses_match_bitwise"] and s["grads_match_bitwise"] else 1
     else:
-        result = train_and_compare(spec, config)
-    print()
-    print(layer_table(result))
-    print()
-    print(summary_text(result))
-    if args.report:
-        for path in write_report(result, args.report):
-            print(f"wrote {path}")
+        rank, result = 0, train_and_compare(spec, config)
+    if rank == 0:   # under msrun every rank compares its own slice; one prints
+        print()
+        print(layer_table(result))
+        print()
+        print(summary_text(result))
+        if args.report:
+            for path in write_report(result, args.report):
+                print(f"wrote {path}")
     s = result["summary"]
     return 0 if s["losses_match_bitwise"] and s["grads_match_bitwise"] else 1
 
@@ -140,6 +138,23 @@ def _positive(kind):
     return parse
 
 
+def _probability(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
+    return value
+
+
+def _add_model_args(parser):
+    """The reference GPT's shape and data, shared by train and plan (defaults: TrainSpec's)."""
+    from .train import TrainSpec
+    d = TrainSpec()
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
+        parser.add_argument(f"--{name}", type=_positive(int), default=getattr(d, name))
+    parser.add_argument("--dropout", type=_probability, default=d.dropout)
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,13 +162,7 @@ def build_parser():
     train.add_argument("config", nargs="?", default=None,
                        help="YAML config (default: the shipped default config, a mix of recompute and swap)")
     train.add_argument("--steps", type=_positive(int), default=20)
-    train.add_argument("--layers", type=_positive(int), default=8)
-    train.add_argument("--hidden", type=_positive(int), default=128)
-    train.add_argument("--heads", type=_positive(int), default=4)
-    train.add_argument("--seq", type=_positive(int), default=64)
-    train.add_argument("--batch", type=_positive(int), default=4)
-    train.add_argument("--dropout", type=float, default=0.1)
-    train.add_argument("--seed", type=int, default=0)
+    _add_model_args(train)
     train.add_argument("--tp", type=_positive(int), default=1,
                        help="tensor-parallel size; > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.launch`)")
@@ -182,14 +191,7 @@ def build_parser():
                       help="model factory as module:function returning a fresh model (same weights each call) "
                            "called as model(tokens, labels) -> loss; default: the reference GPT built from "
                            "--layers/--hidden/--heads/--dropout")
-    plan.add_argument("--layers", type=_positive(int), default=8)
-    plan.add_argument("--hidden", type=_positive(int), default=128)
-    plan.add_argument("--heads", type=_positive(int), default=4)
-    plan.add_argument("--seq", type=_positive(int), default=64)
-    plan.add_argument("--batch", type=_positive(int), default=4)
-    plan.add_argument("--vocab", type=_positive(int), default=256)
-    plan.add_argument("--dropout", type=float, default=0.1)
-    plan.add_argument("--seed", type=int, default=0)
+    _add_model_args(plan)
     plan.add_argument("--prefetch", type=int, default=None, help="swap.default_prefetch (default: CONFIG's, else 1)")
     plan.add_argument("--pp", type=_positive(int), default=1, help="pipeline-parallel size; > 1 rules out swap")
     plan.add_argument("--profile-steps", type=_positive(int), default=12, help="timed steps per option")

@@ -139,20 +139,12 @@ class AcPlan:
     def to_dict(self):
         """The three YAML sections that reproduce this plan with exact paths."""
         full = [lp.layer_id for lp in self.layers.values() if lp.full_recompute]
-        select = _paths_to_layers(self.layers.values(), "recompute")
-        recompute = {"mode": "None"}
-        if select:
-            recompute = {"mode": "select", "select_module": select}
-            if full:
-                recompute["full_recompute_layer"] = format_layer_specs(full)
-        elif full:
-            recompute = {"mode": "full", "full_recompute_layer": format_layer_specs(full)}
         excluded = [lp for lp in self.layers.values() if lp.exclude]
-        if excluded and recompute["mode"] != "None":
-            if excluded[0].exclude_by_path:
-                recompute["exclude_op"] = _paths_to_layers(excluded, "exclude")
-            else:
-                recompute["exclude_op"] = list(excluded[0].exclude)
+        exclude_op = None
+        if excluded:
+            exclude_op = (_paths_to_layers(excluded, "exclude") if excluded[0].exclude_by_path
+                          else list(excluded[0].exclude))
+        recompute = recompute_section(full, _paths_to_layers(self.layers.values(), "recompute"), exclude_op)
         comm = _paths_to_layers(self.layers.values(), "recompute_comm")
         layer_swap = [lp.layer_id for lp in self.layers.values() if lp.layer_swap]
         op_swap = _paths_to_layers(self.layers.values(), "op_swap")
@@ -168,6 +160,26 @@ class AcPlan:
 
     def to_yaml(self):
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def recompute_section(full_layer_ids, select_module, exclude_op=None):
+    """The ``recompute`` YAML section for whole layers ``full_layer_ids`` plus ``select_module``.
+
+    ``mode`` follows from what is there (select if any module is selected,
+    else full if any layer is, else None); ``exclude_op`` is dropped when
+    nothing is recomputed, where it would have no effect.
+    """
+    if select_module:
+        section = {"mode": "select", "select_module": select_module}
+        if full_layer_ids:
+            section["full_recompute_layer"] = format_layer_specs(full_layer_ids)
+    elif full_layer_ids:
+        section = {"mode": "full", "full_recompute_layer": format_layer_specs(full_layer_ids)}
+    else:
+        return {"mode": "None"}
+    if exclude_op:
+        section["exclude_op"] = exclude_op
+    return section
 
 
 def _paths_to_layers(layer_plans, attr):

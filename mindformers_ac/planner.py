@@ -32,6 +32,7 @@ import yaml
 
 from .errors import ConfigError
 from .layer_specs import format_layer_specs
+from .plan import recompute_section
 
 NONE, SELECT, FULL, SWAP = "none", "select", "full", "swap"
 MiB = 2 ** 20
@@ -293,16 +294,7 @@ def option_sections(options, prefetch=1):
             raise ValueError(f"unknown option kind {option.kind!r}")
     select = {key: format_layer_specs(ids) for (kind, key), ids in by.items() if kind == "select"}
     exclude = {key: format_layer_specs(ids) for (kind, key), ids in by.items() if kind == "exclude"}
-    full = by.get(("full", None))
-    recompute = {"mode": "None"}
-    if select:
-        recompute = {"mode": "select", "select_module": select}
-        if full:
-            recompute["full_recompute_layer"] = format_layer_specs(full)
-    elif full:
-        recompute = {"mode": "full", "full_recompute_layer": format_layer_specs(full)}
-    if exclude:
-        recompute["exclude_op"] = exclude
+    recompute = recompute_section(by.get(("full", None)), select, exclude)
     swapped = by.get(("swap", None))
     swap = {"enable": bool(swapped), "default_prefetch": prefetch}
     if swapped:

@@ -161,11 +161,33 @@ def profile_model(factory, batches, *, prefetch=1, steps=12, warmup=2, lr=0.05, 
             applied = _applied_layers(option, num_layers, prefetch)
             config = option_sections({i: option for i in applied}, prefetch) if applied else None
             runs.append(_Run(factory, option, config, batches, lr))
-        for k in range(warmup + steps):
-            order = runs if k % 2 == 0 else runs[::-1]   # alternate so no option always runs first
-            for run in order:
-                run.step(k, record=k >= warmup)
+        _step_interleaved(runs, warmup, steps)
         return _profile_from_runs(runs, num_layers, prefetch, description)
+    finally:
+        for run in runs:
+            run.close()
+
+
+def _step_interleaved(runs, warmup, steps):
+    # One step of each run in turn, so load changes on shared cores hit every run alike;
+    # the order alternates so that no run always goes first.
+    for k in range(warmup + steps):
+        for run in runs if k % 2 == 0 else runs[::-1]:
+            run.step(k, record=k >= warmup)
+
+
+def measure_configs(factory, batches, configs, *, steps=12, warmup=2, lr=0.05):
+    """Train one fresh model per config (``None``: no AC) side by side, interleaved step by step.
+
+    Returns ``[(median step seconds, peak kept bytes)]`` in ``configs`` order:
+    the measurement ``plan``'s predictions are checked against.
+    """
+    import mindspore as ms
+    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    runs = [_Run(factory, None, config, batches, lr) for config in configs]
+    try:
+        _step_interleaved(runs, warmup, steps)
+        return [(statistics.median(run.times), run.memory.kept_bytes) for run in runs]
     finally:
         for run in runs:
             run.close()

@@ -406,6 +406,7 @@ class RegionDispatch(MsDispatchMode):
         if decision is not None:
             region.decisions[idx] = decision   # before the call: legacy ops pack inside it
         out = self._call(run, idx, func, args, kwargs)
+        region.note_outputs(idx, out)
         if decision == REBUILD:
             region.finish_dropout(run, idx, args, out)
         elif decision in (SAVE, SWAP):

@@ -138,7 +138,9 @@ class Region:
         self.done = False
         self._running = False
         self._recompute_ctx = None
-        self._kept, self._dropped, self._swapped = {}, {}, {}   # storage ptr -> bytes, during forward
+        self._kept, self._swapped = {}, {}   # storage ptr -> bytes, during forward
+        self._dropped = {}    # (storage ptr, producing op index) -> bytes, during forward
+        self._producer = {}   # storage ptr -> index of the latest op whose output lives there
         self._swap_holders = {}   # (op index, ptr) -> _Swapped: one offload per storage and op
 
     # -- accounting -------------------------------------------------------------
@@ -148,16 +150,24 @@ class Region:
         ptr, nbytes = storage_info(t)
         self._kept[ptr] = nbytes
 
+    def note_outputs(self, idx, out):
+        """Remember which op produced each output storage (see ``account_dropped``)."""
+        for t in _tensors(out):
+            if isinstance(t, Tensor):
+                self._producer[storage_info(t)[0]] = idx
+
     def account_dropped(self, t):
+        # Dropped storages die during forward and their addresses are reused by later outputs:
+        # keying by address alone would count two different activations once.
         ptr, nbytes = storage_info(t)
-        self._dropped[ptr] = nbytes
+        self._dropped[(ptr, self._producer.get(ptr))] = nbytes
 
     def _finish_accounting(self):
         kept = sum(self._kept.values())
-        dropped = sum(n for p, n in self._dropped.items() if p not in self._kept)
+        dropped = sum(n for (p, _), n in self._dropped.items() if p not in self._kept)
         swapped = sum(n for p, n in self._swapped.items() if p not in self._kept)
         # Only the totals are needed from now on.
-        self._kept = self._dropped = self._swapped = self._swap_holders = None
+        self._kept = self._dropped = self._swapped = self._swap_holders = self._producer = None
         self.stats.open_region(self, kept, dropped, swapped)
 
     # -- inputs -----------------------------------------------------------------

@@ -81,7 +81,8 @@ def plot_memory(result, path):
     recomputed = [r["recomputed_bytes"] / MiB for r in rows]
     on_top = [k + o for k, o in zip(kept, offloaded)]
     ax.bar([i + width / 2 for i in x], recomputed, width, bottom=on_top,
-           label="with AC: dropped, recomputed in backward", fill=False, hatch="..", edgecolor="#2ca02c")
+           label="with AC: dropped, recomputed in backward", fill=False, hatch="..", edgecolor="#2ca02c",
+           linewidth=[1.0 if r > 0 else 0.0 for r in recomputed])   # no outline on empty bars
     top = max(base + [t + r for t, r in zip(on_top, recomputed)] + [1e-9])
     ax.set_ylim(0, top * 1.4)
     s = result["summary"]

@@ -2,9 +2,9 @@
 
     python scripts/bench_planner.py [--budgets 0.8x 0.5x 0.2x 0.1x] [--layers 8 --hidden 128 ...]
 
-Profiles the model once, plans each budget, then trains baseline and planned
-config with ``train_and_compare`` (each in its own subprocess, like
-``mindformers-ac train``) and prints one row per budget: the options chosen,
+Profiles the model once, plans each budget, then trains the baseline and every
+planned config side by side in one process, one step of each in turn
+(``planner_profile.measure_configs``), and prints one row per budget: the options chosen,
 predicted and measured peak activation memory (``StepMeter`` kept bytes at
 the end of forward), whether the measurement is within the budget, predicted
 and measured median step time and the error. Finally times the solver on 128
@@ -20,8 +20,9 @@ import time
 import numpy as np
 
 from mindformers_ac.planner import MiB, parse_budget, plan_budget, solve
-from mindformers_ac.planner_profile import profile_reference
-from mindformers_ac.train import TrainSpec, train_and_compare
+from mindformers_ac.models import synthetic_batch
+from mindformers_ac.planner_profile import measure_configs, profile_reference
+from mindformers_ac.train import TrainSpec
 
 
 def parse_args():
@@ -67,29 +68,34 @@ def main():
     for k, option in enumerate(profile.options):
         print(f"  {option.name:38} {np.nanmean(profile.mem[:, k]) / MiB:6.3f} MiB/layer "
               f"{np.nanmean(profile.time[:, k]) * 1000:+7.2f} ms/layer")
-    rows = []
+    budgets = [parse_budget(text, profile.baseline_peak) for text in a.budgets]
+    plans = [plan_budget(profile, budget) for budget in budgets]
     with tempfile.TemporaryDirectory(prefix="bench-planner-") as workdir:
-        for text in a.budgets:
-            budget = parse_budget(text, profile.baseline_peak)
-            plan = plan_budget(profile, budget)
-            path = os.path.join(workdir, f"plan_{text}.yaml")
-            with open(path, "w", encoding="utf-8") as f:
+        paths = []
+        for text, plan in zip(a.budgets, plans):
+            paths.append(os.path.join(workdir, f"plan_{text}.yaml"))
+            with open(paths[-1], "w", encoding="utf-8") as f:
                 f.write(plan.to_yaml())
-            s = train_and_compare(spec, path)["summary"]
-            peak, step = s["ac_peak_activation_bytes"], s["ac_step_time_s"]
-            rows.append((text, plan.summary(), plan.predicted_peak, peak, peak <= budget,
-                         plan.predicted_step_s, step, 100 * (step - plan.predicted_step_s) / plan.predicted_step_s,
-                         s["baseline_step_time_s"]))
+        # baseline and every planned config trained side by side, interleaved step by step
+        batches = [synthetic_batch(a.batch, a.seq, spec.vocab, seed=k) for k in range(4)]
+        measured = measure_configs(spec.build_model, batches, [None] + paths, steps=a.train_steps)
+    base_s = measured[0][0]
     print()
     print("| budget | plan | predicted peak | measured peak | within budget | predicted step | "
-          "measured step | error | measured baseline step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for text, summary, pp, mp, ok, pt, mt, err, bt in rows:
-        print(f"| {text} ({parse_budget(text, profile.baseline_peak) / MiB:.2f} MiB) | {summary} | "
-              f"{pp / MiB:.2f} MiB | {mp / MiB:.2f} MiB | {'yes' if ok else 'NO'} | {pt * 1000:.1f} ms | "
-              f"{mt * 1000:.1f} ms | {err:+.1f}% | {bt * 1000:.1f} ms |")
+          "measured step | error | predicted / baseline | measured / baseline | error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ok = True
+    for text, budget, plan, (step, peak) in zip(a.budgets, budgets, plans, measured[1:]):
+        err = 100 * (step - plan.predicted_step_s) / plan.predicted_step_s
+        predicted_ratio = plan.predicted_step_s / profile.baseline_step_s
+        ratio_err = 100 * (step / base_s - predicted_ratio) / predicted_ratio
+        ok &= peak <= budget and abs(err) <= 10
+        print(f"| {text} ({budget / MiB:.2f} MiB) | {plan.summary()} | {plan.predicted_peak / MiB:.2f} MiB | "
+              f"{peak / MiB:.2f} MiB | {'yes' if peak <= budget else 'NO'} | {plan.predicted_step_s * 1000:.1f} ms | "
+              f"{step * 1000:.1f} ms | {err:+.1f}% | {predicted_ratio:.3f} | {step / base_s:.3f} | "
+              f"{ratio_err:+.1f}% |")
+    print(f"\nbaseline: profiled {profile.baseline_step_s * 1000:.1f} ms/step, measured {base_s * 1000:.1f} ms/step")
     print(f"\nsolver, 128 layers x 8 options: {solver_time() * 1000:.1f} ms (median of 5)")
-    ok = all(r[4] and abs(r[7]) <= 10 for r in rows)
     return 0 if ok else 1
 
 
