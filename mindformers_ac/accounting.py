@@ -21,6 +21,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 
+from .apply import ac_state
 from .layers import find_layer_stack
 from .meter import SavedTensorMeter
 
@@ -138,7 +139,6 @@ class StepMeter:
     """
 
     def __init__(self, model, layers=None):
-        from .apply import ac_state
         self.model = model
         self.state = ac_state(model)
         stack = find_layer_stack(model, layers)

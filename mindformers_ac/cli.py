@@ -129,41 +129,16 @@ def cmd_plan(args):
     return 0
 
 
-def _positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-        return value
-    return parse
-
-
-def _probability(text):
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
-    return value
-
-
-def _add_model_args(parser):
-    """The reference GPT's shape and data, shared by train and plan (defaults: TrainSpec's)."""
-    from .train import TrainSpec
-    d = TrainSpec()
-    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
-        parser.add_argument(f"--{name}", type=_positive(int), default=getattr(d, name))
-    parser.add_argument("--dropout", type=_probability, default=d.dropout)
-    parser.add_argument("--seed", type=int, default=d.seed)
-
-
 def build_parser():
+    from .train import add_model_arguments, positive_int
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train the reference GPT without and with a config, compare")
     train.add_argument("config", nargs="?", default=None,
                        help="YAML config (default: the shipped default config, a mix of recompute and swap)")
-    train.add_argument("--steps", type=_positive(int), default=20)
-    _add_model_args(train)
-    train.add_argument("--tp", type=_positive(int), default=1,
+    train.add_argument("--steps", type=positive_int, default=20)
+    add_model_arguments(train)
+    train.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size; > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.launch`)")
     train.add_argument("--report", default=None, metavar="DIR", help="write report.json and memory.png here")
@@ -191,10 +166,10 @@ def build_parser():
                       help="model factory as module:function returning a fresh model (same weights each call) "
                            "called as model(tokens, labels) -> loss; default: the reference GPT built from "
                            "--layers/--hidden/--heads/--dropout")
-    _add_model_args(plan)
+    add_model_arguments(plan)
     plan.add_argument("--prefetch", type=int, default=None, help="swap.default_prefetch (default: CONFIG's, else 1)")
-    plan.add_argument("--pp", type=_positive(int), default=1, help="pipeline-parallel size; > 1 rules out swap")
-    plan.add_argument("--profile-steps", type=_positive(int), default=12, help="timed steps per option")
+    plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size; > 1 rules out swap")
+    plan.add_argument("--profile-steps", type=positive_int, default=12, help="timed steps per option")
     plan.add_argument("--out", default=None, help="write the YAML here (default: print it)")
     plan.set_defaults(func=cmd_plan)
     return parser

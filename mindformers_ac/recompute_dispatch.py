@@ -120,6 +120,8 @@ class _Engine:
         return ok
 
 
+# Process-wide on purpose: ``is_in_recompute()`` and nested regions must be answerable from any
+# code on the thread, without a handle; the mutable per-run state is thread-local inside it.
 ENGINE = _Engine()
 
 

@@ -7,6 +7,7 @@ before starting anything, then compares the two runs: per-step loss and every
 gradient bitwise (SHA-1 of the bytes), activation memory per layer
 (``accounting.StepMeter``) and median step time.
 """
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -46,6 +47,31 @@ class TrainSpec:
             return build_gpt(**dims)
         from .tp import build_tp_gpt
         return build_tp_gpt(self.tp, rank, **dims)
+
+
+def add_model_arguments(parser, **defaults):
+    """Add ``--layers --hidden --heads --seq --batch --vocab --dropout --seed`` (the reference GPT
+    and its synthetic data) to an argparse ``parser``; defaults are ``TrainSpec``'s unless given."""
+    spec = dataclasses.replace(TrainSpec(), **defaults)
+    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
+        parser.add_argument(f"--{name}", type=positive_int, default=getattr(spec, name))
+    parser.add_argument("--dropout", type=_probability, default=spec.dropout)
+    parser.add_argument("--seed", type=int, default=spec.seed)
+
+
+def positive_int(text):
+    """argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _probability(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
+    return value
 
 
 def _digest(tensors):
@@ -110,17 +136,17 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
     progress = Progress(label, spec.steps) if show_progress else None
     record = {"losses": [], "loss_digests": [], "grad_digests": [], "step_times": [], "memory": [],
               "collectives": []}
+    if spec.tp > 1:
+        from .tp import reset_comm_counters, sync_sequence_parallel_grads
     reset_hwm()
     for step in range(spec.steps):
         tokens, labels = synthetic_batch(spec.batch, spec.seq, spec.vocab, seed=spec.seed + step)
         if spec.tp > 1:
-            from .tp import reset_comm_counters
             reset_comm_counters(model)
         start = time.perf_counter()
         with meter.step() as memory:
             loss, grads = grad_fn(tokens, labels)
         if spec.tp > 1:
-            from .tp import sync_sequence_parallel_grads
             grads = sync_sequence_parallel_grads(model, optimizer.parameters, grads)
             record["collectives"].append(_collectives(model, ac_state(model)))
         optimizer(grads)

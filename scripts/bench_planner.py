@@ -22,18 +22,13 @@ import numpy as np
 from mindformers_ac.planner import MiB, parse_budget, plan_budget, solve
 from mindformers_ac.models import synthetic_batch
 from mindformers_ac.planner_profile import measure_configs, profile_reference
-from mindformers_ac.train import TrainSpec
+from mindformers_ac.train import TrainSpec, add_model_arguments
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budgets", nargs="+", default=["0.8x", "0.5x", "0.2x", "0.1x"])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
+    add_model_arguments(p)
     p.add_argument("--profile-steps", type=int, default=12)
     p.add_argument("--train-steps", type=int, default=20)
     return p.parse_args()

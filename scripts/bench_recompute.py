@@ -18,18 +18,13 @@ import mindspore as ms
 
 from mindformers_ac.meter import MiB, SavedTensorMeter
 from mindformers_ac.models import build_gpt, synthetic_batch
+from mindformers_ac.train import add_model_arguments
 from mindformers_ac import recompute as rc
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--dropout", type=float, default=0.1)
+    add_model_arguments(p, layers=4, hidden=256, seq=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     return p.parse_args()

@@ -14,6 +14,7 @@ import mindspore as ms
 from mindspore import nn
 
 from mindformers_ac.models import build_gpt, synthetic_batch
+from mindformers_ac.train import add_model_arguments
 from mindformers_ac.swap import install_layer_swap
 
 MiB = 2 ** 20
@@ -51,13 +52,7 @@ class Runner:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--dropout", type=float, default=0.1)
+    add_model_arguments(p, layers=4, hidden=256, seq=128)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefetch", type=int, default=1)
