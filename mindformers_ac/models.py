@@ -74,7 +74,11 @@ class SeededDropout(nn.Cell):
         if not self.training:
             return x
         seed0 = (self.seeds.seed * 1000003 + self.site) % (2 ** 31 - 1)
-        out, _ = ops.Dropout(self.keep_prob, seed0, self.seeds.step + 1)(x)
+        dropout = ops.Dropout(self.keep_prob, seed0, self.seeds.step + 1)
+        # a fresh primitive with these seeds draws the same mask when called again, so the
+        # recompute engine may run it again instead of keeping its mask (mindformers_ac's marker)
+        dropout.mac_replayable = True
+        out, _ = dropout(x)
         return out
 
 
@@ -210,6 +214,24 @@ def build_gpt(num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_si
                        seq_length=seq_length, vocab_size=vocab_size, dropout=dropout)
     model = GPTModel(config, seed)
     model.set_train(True)
+    return model
+
+
+def use_nn_dropout(model, seed=7):
+    """Swap ``model``'s ``SeededDropout`` cells for MindSpore's ``nn.Dropout`` (same p), in place.
+
+    ``nn.Dropout`` keeps RNG state in its kernel, as real MindFormers models'
+    dropouts do: a re-run draws a new mask, so the recompute engine must keep
+    its masks instead of drawing them again. Seeded first, so two models
+    swapped alike draw alike (for 5 calls: see ``DropoutSeeds``).
+    """
+    ms.set_seed(seed)
+    for _, cell in list(model.cells_and_names()):
+        for name, child in list(cell.name_cells().items()):
+            if isinstance(child, SeededDropout):
+                replacement = nn.Dropout(p=1.0 - child.keep_prob)
+                replacement.set_train(child.training)
+                setattr(cell, name, replacement)
     return model
 
 

@@ -44,9 +44,26 @@ FORWARD, RECOMPUTE, REPLAY = "forward", "recompute", "replay"
 SAVE, SWAP, REBUILD = "save", "swap", "rebuild"
 
 
+# A random primitive with this attribute set to True promises that calling it again on the same
+# inputs draws the same output (a fresh primitive with explicit seeds: a counter-based RNG).
+REPLAYABLE_ATTR = "mac_replayable"
+
+
 def is_random_op_name(name):
     """True if an op called ``name`` draws random numbers (its output is always kept)."""
     return bool(name) and RANDOM_OP_PATTERN.search(name) is not None
+
+
+def is_unreplayable_random_op(name, args):
+    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat.
+
+    Legacy ops are dispatched with their primitive as the first argument; a
+    primitive marked ``mac_replayable = True`` is recomputed like any other op
+    instead of keeping its output or mask.
+    """
+    if not is_random_op_name(name):
+        return False
+    return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
 
 
 def op_name_of(op):

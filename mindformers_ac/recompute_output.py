@@ -24,7 +24,7 @@ from mindspore.graph.api import _pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
 from .meter import storage_nbytes
-from .recompute_dispatch import ENGINE, AttrProxy, is_random_op_name, op_name_of
+from .recompute_dispatch import ENGINE, AttrProxy, is_random_op_name, is_unreplayable_random_op, op_name_of
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -44,7 +44,7 @@ class _RandomProbe(MsDispatchMode):
 
     def __ms_dispatch__(self, func, args, kwargs=None):
         name = op_name_of(func)
-        if is_random_op_name(name):
+        if is_unreplayable_random_op(name, args):
             self.random_ops.append(name)
         return func(*args, **(kwargs or {}))
 

@@ -17,7 +17,7 @@ from .meter import param_ptrs, storage_info
 from .policy import CheckpointPolicy
 from .recompute_dispatch import (ENGINE, FORWARD, REBUILD, RECOMPUTE, REPLAY, SAVE, SWAP, AttrProxy, OpContext,
                                  RegionDispatch, _DropoutRecord, _drop, _identity, _Run, _Swapped,
-                                 dropout_input, is_op_attribute, is_random_op_name, unpack_saved)
+                                 dropout_input, is_op_attribute, is_unreplayable_random_op, unpack_saved)
 
 
 _FLOAT_TYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
@@ -226,7 +226,7 @@ class Region:
     def decide(self, run, idx, name, func, args, kwargs):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         policy = self.ask_policy(run, idx, name, func, args, kwargs) if self.policy_fn is not None else None
-        if is_random_op_name(name):
+        if is_unreplayable_random_op(name, args):
             if name == "Dropout" and dropout_input(args)[0] is not None:
                 return REBUILD
             return SAVE

@@ -17,7 +17,7 @@ import time
 import mindspore as ms
 
 from mindformers_ac.meter import MiB, SavedTensorMeter
-from mindformers_ac.models import build_gpt, synthetic_batch
+from mindformers_ac.models import build_gpt, synthetic_batch, use_nn_dropout
 from mindformers_ac.train import add_model_arguments
 from mindformers_ac import recompute as rc
 
@@ -25,6 +25,9 @@ from mindformers_ac import recompute as rc
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_arguments(p, layers=4, hidden=256, seq=128)
+    p.add_argument("--nn-dropout", action="store_true",
+                   help="MindSpore's nn.Dropout (masks kept as bits) instead of the reference model's "
+                        "replayable SeededDropout (drawn again in recompute)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     return p.parse_args()
@@ -33,8 +36,7 @@ def parse_args():
 def make_model(a):
     m = build_gpt(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, seq_length=a.seq,
                   vocab_size=a.vocab, dropout=a.dropout, seed=0)
-    m.set_train(True)
-    return m
+    return use_nn_dropout(m) if a.nn_dropout else m
 
 
 class Case:
@@ -129,8 +131,11 @@ def main():
         print(f"{case.name:<24}{t:>8.3f}{t / base:>8.2f}{t / cell_rc:>10.2f}{kept / MiB:>10.2f}{rerun:>10}")
     full = cases[3]
     per_layer_kept = [s.peak_kept_bytes for s in full.stats]
-    print(f"full: kept per layer {[round(b / layer_in, 3) for b in per_layer_kept]} x layer input "
-          f"(input + attention mask + dropout mask bits)")
+    inputs = layer_in + a.seq * a.seq * 4   # hidden states and the additive attention mask
+    print(f"full: kept per layer {[round(b / inputs, 3) for b in per_layer_kept]} x the layer's inputs "
+          f"({inputs / MiB:.4f} MiB: hidden states + attention mask; with --nn-dropout also the "
+          f"dropout masks at 1 bit per element)")
+    print(f"dropout: {'nn.Dropout, masks kept' if a.nn_dropout else 'replayable SeededDropout, drawn again'}")
 
 
 if __name__ == "__main__":

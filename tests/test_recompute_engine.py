@@ -22,7 +22,7 @@ from mindspore import Tensor, mint, nn, ops
 
 from mindformers_ac import recompute as rc
 from mindformers_ac.meter import SavedTensorMeter, measure_step, storage_nbytes
-from mindformers_ac.models import build_gpt, synthetic_batch
+from mindformers_ac.models import build_gpt, synthetic_batch, use_nn_dropout
 from mindformers_ac.policy import CheckpointPolicy
 from mindformers_ac.recompute_region import Region
 from mindformers_ac.recompute_dispatch import ENGINE, _Token
@@ -39,10 +39,12 @@ def _sgd(params, grads, lr=0.1):
         p.set_data(Tensor(p.asnumpy() - lr * g.asnumpy()))
 
 
-def train(setup=None, steps=3, dropout=0.1, seed=0, model_kw=None):
+def train(setup=None, steps=3, dropout=0.1, seed=0, model_kw=None, stateful_dropout=False):
     """Losses and gradients of ``steps`` SGD steps; RNG re-seeded so every run draws the same masks."""
     kw = dict(SMALL, **(model_kw or {}))
     model = build_gpt(dropout=dropout, seed=seed, **kw)
+    if stateful_dropout:
+        use_nn_dropout(model)
     model.set_train(True)
     extra = setup(model) if setup is not None else None
     params = model.trainable_params()
@@ -68,6 +70,11 @@ def assert_bitwise_equal(base, other):
 @pytest.fixture(scope="module")
 def baseline():
     return train()[0]
+
+
+@pytest.fixture(scope="module")
+def stateful_baseline():
+    return train(stateful_dropout=True)[0]
 
 
 # -- setups ---------------------------------------------------------------------------------
@@ -114,9 +121,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_gradients_bitwise_equal_with_dropout(baseline, case):
-    history, extra, _ = train(CASES[case])
-    assert_bitwise_equal(baseline, history)
+@pytest.mark.parametrize("stateful", [False, True], ids=["replayable_dropout", "nn_dropout"])
+def test_gradients_bitwise_equal_with_dropout(baseline, stateful_baseline, case, stateful):
+    history, extra, _ = train(CASES[case], stateful_dropout=stateful)
+    assert_bitwise_equal(stateful_baseline if stateful else baseline, history)
     stats = extra[0] if isinstance(extra, tuple) else extra
     stats = stats if isinstance(stats, list) else [stats]
     assert sum(s.recompute_calls for s in stats) > 0
@@ -282,9 +290,17 @@ def _layer_input_bytes(model, seq):
     return BATCH * seq * hidden * 4 + seq * seq * 4   # x and the additive attention mask
 
 
-def test_full_recompute_keeps_only_layer_inputs_and_mask_bits():
+def test_full_recompute_with_replayable_dropout_keeps_exactly_inputs():
     kw = dict(num_layers=2, hidden_size=64, num_heads=2, seq_length=16, vocab_size=64)
     _, stats, model = train(wrap_layers(), steps=1, model_kw=kw)
+    for s in stats:
+        assert s.peak_kept_bytes == _layer_input_bytes(model, 16)
+        assert s.rerun_by_op["Dropout"] == 3   # drawn again from the same seeds, not kept
+
+
+def test_full_recompute_keeps_only_layer_inputs_and_mask_bits():
+    kw = dict(num_layers=2, hidden_size=64, num_heads=2, seq_length=16, vocab_size=64)
+    _, stats, model = train(wrap_layers(), steps=1, model_kw=kw, stateful_dropout=True)
     inputs = _layer_input_bytes(model, 16)
     bits = (BATCH * 2 * 16 * 16 + 2 * BATCH * 16 * 64) // 8   # attention, hidden, mlp dropout masks
     for s in stats:
@@ -456,7 +472,7 @@ def _run_script(body):
         import mindspore as ms
         ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
         from mindformers_ac import recompute as rc
-        from mindformers_ac.models import build_gpt, synthetic_batch
+        from mindformers_ac.models import build_gpt, synthetic_batch, use_nn_dropout
         model = build_gpt(num_layers=1, hidden_size=32, num_heads=2, seq_length=8, vocab_size=32, dropout=0.1)
         model.set_train(True)
         tokens, labels = synthetic_batch(2, 8, 32)
