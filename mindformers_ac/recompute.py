@@ -6,7 +6,10 @@ running ``fn`` again on its saved inputs. Unlike ``mindspore.recompute`` with
 ``use_reentrant=False``, gradients are bitwise equal to a run without
 recompute even with dropout: random ops are never run again (Dropout keeps its
 mask as bits and its output is rebuilt exactly; other random ops keep their
-outputs).
+outputs). The exception is a random primitive marked ``mac_replayable = True``
+(a fresh primitive with explicit seeds, as the reference model's
+``SeededDropout``): calling it again draws the same output, so it is
+recomputed like any other op and nothing of it is kept.
 
 What stays alive between forward and backward: the region's inputs (detached),
 the outputs and saved tensors of ops the policy keeps (MUST_SAVE / PREFER_SAVE,
