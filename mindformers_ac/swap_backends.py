@@ -13,8 +13,11 @@ Two backends share one small interface, used only by ``SwapExecutor``:
 
 * ``HostCopyBackend`` (CPU build): a single worker thread does the copies with
   numpy. ``Tensor.asnumpy()`` aliases the tensor's memory on CPU, so every
-  offload is a real ``np.copyto`` into a pool buffer; ``Tensor(ndarray)``
-  copies, so a buffer is free again as soon as its load has returned.
+  offload is a real ``np.copyto`` into a pool buffer. A load is
+  ``Tensor.from_numpy`` of that buffer: on CPU host memory is the device's, so
+  copying back would only cost time. The buffer goes back to the pool when its
+  handle dies and is reused only after a fence (the PyNative executor's sync),
+  so no queued backward kernel can still read it.
 * ``DeviceCopyBackend`` (Ascend/GPU): a dedicated copy stream per direction,
   events ordering copies against the compute stream both ways, pinned host
   buffers, non-blocking copies. It has NOT yet run on a device (the CPU build
@@ -50,15 +53,18 @@ class HostBufferPool:
     counts it as ``over_budget``). Thread safe.
     """
 
-    def __init__(self, allocator, max_bytes=None):
+    def __init__(self, allocator, max_bytes=None, fence=None):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None (unbounded), got {max_bytes}")
         self._alloc = allocator
         self.max_bytes = max_bytes
+        self._fence = fence        # waits until no queued kernel can still read a deferred buffer
+        self._deferred = []        # (buffer, nbytes) given back while kernels may still read them
         self._free = {}            # nbytes -> [buffer, ...]
         self._lock = threading.Lock()
         self.total_bytes = 0       # owned by the pool, free or in use
         self.in_use_bytes = 0
+        self.deferred_bytes = 0    # given back, waiting for the fence
         self.peak_total_bytes = 0
         self.peak_in_use_bytes = 0
         self.allocations = 0
@@ -78,6 +84,7 @@ class HostBufferPool:
 
     def acquire(self, nbytes):
         """A buffer of exactly ``nbytes`` bytes, or ``None`` when the bound forbids it."""
+        self._recycle_deferred()
         with self._lock:
             bucket = self._free.get(nbytes)
             if bucket:
@@ -97,6 +104,26 @@ class HostBufferPool:
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
             return buf
 
+    def release_later(self, buf, nbytes):
+        """Give back a buffer that device tensors aliased: it is reused only after the fence
+        (the next ``acquire`` first waits until every queued kernel has finished)."""
+        with self._lock:
+            self.in_use_bytes -= nbytes
+            self.deferred_bytes += nbytes
+            self._deferred.append((buf, nbytes))
+
+    def _recycle_deferred(self):
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        if not deferred:
+            return
+        if self._fence is not None:
+            self._fence()
+        with self._lock:
+            for buf, nbytes in deferred:
+                self.deferred_bytes -= nbytes
+                self._free.setdefault(nbytes, []).append(buf)
+
     def release(self, buf, nbytes):
         """Give a buffer back; it must not be read or written by the caller afterwards."""
         with self._lock:
@@ -113,6 +140,7 @@ class HostBufferPool:
     def stats(self):
         with self._lock:
             return {"pool_bytes": self.total_bytes, "pool_in_use_bytes": self.in_use_bytes,
+                    "pool_deferred_bytes": self.deferred_bytes,
                     "pool_peak_bytes": self.peak_total_bytes, "pool_peak_in_use_bytes": self.peak_in_use_bytes,
                     "pool_max_bytes": self.max_bytes, "pool_allocations": self.allocations,
                     "pool_reuses": self.reuses, "pool_refusals": self.refusals}
@@ -144,14 +172,27 @@ class HostCopyBackend:
     Offload: the tensor is viewed with ``asnumpy()`` on the caller's thread
     (the only MindSpore call, so the worker never touches the runtime while
     the main thread computes) and ``np.copyto`` runs on the worker. Load:
-    ``Tensor(host_view)`` on the worker (prefetch) or on the caller (on demand).
+    ``Tensor.from_numpy`` of the host buffer (no copy), on the worker (prefetch)
+    or on the caller (on demand).
     """
 
     name = "host"
+    # Loads alias the host buffer (Tensor.from_numpy): on CPU host memory is the device's, so a
+    # copy back would only cost time. The buffer is then recycled only after a fence.
+    loads_alias_host = True
 
     def __init__(self):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mac-swap")
         self._closed = False
+
+    @staticmethod
+    def fence():
+        """Wait for every queued MindSpore kernel (backward may still read an aliased buffer).
+
+        The PyNative executor's sync: ``ms.runtime.synchronize()`` is refused on CPU.
+        """
+        from mindspore.graph.api import _pynative_executor   # pylint: disable=import-outside-toplevel
+        _pynative_executor.sync()
 
     @staticmethod
     def alloc_host(nbytes):
@@ -189,15 +230,15 @@ class HostCopyBackend:
 
     def start_h2d(self, ticket):
         self._check_open()
-        return self._worker.submit(Tensor, ticket.host)
+        return self._worker.submit(Tensor.from_numpy, ticket.host)
 
     @staticmethod
     def load_now(ticket):
-        return Tensor(ticket.host)
+        return Tensor.from_numpy(ticket.host)
 
     @staticmethod
     def reusable(load):
-        """Host backend loads are complete copies once ``result()`` returned."""
+        """Nothing to wait for: the loaded tensor is the host buffer itself."""
         del load
 
     def close(self):

@@ -112,8 +112,8 @@ class SwapReport:
 class SwapHandle:
     """One offloaded tensor. Returned by ``SwapExecutor.offload``; pass it to ``load``.
 
-    Holds the host copy (a pool buffer, released after the load or when the
-    handle dies), the device tensor until ``finish_offload``, and a weak
+    Holds the host copy (a pool buffer, released after the load or, when the
+    backend's loads alias it, when the handle dies), the device tensor until ``finish_offload``, and a weak
     reference to it for the late in-place check at load time.
     """
 
@@ -136,11 +136,11 @@ class SwapHandle:
         return self._load is not None or self._loaded is not None
 
 
-def _release_buffer(pool, cell, nbytes):
-    # Called once: after the load, or by the handle's finalizer if it was never loaded.
+def _release_buffer(pool, cell, nbytes, aliased):
+    # Called once: after the load, or by the handle's finalizer (always, when loads alias the buffer).
     buf = cell.pop() if cell else None
     if buf is not None:
-        pool.release(buf, nbytes)
+        (pool.release_later if aliased else pool.release)(buf, nbytes)
 
 
 class SwapExecutor:
@@ -160,7 +160,9 @@ class SwapExecutor:
 
     def __init__(self, backend=None, max_pool_bytes=None, verify=True, report=None):
         self.backend = backend if backend is not None else select_backend()
-        self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes)
+        self._aliased = getattr(self.backend, "loads_alias_host", False)
+        self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes,
+                                   fence=getattr(self.backend, "fence", None))
         self.verify = verify
         self.report = report if report is not None else SwapReport()
         self.report.pool_stats = self.pool.stats
@@ -184,7 +186,7 @@ class SwapExecutor:
         h._ticket, h._device = ticket, tensor
         cell = [buf]
         h._buf = cell
-        h._finalizer = weakref.finalize(h, _release_buffer, self.pool, cell, nbytes)
+        h._finalizer = weakref.finalize(h, _release_buffer, self.pool, cell, nbytes, self._aliased)
         return h
 
     def finish_offload(self, handle):
@@ -257,7 +259,8 @@ class SwapExecutor:
         probe = handle._probe() if handle._probe is not None else None
         if probe is not None:
             self._check_unchanged(handle, probe, "after its layer's forward")
-        handle._finalizer()        # the data is in `tensor` now: the host buffer can serve the next offload
+        if not self._aliased:
+            handle._finalizer()    # the data is in `tensor` now: the host buffer can serve the next offload
         handle._loaded = tensor
         return tensor
 

@@ -304,6 +304,33 @@ def test_pool_reuse_and_bound_unit():
     assert pool.stats()["pool_refusals"] == 1
 
 
+def test_aliased_buffers_are_reused_only_after_the_fence():
+    fences = []
+    pool = HostBufferPool(lambda n: bytearray(n), fence=lambda: fences.append(len(fences)))
+    a = pool.acquire(64)
+    pool.release_later(a, 64)           # a loaded tensor may alias it while kernels are queued
+    assert pool.stats()["pool_deferred_bytes"] == 64 and pool.in_use_bytes == 0 and fences == []
+    assert pool.acquire(64) is a        # reused, but only after the fence ran
+    assert fences == [0] and pool.stats()["pool_deferred_bytes"] == 0
+    pool.release(a, 64)
+    pool.acquire(64)
+    assert fences == [0]                # nothing deferred: no fence
+
+
+def test_host_loads_alias_the_pool_buffer():
+    ex = SwapExecutor()
+    t = Tensor(np.arange(256, dtype=np.float32))
+    h = ex.offload(t, key="k")
+    loaded = ex.load(h)
+    assert np.array_equal(loaded.asnumpy(), t.asnumpy())
+    assert np.shares_memory(loaded.asnumpy(), h._ticket.host)   # no copy back on CPU
+    assert ex.pool.in_use_bytes == 1024                         # the handle still owns the buffer
+    del h
+    gc.collect()
+    assert ex.pool.stats()["pool_deferred_bytes"] == 1024       # given back, behind the fence
+    ex.close()
+
+
 def test_hundred_steps_flat_and_no_leaks():
     threads = threading.active_count()
     model = build_gpt(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=64, dropout=0.1)
