@@ -134,30 +134,31 @@ def _engine_figures(state, memory):
 class StepMeter:
     """Measure steps of one model; ``with meter.step() as memory: run the step``.
 
-    Attaches layer hooks once (``close()`` removes them). Works with or without
-    ``apply_ac``: with it, the engines' per-step counters are read and reset.
+    Each step attaches the layer hooks and detaches them when it ends. Works
+    with or without ``apply_ac`` (also applied or removed after the meter was
+    made): the engines' per-step counters are read and reset.
     """
 
     def __init__(self, model, layers=None):
         self.model = model
-        self.state = ac_state(model)
         stack = find_layer_stack(model, layers)
         self.layer_ids = list(stack.layer_ids)
         self.layer_cells = {i: stack.cell(i) for i in stack.layer_ids}
         self.params = list(model.get_parameters())
-        self._meter = None
 
-    def _reset_engines(self):
-        if self.state is None:
+    @staticmethod
+    def _reset_engines(state):
+        if state is None:
             return
-        for stats in self.state.recompute_stats.values():
+        for stats in state.recompute_stats.values():
             stats.reset()
-        if self.state.swap_report is not None:
-            self.state.swap_report.end_step()
+        if state.swap_report is not None:
+            state.swap_report.end_step()
 
     @contextlib.contextmanager
     def step(self):
-        self._reset_engines()
+        state = ac_state(self.model)
+        self._reset_engines(state)
         meter = LayerMeter(self.params, self.layer_cells)
         meter.attach()
         memory = StepMemory({i: LayerMemory(i) for i in self.layer_ids})
@@ -169,8 +170,7 @@ class StepMeter:
             meter.detach()
         for owner, nbytes in meter.by_layer_at_peak.items():
             memory.layers[owner].kept_bytes += nbytes
-        _engine_figures(self.state, memory)
-        self._meter = meter
+        _engine_figures(state, memory)
 
 
 def measure_step(model, step_fn, *args, layers=None, **kwargs):

@@ -10,7 +10,6 @@ Limitation: an engine that installs its own ``saved_tensors_hooks`` inside the
 metered region hides the meter (the innermost hook wins), so such engines must
 report what they keep themselves (see ``RecomputeStats``).
 """
-import contextlib
 import logging
 import weakref
 
@@ -161,11 +160,3 @@ def measure_step(fn, *args, params=(), weights=None, meter=None):
         out = grad_fn(*args)
     del out
     return meter.peak
-
-
-@contextlib.contextmanager
-def hwm_window():
-    """Yield a callable giving the VmHWM growth (bytes) since entering the window."""
-    reset_hwm()
-    base = rss()
-    yield lambda: vm_hwm() - base
