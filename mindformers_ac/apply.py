@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .plan import plan_with_layers
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
-from .whitelist import layer_inventory
+from .whitelist import layer_inventory, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -60,13 +60,6 @@ def ac_state(model):
     return model.__dict__.get(STATE_ATTR)
 
 
-def _resolve(layer, path):
-    cell = layer
-    for part in path.split(".") if path else ():
-        cell = cell.name_cells()[part]
-    return cell
-
-
 def _exclude_policy_for(lp, region_path=""):
     """The policy_fn that keeps the plan's excluded ops inside a region rooted at ``region_path``."""
     if not lp.exclude:
@@ -85,7 +78,7 @@ def _install_checkpoint(state, cell, policy_fn, stats):
 
 
 def _install_op_output(state, layer, entry, stats):
-    owner = _resolve(layer, entry.owner_path)
+    owner = sub_cell(layer, entry.owner_path)
     registry = entry.registry or None
     handle = wrap_op_output(owner, entry.attr, stats=stats, registry=registry, scope=layer)
     state.add_undo(handle.remove)
@@ -102,7 +95,7 @@ def _install_recompute(state, lp, layer):
         if path in lp.op_paths:
             _install_op_output(state, layer, entries[path], stats)
         else:
-            _install_checkpoint(state, _resolve(layer, path), _exclude_policy_for(lp, path), stats)
+            _install_checkpoint(state, sub_cell(layer, path), _exclude_policy_for(lp, path), stats)
     if lp.recompute:
         logger.info("Set select recompute at layer %d: %s", lp.layer_id, ", ".join(lp.recompute))
     for path in lp.recompute_comm:

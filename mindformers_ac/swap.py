@@ -29,6 +29,7 @@ from mindspore import Parameter, nn
 
 from mindformers_ac.swap_executor import LayerSwapStats, SwapExecutor, SwapHandle, SwapReport  # noqa: F401
 from mindformers_ac.swap_scheduler import DEFAULT_MIN_BYTES, SwapScheduler, tensor_storage_ptrs
+from mindformers_ac.whitelist import sub_cell
 
 logger = logging.getLogger("mindformers_ac.swap")
 
@@ -175,17 +176,6 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
     return inst
 
 
-def _resolve_sub_cell(layer, path):
-    cell = layer
-    for part in path.split("."):
-        child = cell.name_cells().get(part) if isinstance(cell, nn.Cell) else None
-        if child is None:
-            known = sorted(name for name, _ in layer.cells_and_names() if name)
-            raise ValueError(f"op swap path {path!r}: no sub-cell {part!r}; sub-cells of this layer: {known}")
-        cell = child
-    return cell
-
-
 def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, executor=None, report=None,
                     model=None, min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None):
     """Swap only what the given sub-cells of ``layer`` save (e.g. ``["mlp", "self_attention.core_attention"]``).
@@ -198,7 +188,7 @@ def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, e
     """
     if isinstance(sub_cell_paths, str):
         sub_cell_paths = [sub_cell_paths]
-    cells = [_resolve_sub_cell(layer, p) for p in sub_cell_paths]   # raise before installing anything
+    cells = [sub_cell(layer, p) for p in sub_cell_paths]   # raise before installing anything
     key = layer_id if layer_id is not None else f"{type(layer).__name__}@{id(layer):x}"
     if params is None:
         params = _params_of(model if model is not None else layer)

@@ -74,3 +74,18 @@ def get_single_layer_whitelist(layer):
 def is_under(path, ancestor):
     """True if ``path`` is ``ancestor`` or lies inside it (``mlp.linear_fc1`` under ``mlp``)."""
     return path == ancestor or path.startswith(ancestor + ".")
+
+
+def sub_cell(layer, path):
+    """The cell at dotted ``path`` inside ``layer`` (``''`` is the layer itself).
+
+    Raises ValueError naming the missing part and the layer's sub-cell paths.
+    """
+    cell = layer
+    for part in path.split(".") if path else ():
+        child = cell.name_cells().get(part) if isinstance(cell, nn.Cell) else None
+        if child is None:
+            known = sorted(name for name, _ in layer.cells_and_names() if name)
+            raise ValueError(f"path {path!r}: no sub-cell {part!r}; sub-cells of this layer: {known}")
+        cell = child
+    return cell
