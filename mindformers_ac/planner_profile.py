@@ -89,26 +89,16 @@ class _Run:
     """One fresh model with one option applied, stepped like ``train.run_variant``."""
 
     def __init__(self, factory, option, config, batches, lr):
-        import mindspore as ms
-        from mindspore import nn
-        from .accounting import StepMeter
-        from .apply import apply_ac
+        from .train import TrainingRun
         self.option = option
-        self.model = factory()
-        self.plan = apply_ac(self.model, config=config) if config else None
-        self.optimizer = nn.SGD(self.model.trainable_params(), learning_rate=lr)
-        self.grad_fn = ms.value_and_grad(self.model, None, self.optimizer.parameters)
-        self.meter = StepMeter(self.model)
+        self.training = TrainingRun(factory(), config, lr)
+        self.model = self.training.model
         self.batches = batches
         self.times, self.memory = [], None   # memory: the recorded step with the most kept bytes
 
     def step(self, k, record=True):
         tokens, labels = self.batches[k % len(self.batches)]
-        start = time.perf_counter()
-        with self.meter.step() as memory:
-            _, grads = self.grad_fn(tokens, labels)
-        self.optimizer(grads)
-        seconds = time.perf_counter() - start
+        _, _, memory, seconds = self.training.step(tokens, labels)
         if record:
             self.times.append(seconds)
             # train reports its peak step, so the profile keeps the same one

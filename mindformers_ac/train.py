@@ -9,6 +9,7 @@ gradient bitwise (SHA-1 of the bytes), activation memory per layer
 """
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -117,40 +118,65 @@ def _collectives(model, state):
             "rerun_in_backward": rerun}
 
 
+class TrainingRun:
+    """One model stepped with plain SGD and measured: what ``train`` and the planner's profile share.
+
+    ``config`` (an ``AcConfig``, dict or YAML path) is applied with ``apply_ac``
+    when given; ``plan`` is what it executed, else None.
+    """
+
+    def __init__(self, model, config=None, lr=0.05):
+        import mindspore as ms
+        from mindspore import nn
+        from .accounting import StepMeter
+        from .apply import apply_ac
+        self.model = model
+        self.plan = apply_ac(model, config=config) if config else None
+        self.optimizer = nn.SGD(model.trainable_params(), learning_rate=lr)
+        self.grad_fn = ms.value_and_grad(model, None, self.optimizer.parameters)
+        self.meter = StepMeter(model)
+
+    def step(self, tokens, labels, sync_grads=None):
+        """One training step; returns ``(loss, grads, StepMemory, seconds)``.
+
+        ``sync_grads(params, grads) -> grads`` runs before the update (tensor
+        parallel: the partial gradients of replicated parameters); it is timed.
+        """
+        start = time.perf_counter()
+        with self.meter.step() as memory:
+            loss, grads = self.grad_fn(tokens, labels)
+        if sync_grads is not None:
+            grads = sync_grads(self.optimizer.parameters, grads)
+        self.optimizer(grads)
+        return loss, grads, memory, time.perf_counter() - start
+
+
 def run_variant(spec, config_path, label, rank=0, show_progress=True):
     """Train ``spec`` (with ``config_path`` applied, unless None) and return every figure as a dict."""
     import mindspore as ms
-    from mindspore import nn
 
-    from .accounting import StepMeter
-    from .apply import ac_state, apply_ac
+    from .apply import ac_state
     from .meter import reset_hwm, vm_hwm
     from .models import synthetic_batch
 
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     model = spec.build_model(rank)
-    plan = apply_ac(model, config=config_path) if config_path else None
-    optimizer = nn.SGD(model.trainable_params(), learning_rate=spec.lr)
-    grad_fn = ms.value_and_grad(model, None, optimizer.parameters)
-    meter = StepMeter(model)
+    run = TrainingRun(model, config_path, spec.lr)
     progress = Progress(label, spec.steps) if show_progress else None
     record = {"losses": [], "loss_digests": [], "grad_digests": [], "step_times": [], "memory": [],
               "collectives": []}
+    sync_grads = None
     if spec.tp > 1:
         from .tp import reset_comm_counters, sync_sequence_parallel_grads
+        sync_grads = functools.partial(sync_sequence_parallel_grads, model)
     reset_hwm()
     for step in range(spec.steps):
         tokens, labels = synthetic_batch(spec.batch, spec.seq, spec.vocab, seed=spec.seed + step)
         if spec.tp > 1:
             reset_comm_counters(model)
-        start = time.perf_counter()
-        with meter.step() as memory:
-            loss, grads = grad_fn(tokens, labels)
+        loss, grads, memory, seconds = run.step(tokens, labels, sync_grads)
         if spec.tp > 1:
-            grads = sync_sequence_parallel_grads(model, optimizer.parameters, grads)
             record["collectives"].append(_collectives(model, ac_state(model)))
-        optimizer(grads)
-        seconds = time.perf_counter() - start
         record["losses"].append(float(loss.asnumpy()))
         record["loss_digests"].append(_digest([loss]))
         record["grad_digests"].append(_digest(grads))
@@ -159,7 +185,7 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
         if progress is not None:
             progress.update(step, record["losses"][-1], seconds, memory.kept_bytes)
     record["vm_hwm_bytes"] = vm_hwm()
-    record["plan"] = {str(i): lp.describe() for i, lp in plan.layers.items()} if plan else {}
+    record["plan"] = {str(i): lp.describe() for i, lp in run.plan.layers.items()} if run.plan else {}
     return record
 
 
