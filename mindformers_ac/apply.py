@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .plan import plan_with_layers
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
-from .whitelist import layer_inventory, sub_cell
+from .whitelist import sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -86,20 +86,19 @@ def _install_op_output(state, layer, entry, stats):
 
 def _install_recompute(state, lp, layer):
     stats = state.recompute_stats.setdefault(lp.layer_id, RecomputeStats())
-    entries = {e.path: e for e in layer_inventory(layer)}
     if lp.full_recompute:
         _install_checkpoint(state, layer, _exclude_policy_for(lp), stats)
         logger.info("Set full recompute at layer %d%s", lp.layer_id,
                     f", keeping {', '.join(lp.exclude)}" if lp.exclude else "")
     for path in lp.recompute:
         if path in lp.op_paths:
-            _install_op_output(state, layer, entries[path], stats)
+            _install_op_output(state, layer, lp.targets[path], stats)
         else:
             _install_checkpoint(state, sub_cell(layer, path), _exclude_policy_for(lp, path), stats)
     if lp.recompute:
         logger.info("Set select recompute at layer %d: %s", lp.layer_id, ", ".join(lp.recompute))
     for path in lp.recompute_comm:
-        _install_op_output(state, layer, entries[path], stats)
+        _install_op_output(state, layer, lp.targets[path], stats)
     if lp.recompute_comm:
         logger.info("Set comm recompute at layer %d: %s", lp.layer_id, ", ".join(lp.recompute_comm))
 

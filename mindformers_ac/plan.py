@@ -42,7 +42,12 @@ class LayerPlan:
     layer_swap: bool = False
     op_swap: tuple = ()          # module / op paths swapped
     prefetch_layer: Optional[int] = None
-    op_paths: frozenset = field(default=frozenset(), repr=False)  # which target paths are ops
+    targets: dict = field(default_factory=dict, repr=False)   # target path -> its WhitelistEntry
+
+    @property
+    def op_paths(self):
+        """The target paths that are ops (attributes or ``_comm_ops`` slots), not cells."""
+        return frozenset(path for path, entry in self.targets.items() if entry.is_op)
 
     @property
     def recomputed(self):
@@ -200,7 +205,6 @@ class _Planner:
         self.inventories = {}
         self.matches, self.warnings = [], []
         self.plans = {i: LayerPlan(i) for i in stack.layer_ids}
-        self.targets = {i: {} for i in stack.layer_ids}  # per layer: path -> WhitelistEntry
 
     def warn(self, message):
         self.warnings.append(message)
@@ -232,9 +236,6 @@ class _Planner:
         self.plan_recompute()
         self.plan_comm()
         self.plan_swap()
-        for i, lp in self.plans.items():
-            entries = self.targets[i]
-            lp.op_paths = frozenset(p for p, e in entries.items() if e.is_op)
         return self.plans
 
     def plan_recompute(self):
@@ -260,7 +261,7 @@ class _Planner:
                 order = {e.path: k for k, e in enumerate(self.inventory(i))} if entries else {}
                 kept = drop_covered(sorted(entries, key=lambda e: order[e.path]))
                 self.plans[i].recompute = tuple(e.path for e in kept)
-                self.targets[i].update({e.path: e for e in kept})
+                self.plans[i].targets.update({e.path: e for e in kept})
         self.plan_exclude(rc.exclude_op)
 
     def plan_exclude(self, exclude_op):
@@ -300,7 +301,7 @@ class _Planner:
                                     "enclosing region", entry.path, i)
                     elif entry.path not in lp.recompute_comm:
                         lp.recompute_comm = lp.recompute_comm + (entry.path,)
-                        self.targets[i][entry.path] = entry
+                        lp.targets[entry.path] = entry
 
     def plan_swap(self):
         sc = self.config.swap
@@ -361,7 +362,7 @@ class _Planner:
                                               f"recompute and swap can't share a module")
             if entry.path not in lp.op_swap:
                 lp.op_swap = lp.op_swap + (entry.path,)
-                self.targets[layer_id][entry.path] = entry
+                lp.targets[entry.path] = entry
         if lp.op_swap:
             lp.prefetch_layer = layer_id + self.config.swap.default_prefetch
 
