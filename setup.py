@@ -8,16 +8,20 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["mindformers_ac", "mindformers_ac.*"]),
-    package_data={"mindformers_ac": ["default_configs/*.yaml"]},
+    package_data={"mindformers_ac.harness": ["default_configs/*.yaml"]},
     install_requires=[
-        "mindspore==2.10.0",
+        # 2.9.0 is the oldest release with what the engines need (mindformers_ac/mindspore_version.py);
+        # tested on 2.9.0 and 2.10.0. No upper pin below the next major: a newer MindSpore is not downgraded.
+        "mindspore>=2.9.0,<3",
         # the mindspore 2.10 wheel is built against numpy 1.x: numpy 2 breaks its first op
         "numpy<2",
         "pyyaml",
         "regex",
+        # the harness's: psutil for the msrun launcher (MindSpore imports it too), matplotlib for
+        # train's memory.png; `import mindformers_ac` loads neither
         "psutil",
         "matplotlib",
     ],
     extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.cli:main"]},
+    entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )

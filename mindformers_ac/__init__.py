@@ -6,6 +6,10 @@ with the sections of a MindFormers-style YAML (or ``config=AcConfig``).
 ``apply_ac`` would execute and changes nothing. ``measure_step`` reports the
 activation memory of one training step per layer.
 """
+from .mindspore_version import require_mindspore
+
+require_mindspore()   # before any engine import: a clear error instead of a missing attribute later
+
 from .accounting import StepMemory, StepMeter, measure_step
 from .apply import ac_state, apply_ac, remove_ac
 from .config import AcConfig, RecomputeCommConfig, RecomputeConfig, SwapConfig
@@ -13,10 +17,10 @@ from .errors import ConfigError
 from .layer_specs import parse_layer_specs
 from .meter import SavedTensorMeter
 from .plan import AcPlan, LayerPlan, plan_ac
-from .policy import CheckpointPolicy
-from .recompute import (RecomputeStats, checkpoint, checkpoint_wrapper, exclude_policy, is_in_recompute,
-                        unwrap, wrap_op_output)
-from .swap import (SwapExecutor, SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper, swap,
+from . import swap   # the swap engine; callable as swap(fn, *args) (HyperParallel's API)
+from .recompute import (CheckpointPolicy, RecomputeStats, checkpoint, checkpoint_wrapper, exclude_policy,
+                        is_in_recompute, unwrap, wrap_op_output)
+from .swap import (SwapExecutor, SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper,
                    swap_tensor_wrapper, swap_wrapper)
 from .whitelist import get_single_layer_whitelist
 

@@ -82,3 +82,13 @@ def format_layer_specs(layer_ids):
         specs.append(ids[i] if i == j else f"{ids[i]}-{ids[j]}")
         i = j + 1
     return specs
+
+
+def swappable_layers(num_layers, prefetch):
+    """Ids of the layers that can be swapped with prefetch distance ``prefetch``.
+
+    Layer i comes back when layer ``i + prefetch`` starts its backward, so
+    that layer must exist: ``i + prefetch < num_layers``. ``prefetch`` 0 (load
+    on demand, no trigger) allows every layer.
+    """
+    return range(max(0, num_layers - prefetch)) if prefetch else range(num_layers)

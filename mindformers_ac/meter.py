@@ -10,64 +10,11 @@ Limitation: an engine that installs its own ``saved_tensors_hooks`` inside the
 metered region hides the meter (the innermost hook wins), so such engines must
 report what they keep themselves (see ``RecomputeStats``).
 """
-import logging
 import weakref
 
 import mindspore as ms
 
-logger = logging.getLogger("mindformers_ac.meter")
-
-MiB = 2 ** 20
-
-
-def rss():
-    """Resident set size of this process in bytes (includes MindSpore's pool, which never shrinks)."""
-    import psutil  # local import: only the RSS helpers need it
-    return psutil.Process().memory_info().rss
-
-
-def _status_field(name):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(name + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{name} not found in /proc/self/status (Linux only)")
-
-
-def vm_hwm():
-    """Peak resident set size (VmHWM) in bytes since start or the last ``reset_hwm()``. Linux only."""
-    return _status_field("VmHWM")
-
-
-def reset_hwm():
-    """Reset VmHWM to the current RSS (writes 5 to /proc/self/clear_refs). Linux only."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def storage_info(t):
-    """(base pointer, bytes) of the storage behind ``t``: views of one storage share the key."""
-    try:
-        storage = t.untyped_storage()
-        return int(storage.data_ptr()), int(storage.nbytes())
-    except Exception:  # some tensor kinds have no untyped_storage on CPU
-        return int(t.data_ptr()), int(t.nbytes)
-
-
-def storage_nbytes(t):
-    """Bytes of the storage behind tensor ``t``."""
-    return storage_info(t)[1]
-
-
-def param_ptrs(params):
-    """Set of ``data_ptr`` of the given parameters (weights arrive in pack as plain tensors sharing them)."""
-    ptrs = set()
-    for p in params:
-        try:
-            ptrs.add(p.data_ptr())
-        except Exception:  # a parameter not yet initialised has no storage; it can't be packed either
-            continue
-    return ptrs
+from .tensors import param_ptrs, storage_info
 
 
 class _Packed:
@@ -82,11 +29,12 @@ class _Packed:
 class SavedTensorMeter:
     """Count bytes kept alive for backward by autograd, deduplicated by storage.
 
-    Use ``with meter.hooks(): loss, grads = grad_fn(...)`` or ``measure_step``.
-    ``current`` is the bytes held now, ``peak`` the maximum since construction
-    or ``reset_peak()``; ``counts`` maps a storage base pointer to how many
-    packed references hold it (views of one storage count once). Weights (by ``data_ptr`` in ``params``) are not
-    counted. The meter is inert outside ``hooks()``.
+    Use ``with meter.hooks(): loss, grads = grad_fn(...)`` or ``peak_saved_bytes``.
+    ``current`` is the bytes held now, ``peak`` the maximum since
+    construction; ``counts`` maps a storage base pointer to how many packed
+    references hold it (views of one storage count once). Weights (by
+    ``data_ptr`` in ``params``) are not counted. The meter is inert outside
+    ``hooks()``.
     """
 
     def __init__(self, params=()):
@@ -95,11 +43,6 @@ class SavedTensorMeter:
         self._nbytes = {}       # data_ptr -> storage bytes
         self.current = 0
         self.peak = 0
-        self.n_pack = 0
-        self.n_unpack = 0
-
-    def reset_peak(self):
-        self.peak = self.current
 
     def _release(self, ptr):
         n = self.counts.get(ptr, 0) - 1
@@ -118,7 +61,6 @@ class SavedTensorMeter:
         """Called when the last packed reference to a storage dies (for subclasses)."""
 
     def pack(self, t):
-        self.n_pack += 1
         if t.data_ptr() in self.param_ptrs:
             return t
         ptr, nb = storage_info(t)
@@ -136,7 +78,6 @@ class SavedTensorMeter:
         return holder
 
     def unpack(self, packed):
-        self.n_unpack += 1
         return packed.tensor if isinstance(packed, _Packed) else packed
 
     def hooks(self):
@@ -144,7 +85,7 @@ class SavedTensorMeter:
         return ms.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def measure_step(fn, *args, params=(), weights=None, meter=None):
+def peak_saved_bytes(fn, *args, params=(), weights=None, meter=None):
     """Run one forward+backward of ``fn(*args)`` under a fresh meter; return peak kept bytes.
 
     ``fn`` returns a scalar loss (or a tuple whose first item is the loss).

@@ -21,7 +21,7 @@ import yaml
 
 from .config import AcConfig, resolve_config
 from .errors import ConfigError
-from .layer_specs import format_layer_specs, parse_layer_specs
+from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import LayerStack, find_layer_stack
 from .matching import drop_covered, match_entries
 from .whitelist import is_under, layer_inventory
@@ -335,7 +335,7 @@ class _Planner:
 
     def check_prefetch_bound(self, layer_id, field_path):
         p = self.config.swap.default_prefetch
-        if layer_id + p >= self.num_layers:
+        if layer_id not in swappable_layers(self.num_layers, p):
             raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < num_layers "
                                           f"{self.num_layers}: the last layer that can be swapped is "
                                           f"{self.num_layers - p - 1}")

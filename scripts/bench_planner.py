@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from mindformers_ac.planner import MiB, parse_budget, plan_budget, solve
-from mindformers_ac.models import synthetic_batch
-from mindformers_ac.planner_profile import measure_configs, profile_reference
-from mindformers_ac.train import TrainSpec, add_model_arguments
+from mindformers_ac.planner.solver import MiB, parse_budget, plan_budget, solve
+from mindformers_ac.harness.models import synthetic_batch
+from mindformers_ac.planner.profile import measure_configs, profile_reference
+from mindformers_ac.harness.train import TrainSpec, add_model_arguments
 
 
 def parse_args():

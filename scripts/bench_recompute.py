@@ -16,9 +16,10 @@ import time
 
 import mindspore as ms
 
-from mindformers_ac.meter import MiB, SavedTensorMeter
-from mindformers_ac.models import build_gpt, synthetic_batch, use_nn_dropout
-from mindformers_ac.train import add_model_arguments
+from mindformers_ac.meter import SavedTensorMeter
+from mindformers_ac.tensors import MiB
+from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from mindformers_ac.harness.train import add_model_arguments
 from mindformers_ac import recompute as rc
 
 

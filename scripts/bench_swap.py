@@ -13,8 +13,8 @@ import time
 import mindspore as ms
 from mindspore import nn
 
-from mindformers_ac.models import build_gpt, synthetic_batch
-from mindformers_ac.train import add_model_arguments
+from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.harness.train import add_model_arguments
 from mindformers_ac.swap import install_layer_swap
 
 MiB = 2 ** 20

@@ -3,7 +3,7 @@
     msrun --worker_num 2 --local_worker_num 2 --master_port P --join True \\
         scripts/tp_worker.py --tp 2 --layers 2 --hidden 32 --seq 16 --batch 2 --steps 3 --out DIR
 
-(or ``python -m mindformers_ac.launch scripts/tp_worker.py ...``). Builds
+(or ``python -m mindformers_ac.harness.launch scripts/tp_worker.py ...``). Builds
 ``tp.build_tp_gpt`` (weights sliced from ``models.build_gpt`` with the same
 seed), optionally applies ``--config YAML`` with ``apply_ac``, trains
 ``--steps`` steps of plain SGD on ``synthetic_batch(seed=seed+step)`` and, on
@@ -77,7 +77,7 @@ def sgd_step(params, grads, lr):
 def gather_full_grads(model, params, grads, world):
     """Every parameter's full gradient, rebuilt from all ranks' shards (forward AllGather only)."""
     from mindspore import ops
-    from mindformers_ac.tp import unshard_param
+    from mindformers_ac.harness.tp import unshard_param
     gather = ops.AllGather()
     full = {}
     for p, g in zip(params, grads):
@@ -98,8 +98,8 @@ def main(argv=None):
 
     import mindspore as ms
     ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
-    from mindformers_ac.models import build_gpt, synthetic_batch
-    from mindformers_ac import tp as T
+    from mindformers_ac.harness.models import build_gpt, synthetic_batch
+    from mindformers_ac.harness import tp as T
 
     rank, world = T.init_tp() if args.tp > 1 else (0, 1)
     if world != args.tp:

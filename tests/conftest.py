@@ -26,5 +26,5 @@ def model_fingerprint(model):
 
 @pytest.fixture(scope="module")
 def gpt8():
-    from mindformers_ac.models import build_gpt
+    from mindformers_ac.harness.models import build_gpt
     return build_gpt(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64)

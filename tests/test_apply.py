@@ -10,7 +10,7 @@ from mindspore import nn, ops
 import mindformers_ac as mac
 from mindformers_ac.accounting import StepMeter, measure_step
 from mindformers_ac.meter import SavedTensorMeter
-from mindformers_ac.models import build_gpt, synthetic_batch
+from mindformers_ac.harness.models import build_gpt, synthetic_batch
 
 from conftest import model_fingerprint
 
@@ -171,8 +171,9 @@ def test_kept_bytes_ordering_full_select_baseline():
         assert figures["layer_swap"].layers[i].offloaded_bytes > 0.9 * plain.layers[i].kept_bytes
 
 
+@pytest.mark.slow
 def test_no_growth_over_fifty_steps():
-    from mindformers_ac.recompute_region import Region
+    from mindformers_ac.recompute.region import Region
     model = make_model()
     mac.apply_ac(model, config={"recompute": {"mode": "select", "full_recompute_layer": [0],
                                               "select_module": {".*mlp": ["1-3"]}}})

@@ -5,15 +5,15 @@ import sys
 import pytest
 
 import mindformers_ac as mac
-from mindformers_ac.cli import default_config_path, main
-from mindformers_ac.models import reference_model
+from mindformers_ac.harness.cli import default_config_path, main
+from mindformers_ac.harness.models import reference_model
 
 CONFIGS = sorted((pathlib.Path(__file__).parent.parent / "configs").glob("*.yaml"))
 SCENARIOS = {"select_mlp", "full_first_half", "full_exclude_op", "full_all", "full_swap",
              "select_attention_mlp", "comm_recompute", "swap_layer_op"}
 
 
-def test_every_seed_scenario_has_a_config():
+def test_every_guide_scenario_has_a_config():
     assert SCENARIOS <= {p.stem for p in CONFIGS}
 
 
@@ -67,7 +67,7 @@ def test_validate_rejects_with_field_path(tmp_path, capsys):
 
 def test_explain_on_a_factory(capsys):
     assert main(["explain", str(pathlib.Path(__file__).parent.parent / "configs" / "select_mlp.yaml"),
-                 "--model", "mindformers_ac.models:reference_model"]) == 0
+                 "--model", "mindformers_ac.harness.models:reference_model"]) == 0
     out = capsys.readouterr().out
     assert "recompute.select_module['.*mlp'] -> layers ['0-7']" in out and "layer 7: mlp" in out
 
@@ -77,10 +77,11 @@ def test_explain_bad_factory(capsys):
     assert "--model: cannot load" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_exits_non_zero_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("recompute:\n  mode: fast\n")
-    proc = subprocess.run([sys.executable, "-m", "mindformers_ac.cli", "validate", str(bad)],
+    proc = subprocess.run([sys.executable, "-m", "mindformers_ac.harness.cli", "validate", str(bad)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "recompute.mode: expected one of None, full, select" in proc.stderr

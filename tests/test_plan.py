@@ -5,7 +5,7 @@ from mindspore import nn
 
 import mindformers_ac as mac
 from mindformers_ac import AcConfig, ConfigError
-from mindformers_ac.models import GPTConfig, TransformerLayer, build_gpt
+from mindformers_ac.harness.models import GPTConfig, TransformerLayer, build_gpt
 
 from conftest import model_fingerprint
 from test_config import STRUCTURAL_ERRORS
@@ -190,8 +190,14 @@ def test_plan_prints_a_table_and_round_trips_as_yaml(gpt8, tmp_path):
                 swap(layer_swap=[{"layers": [6]}]))
     plan = mac.plan_ac(gpt8, config=cfg)
     text = str(plan)
-    assert "layer" in text.splitlines()[1] and "full" in text and "mlp" in text
-    assert len(text.splitlines()) == 2 + 8
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[2:]}
+    assert text.splitlines()[1].split()[:2] == ["layer", "recompute"]
+    assert rows["0"] == ["0", "full", "-", "MatMul", "-", "-"]
+    assert rows["2"] == ["2", "mlp", "-", "MatMul", "-", "-"]
+    assert rows["4"][1] == "self_attention.core_attention"
+    assert rows["5"][1:3] == ["-", "self_attention.core_attention.bmm_qk"]
+    assert rows["6"] == ["6", "-", "-", "-", "layer", "7"]
+    assert rows["7"] == ["7", "-", "-", "-", "-", "-"]
     path = tmp_path / "plan.yaml"
     path.write_text(plan.to_yaml())
     again = mac.plan_ac(gpt8, config=AcConfig.from_yaml(path))

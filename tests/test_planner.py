@@ -10,9 +10,9 @@ from mindformers_ac import AcConfig, ConfigError, plan_ac
 from mindformers_ac.accounting import measure_step
 from mindformers_ac.apply import apply_ac, remove_ac
 from mindformers_ac.plan import check_layer_ids
-from mindformers_ac.planner import (FULL, NONE, SELECT, SWAP, BudgetPlan, Option, Profile, minimum_peak,
+from mindformers_ac.planner.solver import (FULL, NONE, SELECT, SWAP, BudgetPlan, Option, Profile, minimum_peak,
                                     option_sections, parse_budget, plan_budget, solve)
-from mindformers_ac.planner_profile import candidate_options, profile_reference
+from mindformers_ac.planner.profile import candidate_options, profile_reference
 
 MiB = 2 ** 20
 OPTS = [Option("none", NONE), Option("select mlp", SELECT, select=("mlp",)),
@@ -237,7 +237,7 @@ def test_profile_measures_memory_per_option(tiny_profile):
 
 
 def test_planned_yaml_measures_the_predicted_peak(tiny_profile, tmp_path):
-    from mindformers_ac.models import build_gpt, synthetic_batch
+    from mindformers_ac.harness.models import build_gpt, synthetic_batch
     import mindspore as ms
     p = tiny_profile
     plan = plan_budget(p, int(0.45 * p.baseline_peak))
@@ -257,14 +257,15 @@ def test_planned_yaml_measures_the_predicted_peak(tiny_profile, tmp_path):
 
 
 def test_cli_plan_rejects_a_bad_budget_before_profiling(capsys):
-    from mindformers_ac.cli import main
+    from mindformers_ac.harness.cli import main
     assert main(["plan", "--budget", "lots"]) == 2
     err = capsys.readouterr().err
     assert "--budget" in err and "512MiB" in err and "0.4x" in err
 
 
+@pytest.mark.slow
 def test_cli_plan_writes_yaml_that_train_takes(tmp_path, capsys):
-    from mindformers_ac.cli import main
+    from mindformers_ac.harness.cli import main
     out = tmp_path / "plan.yaml"
     assert main(["plan", "--budget", "0.3x", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
                  "--batch", "2", "--profile-steps", "1", "--out", str(out)]) == 0

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from mindformers_ac.launch import launch_msrun
-from mindformers_ac.models import build_gpt, synthetic_batch
-from mindformers_ac import tp as T
+from mindformers_ac.harness.launch import launch_msrun
+from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.harness import tp as T
 from mindformers_ac.whitelist import get_single_layer_whitelist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +91,7 @@ def _tail(res):
     return "\n".join(text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [True, False], ids=["sequence_parallel", "plain_tp"])
 def test_two_rank_loss_grads_and_collectives(tmp_path, sp):
     extra = [] if sp else ["--no-sequence-parallel"]
@@ -123,6 +124,7 @@ def test_two_rank_loss_grads_and_collectives(tmp_path, sp):
     assert shas[0][0][split] != shas[1][0][split]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before_init", [False, True], ids=["after_init", "before_init"])
 def test_failing_rank_returns_nonzero_quickly_and_leaves_no_process(tmp_path, before_init):
     out = tmp_path / "failout"
@@ -140,6 +142,7 @@ def test_failing_rank_returns_nonzero_quickly_and_leaves_no_process(tmp_path, be
         assert "failing" in f.read()
 
 
+@pytest.mark.slow
 def test_launcher_timeout_kills_everything(tmp_path):
     out = tmp_path / "slowout"
     res = launch_msrun(_worker_args(out, steps=1), nproc=2, timeout_s=4, log_dir=tmp_path / "logs", env=ENV)
@@ -171,6 +174,7 @@ AC_MODES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", sorted(AC_MODES))
 def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_path, mode):
     text, expected_rerun = AC_MODES[mode]

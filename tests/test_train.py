@@ -26,7 +26,7 @@ swap:
 def run_train(tmp_path, config_text, *extra):
     config = tmp_path / "ac.yaml"
     config.write_text(config_text)
-    return subprocess.run([sys.executable, "-m", "mindformers_ac.cli", "train", str(config), *TINY, *extra],
+    return subprocess.run([sys.executable, "-m", "mindformers_ac.harness.cli", "train", str(config), *TINY, *extra],
                           capture_output=True, text=True, timeout=300)
 
 

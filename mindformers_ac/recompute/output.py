@@ -23,16 +23,18 @@ from mindspore import Tensor, nn
 from mindspore.graph.api import _pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
-from .meter import storage_nbytes
-from .recompute_dispatch import ENGINE, AttrProxy, is_random_op_name, is_unreplayable_random_op, op_name_of
+from ..construct_patch import ConstructPatch, find_patch
+from ..tensors import output_tensors, storage_nbytes
+from .dispatch import op_name_of
+from .random_ops import is_random_op_name, is_unreplayable_random_op
+from .state import ENGINE
+from .stats import RecomputeStats
+from .tracking import AttrProxy
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
 _SCOPE_ATTR = "_mac_output_scope"
-
-
-def _outputs(out):
-    return out if isinstance(out, (tuple, list)) else (out,)
+_OUTPUT_KIND = "wrap_op_output"
 
 
 class _RandomProbe(MsDispatchMode):
@@ -74,7 +76,7 @@ class _OutputRecord:
             ENGINE.enter_recompute()
             try:
                 with ms._no_grad():   # the backward must not record a graph for the re-run
-                    self.result = _outputs(self.target.call_original(*self.args, **self.kwargs))
+                    self.result = output_tensors(self.target.call_original(*self.args, **self.kwargs))
             finally:
                 ENGINE.exit_recompute()
             self.target.stats.count_rerun(self.target.name)
@@ -135,7 +137,7 @@ class _Scope:
             stats.open_region(run, kept, dropped, 0)
         for target, dropped in run.dropped_any.items():
             if not dropped:
-                ENGINE.warn_once(("nothing_dropped", target.name),
+                ENGINE.warnings.warning(("nothing_dropped", target.name),
                                  "output recompute of %s saves nothing: no op in its layer saved its "
                                  "output tensor for backward (a consumer that saves a view or a copy, "
                                  "e.g. of a non-contiguous output, keeps it); return a contiguous "
@@ -145,7 +147,7 @@ class _Scope:
     def record(self, target, args, kwargs, out):
         if self.run is None:
             return
-        outs = _outputs(out)
+        outs = output_tensors(out)
         rec = _OutputRecord(target, args, kwargs, outs, self.run)
         self.run.dropped_any.setdefault(target, False)
         for j, t in enumerate(outs):
@@ -195,7 +197,7 @@ class _Target:
     def set_random(self, random_ops):
         self.random = bool(random_ops)
         if self.random:
-            ENGINE.warn_once(("random_output", self.name),
+            ENGINE.warnings.warning(("random_output", self.name),
                              "output recompute of %s skipped: it runs random op(s) %s, whose output "
                              "can't be reproduced; its output is kept", self.name, random_ops)
 
@@ -232,30 +234,6 @@ class _FunctionProxy:
         return getattr(self.__dict__["_mac_target"].op, name)
 
 
-class _ConstructPatch:
-    """For a Cell op held as a sub-cell attribute: observe calls through its instance ``construct``.
-
-    (Forward hooks are not an option: MindSpore ignores them on cells with a custom bprop,
-    and the slot can't hold a non-Cell proxy without changing the cell tree.)
-    """
-
-    def __init__(self, target):
-        cell = self.cell = target.op
-        self.had_instance = "construct" in cell.__dict__
-        original = self.original = cell.construct
-
-        def construct(*args, **kwargs):
-            return target.observe(args, kwargs, lambda: original(*args, **kwargs))
-
-        cell.construct = construct
-
-    def remove(self):
-        if self.had_instance:
-            self.cell.construct = self.original
-        else:
-            del self.cell.construct
-
-
 class OpOutputHandle:
     """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
 
@@ -274,7 +252,6 @@ class OpOutputHandle:
         self.removed = True
         if self._patch is not None:
             self._patch.remove()
-            object.__delattr__(self.original, "_mac_output_wrapped")
         else:
             slots = self.owner.__dict__ if self.registry is None else getattr(self.owner, self.registry)
             current = slots.get(self.attr)
@@ -308,8 +285,6 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """
-    from .recompute import RecomputeStats   # late: recompute imports this module
-
     if registry is None:
         if not hasattr(owner_cell, attr_name):
             raise AttributeError(f"{type(owner_cell).__name__} has no op attribute '{attr_name}'")
@@ -322,7 +297,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     tracker_proxy = op if isinstance(op, AttrProxy) else None   # a checkpoint region names this attribute
     if tracker_proxy is not None:
         op = tracker_proxy.mac_inner
-    if isinstance(op, _FunctionProxy) or getattr(op, "_mac_output_wrapped", False):
+    if isinstance(op, _FunctionProxy) or (isinstance(op, nn.Cell) and find_patch(op, _OUTPUT_KIND) is not None):
         raise ValueError(f"op '{attr_name}' of {type(owner_cell).__name__} is already output-recomputed; "
                          "remove() its handle first")
     if not callable(op):
@@ -335,8 +310,11 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         target.random = True
     target.scope.attach(target)
     if isinstance(op, nn.Cell) and registry is None:
-        object.__setattr__(op, "_mac_output_wrapped", True)
-        return OpOutputHandle(owner_cell, attr_name, registry, op, target, _ConstructPatch(target))
+        # A Cell op (e.g. a collective with a custom bprop) keeps its slot: forward hooks are ignored on
+        # cells with a custom bprop, and a non-Cell proxy in the slot would change the cell tree.
+        patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
+                               undo="remove() its OpOutputHandle")
+        return OpOutputHandle(owner_cell, attr_name, registry, op, target, patch)
     proxy = _FunctionProxy(target)
     if tracker_proxy is not None:
         tracker_proxy.mac_inner = proxy

@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-MiB = 2 ** 20
+from ..tensors import MiB
 
 
 @dataclass
@@ -128,8 +128,8 @@ class TrainingRun:
     def __init__(self, model, config=None, lr=0.05):
         import mindspore as ms
         from mindspore import nn
-        from .accounting import StepMeter
-        from .apply import apply_ac
+        from ..accounting import StepMeter
+        from ..apply import apply_ac
         self.model = model
         self.plan = apply_ac(model, config=config) if config else None
         self.optimizer = nn.SGD(model.trainable_params(), learning_rate=lr)
@@ -155,8 +155,8 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
     """Train ``spec`` (with ``config_path`` applied, unless None) and return every figure as a dict."""
     import mindspore as ms
 
-    from .apply import ac_state
-    from .meter import reset_hwm, vm_hwm
+    from ..apply import ac_state
+    from .process_memory import reset_hwm, vm_hwm
     from .models import synthetic_batch
 
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
@@ -191,7 +191,7 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
 
 def _run_in_subprocess(spec, config_path, label, workdir):
     out = os.path.join(workdir, f"{label}.json")
-    cmd = [sys.executable, "-m", "mindformers_ac.train", "--worker", json.dumps(dataclasses.asdict(spec)),
+    cmd = [sys.executable, "-m", "mindformers_ac.harness.train", "--worker", json.dumps(dataclasses.asdict(spec)),
            config_path or "", label, out]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None, check=False)
     if proc.returncode != 0:
@@ -240,7 +240,7 @@ def compare(spec, config_path, baseline, ac):
 def check_config(spec, config_path, rank=0):
     """Validate the config against the model ``spec`` builds (raises ``ConfigError``)."""
     import mindspore as ms
-    from .plan import plan_ac
+    from ..plan import plan_ac
     ms.set_context(mode=ms.PYNATIVE_MODE)
     return plan_ac(spec.build_model(rank), config=config_path)
 
@@ -289,5 +289,5 @@ if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         _worker(sys.argv[2:])
     else:
-        sys.exit("usage: python -m mindformers_ac.train --worker SPEC_JSON CONFIG LABEL OUT "
+        sys.exit("usage: python -m mindformers_ac.harness.train --worker SPEC_JSON CONFIG LABEL OUT "
                  "(internal; use `mindformers-ac train`)")

@@ -13,30 +13,20 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from mindspore.graph.api import _pynative_executor as _executor
 
-from .meter import param_ptrs, storage_info
+from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
 from .policy import CheckpointPolicy
-from .recompute_dispatch import (ENGINE, FORWARD, REBUILD, RECOMPUTE, REPLAY, SAVE, SWAP, AttrProxy, OpContext,
-                                 RegionDispatch, _DropoutRecord, _drop, _identity, _Run, _Swapped,
-                                 dropout_input, is_op_attribute, is_unreplayable_random_op, unpack_saved)
+from .random_ops import DropoutRecord, dropout_input, is_unreplayable_random_op
+from .saved import SwappedTensor, drop_saved, keep_saved, unpack_saved
+from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
+from .tracking import OpContext
 
 
 _FLOAT_TYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
 
-def _tensors(out):
-    return out if isinstance(out, (tuple, list)) else (out,)
-
-
-def root_cell_of(fn):
-    """The Cell a region runs (the cell itself or the owner of a bound method), else None."""
-    if isinstance(fn, ms.nn.Cell):
-        return fn
-    owner = getattr(fn, "__self__", None)
-    return owner if isinstance(owner, ms.nn.Cell) else None
-
-
 def _recompute_input(a):
-    if isinstance(a, _Swapped):
+    if isinstance(a, SwappedTensor):
         a = a.load()
     # Without grad on some input, ops fed only by inputs and rebuilt tensors would record nothing
     # in the recompute graph, and their saved tensors would never be regenerated.
@@ -44,73 +34,6 @@ def _recompute_input(a):
         a = ops.stop_gradient(a)
         a.requires_grad_()
     return a
-
-
-class PathTracker:
-    """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy.
-
-    Forward pre/post hooks on the root's sub-cells push and pop the cell path;
-    op attributes of the cells (Primitives and functions such as
-    ``core_attention.bmm_qk`` or ``mlp.activation_func``) are replaced, on the
-    instance, by ``AttrProxy`` objects that name the attribute while it runs.
-    Both act only when the innermost running region on this thread was created
-    with this tracker, so nested regions and calls outside regions are left
-    alone. ``remove()`` restores every attribute and hook.
-    """
-
-    def __init__(self, root):
-        self.root = root
-        self._handles = []
-        self._attrs = []        # (cell, attr name, proxy)
-        self.installed = False
-
-    def install(self):
-        if self.installed:
-            return
-        self.installed = True
-        for name, cell in self.root.cells_and_names():
-            if cell is not self.root and name:
-                self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
-                self._handles.append(cell.register_forward_hook(self._exit, always_call=True))
-            for attr, value in list(vars(cell).items()):
-                if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
-                    continue
-                proxy = AttrProxy(self, f"{name}.{attr}" if name else attr, value)
-                object.__setattr__(cell, attr, proxy)   # an instance attribute: the cell tree is unchanged
-                self._attrs.append((cell, attr, proxy))
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
-        for cell, attr, proxy in reversed(self._attrs):
-            if cell.__dict__.get(attr) is proxy:   # someone may have replaced it since: leave theirs
-                object.__setattr__(cell, attr, proxy.mac_inner)
-        self._handles, self._attrs = [], []
-        self.installed = False
-
-    @contextlib.contextmanager
-    def active(self):
-        """Install for the duration of a run unless installed for good (by ``checkpoint_wrapper``)."""
-        if self.installed:
-            yield
-            return
-        self.install()
-        try:
-            yield
-        finally:
-            self.remove()
-
-    def _make_enter(self, name):
-        def enter(cell, _args):
-            run = ENGINE.top()
-            if run is not None and run.region.tracker is self:
-                run.path.append((name, cell))
-        return enter
-
-    def _exit(self, cell, _args, _output):
-        run = ENGINE.top()
-        if run is not None and run.region.tracker is self and run.path and run.path[-1][1] is cell:
-            run.path.pop()
 
 
 class Region:
@@ -130,8 +53,8 @@ class Region:
         self.inputs = None
         self.decisions = {}       # op index -> SAVE / SWAP / REBUILD (absent: recompute)
         self.op_names = []        # forward op names, to detect a diverging recompute
-        self.cache = {}           # op index -> kept output (tensors or _Swapped)
-        self.dropouts = {}        # op index -> _DropoutRecord
+        self.cache = {}           # op index -> kept output (tensors or SwappedTensor)
+        self.dropouts = {}        # op index -> DropoutRecord
         self.token_keys = set()   # keys of saved tensors dropped in forward
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.children = []        # regions nested in this one's forward, in call order
@@ -141,7 +64,7 @@ class Region:
         self._kept, self._swapped = {}, {}   # storage ptr -> bytes, during forward
         self._dropped = {}    # (storage ptr, producing op index) -> bytes, during forward
         self._producer = {}   # storage ptr -> index of the latest op whose output lives there
-        self._swap_holders = {}   # (op index, ptr) -> _Swapped: one offload per storage and op
+        self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
 
     # -- accounting -------------------------------------------------------------
     def account_kept(self, t):
@@ -152,7 +75,7 @@ class Region:
 
     def note_outputs(self, idx, out):
         """Remember which op produced each output storage (see ``account_dropped``)."""
-        for t in _tensors(out):
+        for t in output_tensors(out):
             if isinstance(t, Tensor):
                 self._producer[storage_info(t)[0]] = idx
 
@@ -184,7 +107,7 @@ class Region:
 
     def save_inputs(self, run, args, kwargs):
         if self.swap_inputs and self.swap_executor is None:
-            ENGINE.warn_once("swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
+            ENGINE.warnings.warning("swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
                              "the region's inputs stay on the device (pass swap_executor= to offload them)")
         self.inputs = (tuple(self._save_input(run, a) for a in args),
                        {k: self._save_input(run, v) for k, v in kwargs.items()})
@@ -202,7 +125,7 @@ class Region:
         if holder is None:
             run.in_hook = True   # the executor may run ops: they are not part of the region
             try:
-                holder = _Swapped(self.swap_executor, t)
+                holder = SwappedTensor(self.swap_executor, t)
             finally:
                 run.in_hook = False
             self._swap_holders[key] = holder
@@ -235,7 +158,7 @@ class Region:
         if policy is CheckpointPolicy.MUST_SWAP:
             if self.swap_executor is not None:
                 return SWAP
-            ENGINE.warn_once("must_swap", "policy_fn returned MUST_SWAP but checkpoint() got no "
+            ENGINE.warnings.warning("must_swap", "policy_fn returned MUST_SWAP but checkpoint() got no "
                              "swap_executor: saving those ops instead (pass swap_executor= to offload)")
         return SAVE
 
@@ -243,9 +166,9 @@ class Region:
     def cache_output(self, run, idx, out):
         if self.decisions[idx] == SWAP:
             self.cache[idx] = tuple(self.offload(run, t) if isinstance(t, Tensor) else t
-                                    for t in _tensors(out)), isinstance(out, (tuple, list))
+                                    for t in output_tensors(out)), isinstance(out, (tuple, list))
             return
-        for t in _tensors(out):
+        for t in output_tensors(out):
             if isinstance(t, Tensor):
                 self.account_kept(t)
         self.cache[idx] = out
@@ -255,7 +178,7 @@ class Region:
         if self.decisions[idx] != SWAP:
             return out
         items, is_seq = out
-        items = tuple(t.load() if isinstance(t, _Swapped) else t for t in items)
+        items = tuple(t.load() if isinstance(t, SwappedTensor) else t for t in items)
         return items if is_seq else items[0]
 
     def finish_dropout(self, run, idx, args, out):
@@ -271,7 +194,7 @@ class Region:
                 self.account_kept(t)
             self.cache_output(run, idx, out)
             return
-        record = _DropoutRecord(mask, keep_prob)
+        record = DropoutRecord(mask, keep_prob)
         ptrs = [output.data_ptr(), mask.data_ptr()]
         for token, t in pending:
             ptr = t.data_ptr()
@@ -314,7 +237,7 @@ class Region:
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
 
     def run_forward(self, args, kwargs):
-        run = _Run(self, FORWARD)
+        run = RegionRun(self, FORWARD)
         ENGINE.push(run)
         try:
             self.save_inputs(run, args, kwargs)
@@ -336,11 +259,11 @@ class Region:
 
     def replay(self, args, kwargs):
         """Run again inside a parent's recompute, with this region's kept outputs and masks."""
-        run = _Run(self, REPLAY)
+        run = RegionRun(self, REPLAY)
         ENGINE.push(run)
         try:
             with self._contexts(REPLAY), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(_drop, _identity):
+                    ms.saved_tensors_hooks(drop_saved, keep_saved):
                 return self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
@@ -359,7 +282,7 @@ class Region:
         self.stats.recompute_calls += 1
 
     def _recompute(self):
-        run = _Run(self, RECOMPUTE)
+        run = RegionRun(self, RECOMPUTE)
         args, kwargs = self._load_inputs()
         wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
 
@@ -376,7 +299,7 @@ class Region:
             _executor.new_empty_graph()
             try:
                 with self._contexts(RECOMPUTE), self._tracking(), RegionDispatch(run), \
-                        ms.saved_tensors_hooks(pack, _identity):
+                        ms.saved_tensors_hooks(pack, keep_saved):
                     self.fn(*args, **kwargs)
             finally:
                 _executor.end_empty_graph()

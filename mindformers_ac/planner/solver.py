@@ -30,12 +30,12 @@ import numpy as np
 import regex
 import yaml
 
-from .errors import ConfigError
-from .layer_specs import format_layer_specs
-from .plan import recompute_section
+from ..errors import ConfigError
+from ..layer_specs import format_layer_specs, swappable_layers
+from ..plan import recompute_section
+from ..tensors import MiB
 
 NONE, SELECT, FULL, SWAP = "none", "select", "full", "swap"
-MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class Profile:
         ok = ~np.isnan(self.mem)
         for k, option in enumerate(self.options):
             if option.kind == SWAP:
-                ok[:, k] &= (pp == 1) & (np.arange(self.num_layers) + p < self.num_layers)
+                ok[:, k] &= (pp == 1) & np.isin(np.arange(self.num_layers), swappable_layers(self.num_layers, p))
         return ok
 
 

@@ -1,10 +1,10 @@
 """Run a script on N local ranks with ``msrun``, bounded in time, never leaving processes behind.
 
-    from mindformers_ac.launch import launch_msrun
+    from mindformers_ac.harness.launch import launch_msrun
     res = launch_msrun(["scripts/tp_worker.py", "--tp", "2", "--out", "/tmp/o"], nproc=2, timeout_s=240)
     res.returncode, res.log_dir          # worker_0.log ... worker_{N-1}.log, scheduler.log, msrun.log
 
-    python -m mindformers_ac.launch [--nproc 2] [--timeout 600] [--log-dir DIR] script.py args...
+    python -m mindformers_ac.harness.launch [--nproc 2] [--timeout 600] [--log-dir DIR] script.py args...
 
 What ``msrun`` (MindSpore 2.10, ``--join True``, CPU/mccl) does, found here:
 

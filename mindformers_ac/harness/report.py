@@ -2,7 +2,7 @@
 import json
 import os
 
-MiB = 2 ** 20
+from ..tensors import MiB
 
 
 def _mib(nbytes):

@@ -4,7 +4,7 @@
 for backward; everything else is rebuilt, on the first unpack in backward, by
 running ``fn`` again on its saved inputs. Unlike ``mindspore.recompute`` with
 ``use_reentrant=False``, gradients are bitwise equal to a run without
-recompute even with dropout: random ops are never run again (Dropout keeps its
+recompute even with dropout: random ops are not run again (Dropout keeps its
 mask as bits and its output is rebuilt exactly; other random ops keep their
 outputs). The exception is a random primitive marked ``mac_replayable = True``
 (a fresh primitive with explicit seeds, as the reference model's
@@ -13,7 +13,7 @@ recomputed like any other op and nothing of it is kept.
 
 What stays alive between forward and backward: the region's inputs (detached),
 the outputs and saved tensors of ops the policy keeps (MUST_SAVE / PREFER_SAVE,
-random ops), Dropout masks as bits, and tokens. Parameters are never counted.
+random ops that are not replayable), Dropout masks as bits, and tokens. Parameters are never counted.
 
 Failure modes, all raised as errors that name the fix:
 
@@ -23,100 +23,34 @@ Failure modes, all raised as errors that name the fix:
   backward);
 * backpropagating the same graph twice: RuntimeError (tokens are single use);
 * ``policy_fn`` returning anything but a ``CheckpointPolicy``: TypeError;
-* wrapping a cell twice: ValueError.
+* wrapping a cell twice, or a cell that ``swap_wrapper`` wraps: ValueError.
 
 The engine installs its own ``saved_tensors_hooks`` inside regions; an outer
 hook (e.g. ``SavedTensorMeter``) does not see what a region saves, so each
 region reports its own bytes in ``RecomputeStats``.
 """
-import collections
 import functools
 import re
-import weakref
 
 from mindspore import nn
 
+from ..construct_patch import ConstructPatch, find_patch
+from ..tensors import root_cell_of
 from .policy import CheckpointPolicy
-from .recompute_dispatch import ENGINE, RANDOM_OP_PATTERN, OpContext, is_random_op_name
-from .recompute_region import PathTracker, root_cell_of, run_region
-from .recompute_output import OpOutputHandle, wrap_op_output
+from .region import run_region
+from .state import ENGINE
+from .stats import RecomputeStats
+from .tracking import PathTracker
 
-__all__ = [
-    "CheckpointPolicy", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "RecomputeStats",
-    "checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
-    "is_in_recompute", "is_random_op_name", "remove_checkpoint", "unwrap", "wrap_op_output",
-]
+__all__ = ["checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
+           "is_in_recompute", "unwrap"]
+
+_KIND = "checkpoint_wrapper"
 
 
 def is_in_recompute():
     """True only while a backward-time recompute re-runs a forward (per thread)."""
     return ENGINE.in_recompute()
-
-
-class RecomputeStats:
-    """Counters of one or more regions (``apply_ac`` shares one per layer).
-
-    ``kept_bytes``: bytes kept for backward by the live regions of this stats
-    object, read when the latest region forward ended (storage-deduplicated
-    inside a region, weights excluded); ``peak_kept_bytes`` its maximum.
-    ``dropped_bytes`` / ``swapped_bytes``: same, for bytes dropped for recompute
-    and handed to the swap executor (``dropped_bytes`` is a lower bound: a
-    storage freed during the forward and reallocated at the same address is
-    counted once). ``live_bytes`` / ``live_regions`` fall back
-    to 0 when backward has freed the regions. ``ops_forward``: ops run in region
-    forwards; ``ops_rerun``: ops run again in backward (``rerun_by_op`` by name);
-    ``ops_reused``: ops whose kept outputs replaced a re-run (policy saves,
-    excluded ops, random ops); ``recompute_calls``: backward-time re-runs.
-    """
-
-    _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
-                 "ops_rerun", "ops_reused", "recompute_calls", "live_bytes", "live_regions")
-
-    def __init__(self):
-        self._generation = 0
-        self.reset()
-
-    def reset(self):
-        """Zero every counter; regions still alive no longer report to this object."""
-        self._generation += 1
-        for name in self._COUNTERS:
-            setattr(self, name, 0)
-        self._live_dropped = 0
-        self._live_swapped = 0
-        self.rerun_by_op = collections.Counter()
-
-    def count_rerun(self, op_name, n=1):
-        self.ops_rerun += n
-        self.rerun_by_op[op_name] += n
-
-    def open_region(self, owner, kept, dropped, swapped):
-        """Account a finished forward; the bytes are released when ``owner`` is garbage."""
-        self.live_bytes += kept
-        self._live_dropped += dropped
-        self._live_swapped += swapped
-        self.live_regions += 1
-        self.kept_bytes = self.live_bytes
-        self.dropped_bytes = self._live_dropped
-        self.swapped_bytes = self._live_swapped
-        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
-        fin = weakref.finalize(owner, self._close_region, self._generation, kept, dropped, swapped)
-        fin.atexit = False   # nothing to release at interpreter exit
-
-    def _close_region(self, generation, kept, dropped, swapped):
-        if generation != self._generation:
-            return
-        self.live_bytes -= kept
-        self._live_dropped -= dropped
-        self._live_swapped -= swapped
-        self.live_regions -= 1
-
-    def as_dict(self):
-        d = {name: getattr(self, name) for name in self._COUNTERS}
-        d["rerun_by_op"] = dict(self.rerun_by_op)
-        return d
-
-    def __repr__(self):
-        return f"RecomputeStats({self.as_dict()})"
 
 
 def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
@@ -128,8 +62,9 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     the forward answer is the one applied). ``op.name`` is the dispatched op's
     name; ``ctx`` is an ``OpContext`` (``op_name``, ``cell_path``, ``op_path``,
     ``attr_path``, ``is_recompute``). Legacy ops arrive as ``(primitive, name,
-    (inputs...))``. Default (None): recompute every op. Random ops are kept
-    whatever the policy says. MUST_SWAP hands the op's saved tensors and output
+    (inputs...))``. Default (None): recompute every op. Random ops that a second call
+    would not repeat are kept whatever the policy says (a primitive marked
+    ``mac_replayable`` is recomputed like any other op). MUST_SWAP hands the op's saved tensors and output
     to ``swap_executor`` (``offload(tensor) -> handle``, ``load(handle) ->
     Tensor``); without one it acts as MUST_SAVE (warned once).
 
@@ -151,21 +86,22 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
 
 
 class _WrapInfo:
-    """What ``checkpoint_wrapper`` changed on a cell, to undo it."""
+    """What ``checkpoint_wrapper`` set up for a cell or function, to report and undo it."""
 
-    __slots__ = ("original", "tracker", "stats", "options", "had_instance_construct")
+    __slots__ = ("original", "tracker", "stats", "options")
 
-    def __init__(self, original, tracker, stats, options, had_instance_construct):
-        self.original, self.tracker, self.stats = original, tracker, stats
-        self.options, self.had_instance_construct = options, had_instance_construct
+    def __init__(self, original, tracker, stats, options):
+        self.original, self.tracker, self.stats, self.options = original, tracker, stats, options
 
 
 _WRAP_ATTR = "__mac_checkpoint__"
 
 
 def _wrap_info(obj):
-    target = obj.__dict__.get("construct") if isinstance(obj, nn.Cell) else obj
-    return getattr(target, _WRAP_ATTR, None)
+    if isinstance(obj, nn.Cell):
+        patch = find_patch(obj, _KIND)
+        return patch.info if patch is not None else None
+    return getattr(obj, _WRAP_ATTR, None)
 
 
 def is_checkpoint_wrapped(cell_or_fn):
@@ -185,17 +121,18 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
                        swap_executor=None):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
-    For an ``nn.Cell`` the *instance's* ``construct`` is replaced and the same
+    For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
     cell is returned: parameter names, the cell tree and other instances are
     unchanged; ``unwrap(cell)`` restores it. Forward hooks that track
     ``ctx.cell_path`` stay on the sub-cells until ``unwrap``. For a function a
-    new callable is returned. Wrapping twice raises ValueError. Keyword
-    arguments are those of ``checkpoint``; ``stats`` defaults to a new
-    ``RecomputeStats`` (see ``get_checkpoint_stats``).
+    new callable is returned. Wrapping twice raises ValueError, and so does a
+    cell that ``swap_wrapper`` wraps (in either order: recompute or swap a
+    cell, not both). Keyword arguments are those of ``checkpoint``; ``stats``
+    defaults to a new ``RecomputeStats`` (see ``get_checkpoint_stats``).
     """
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
-                         "call unwrap() on it first to change its options")
+                         "unwrap() it first to change its options")
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
                    swap_inputs=swap_inputs, context_fn=context_fn)
@@ -208,7 +145,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
             return run_region(cell_or_fn, args, kwargs, tracker=tracker, **options)
-        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, False))
+        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options))
         return wrapped_fn
     return _wrap_cell(cell_or_fn, options)
 
@@ -217,36 +154,32 @@ def _wrap_cell(cell, options):
     if getattr(cell, "_recompute_cell", None) is not None:
         raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
                          "the two recompute mechanisms can't be combined on one cell")
-    had_instance = "construct" in cell.__dict__
-    original = cell.construct   # bound: the class method or an instance override
     tracker = PathTracker(cell)
 
-    def construct(*args, **kwargs):
-        return run_region(original, args, kwargs, tracker=tracker, **options)
+    def around(inner, *args, **kwargs):
+        return run_region(inner, args, kwargs, tracker=tracker, **options)
 
-    setattr(construct, _WRAP_ATTR, _WrapInfo(original, tracker, options["stats"], options, had_instance))
-    cell.construct = construct
+    patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
+    patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options)
     tracker.install()
     return cell
 
 
 def unwrap(cell_or_fn):
     """Undo ``checkpoint_wrapper``: restore the cell's construct (returns the cell) or return the function."""
+    if isinstance(cell_or_fn, nn.Cell):
+        patch = find_patch(cell_or_fn, _KIND)
+        if patch is None:
+            raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
+        patch.info.tracker.remove()
+        patch.remove()
+        return cell_or_fn
     info = _wrap_info(cell_or_fn)
     if info is None:
         raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
     if info.tracker is not None:
         info.tracker.remove()
-    if not isinstance(cell_or_fn, nn.Cell):
-        return info.original
-    if info.had_instance_construct:
-        cell_or_fn.construct = info.original
-    else:
-        del cell_or_fn.construct
-    return cell_or_fn
-
-
-remove_checkpoint = unwrap
+    return info.original
 
 
 def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix=""):

@@ -5,9 +5,12 @@ import enum
 class CheckpointPolicy(enum.Enum):
     """Per-op decision returned by a ``policy_fn``.
 
-    MUST_* decisions are never overridden; PREFER_* ones may be (a random op is
-    always saved, whatever a policy prefers, because its output cannot be
-    reproduced on CPU).
+    The engine applies every decision as returned, MUST_* and PREFER_* alike,
+    with one exception: a random op whose second call would draw different
+    numbers (``Dropout`` and the like, unless its primitive is marked
+    ``mac_replayable``) is never run again, so a recompute decision for it is
+    overridden and its output (or, for Dropout, its mask) is kept. The MUST/PREFER
+    distinction is kept for policies written against HyperParallel's API.
     """
 
     MUST_SAVE = "must_save"

@@ -14,15 +14,15 @@ import logging
 import sys
 from importlib import resources
 
-from .config import AcConfig
-from .errors import ConfigError
+from ..config import AcConfig
+from ..errors import ConfigError
 
-DEFAULT_MODEL = "mindformers_ac.models:reference_model"
+DEFAULT_MODEL = "mindformers_ac.harness.models:reference_model"
 
 
 def default_config_path():
     """The shipped default config (a mix of recompute and swap for the 8-layer reference model)."""
-    return str(resources.files("mindformers_ac") / "default_configs" / "default.yaml")
+    return str(resources.files("mindformers_ac.harness") / "default_configs" / "default.yaml")
 
 
 def load_factory(spec):
@@ -57,7 +57,7 @@ def _summary(config):
 
 
 def cmd_validate(args):
-    from .plan import check_layer_ids
+    from ..plan import check_layer_ids
     config = AcConfig.from_yaml(args.config)
     if args.num_layers is not None:
         check_layer_ids(config, args.num_layers, args.pp)
@@ -69,7 +69,7 @@ def cmd_validate(args):
 
 
 def cmd_explain(args):
-    from .plan import plan_ac
+    from ..plan import plan_ac
     config = AcConfig.from_yaml(args.config or default_config_path())
     model = load_factory(args.model)
     plan = plan_ac(model, config=config, pp=args.pp, layers=args.layers)
@@ -103,8 +103,8 @@ def cmd_train(args):
 
 def cmd_plan(args):
     from .models import synthetic_batch
-    from .planner import parse_budget, plan_budget
-    from .planner_profile import profile_model, profile_reference
+    from ..planner.solver import parse_budget, plan_budget
+    from ..planner.profile import profile_model, profile_reference
     prefetch = args.prefetch
     if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
         prefetch = AcConfig.from_yaml(args.config).swap.default_prefetch if args.config else 1
@@ -140,7 +140,7 @@ def build_parser():
     add_model_arguments(train)
     train.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size; > 1 must run under msrun with that many workers "
-                            "(see docs/distributed.md and `python -m mindformers_ac.launch`)")
+                            "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
     train.add_argument("--report", default=None, metavar="DIR", help="write report.json and memory.png here")
     train.set_defaults(func=cmd_train)
     validate = sub.add_parser("validate", help="check a YAML config")

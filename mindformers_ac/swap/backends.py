@@ -34,7 +34,6 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
-logger = logging.getLogger("mindformers_ac.swap")
 
 
 class UnsupportedTensorError(TypeError):

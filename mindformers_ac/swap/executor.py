@@ -13,7 +13,7 @@ import collections
 import logging
 import weakref
 
-from mindformers_ac.swap_backends import HostBufferPool, UnsupportedTensorError, select_backend
+from .backends import HostBufferPool, UnsupportedTensorError, select_backend
 
 logger = logging.getLogger("mindformers_ac.swap")
 

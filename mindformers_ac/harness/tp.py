@@ -58,6 +58,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
+from ..recompute import is_in_recompute
 from .models import MLP, GPTConfig, GPTModel, SelfAttention, TransformerBlock, TransformerLayer, build_gpt
 
 __all__ = [
@@ -78,14 +79,6 @@ def init_tp():
 
 # --------------------------------------------------------------------------- comm cells
 
-def _in_recompute():
-    try:
-        from .recompute import is_in_recompute
-    except ImportError:
-        return False
-    return is_in_recompute()
-
-
 class _TPComm(nn.Cell):
     """Base of the collectives: rank/size/group, lazily built primitives, call counters."""
 
@@ -104,7 +97,7 @@ class _TPComm(nn.Cell):
         self._prims = {}
 
     def _count_forward(self):
-        if _in_recompute():
+        if is_in_recompute():
             self.recompute_calls += 1
         else:
             self.fwd_calls += 1

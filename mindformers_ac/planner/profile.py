@@ -30,8 +30,9 @@ import time
 
 import numpy as np
 
-from .errors import ConfigError
-from .planner import FULL, NONE, SELECT, SWAP, Option, Profile
+from ..errors import ConfigError
+from ..layer_specs import swappable_layers
+from .solver import FULL, NONE, SELECT, SWAP, Option, Profile
 
 # Class names whose outputs "full recompute, keep matmul outputs" keeps: the
 # expensive ops of a transformer layer, whose outputs are small next to what
@@ -48,7 +49,7 @@ def candidate_options(layer):
     full recompute keeping the outputs of the layer's matmuls (Linear/Dense
     cells and MatMul primitives, as an ``exclude_op`` dict); layer swap.
     """
-    from .whitelist import layer_inventory
+    from ..whitelist import layer_inventory
     cells = dict(layer.cells_and_names())
     entries = layer_inventory(layer)
     composites = [e.path for e in entries if e.kind == "cell" and e.path.count(".") <= 1
@@ -85,11 +86,11 @@ def host_copy_bandwidth(nbytes=32 * 2 ** 20, repeats=7):
     return nbytes / statistics.median(times)
 
 
-class _Run:
+class OptionRun:
     """One fresh model with one option applied, stepped like ``train.run_variant``."""
 
     def __init__(self, factory, option, config, batches, lr):
-        from .train import TrainingRun
+        from ..harness.train import TrainingRun
         self.option = option
         self.training = TrainingRun(factory(), config, lr)
         self.model = self.training.model
@@ -106,7 +107,7 @@ class _Run:
                 self.memory = memory
 
     def close(self):
-        from .apply import ac_state, remove_ac
+        from ..apply import ac_state, remove_ac
         if ac_state(self.model) is not None:
             remove_ac(self.model)
 
@@ -115,7 +116,7 @@ def _applied_layers(option, num_layers, prefetch):
     if option.kind == NONE:
         return []
     if option.kind == SWAP:
-        return list(range(num_layers - prefetch))
+        return list(swappable_layers(num_layers, prefetch))
     return list(range(num_layers))
 
 
@@ -132,8 +133,8 @@ def profile_model(factory, batches, *, prefetch=1, steps=12, warmup=2, lr=0.05, 
     the model so ``find_layer_stack`` sees it).
     """
     import mindspore as ms
-    from .layers import find_layer_stack
-    from .planner import option_sections
+    from ..layers import find_layer_stack
+    from .solver import option_sections
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     probe = factory()
     stack = find_layer_stack(probe, None)
@@ -143,14 +144,14 @@ def profile_model(factory, batches, *, prefetch=1, steps=12, warmup=2, lr=0.05, 
                                                    f"{num_layers} layers, got {prefetch!r}")
     if options is None:
         options = candidate_options(stack.cell(stack.layer_ids[0]))
-    options = [o for o in options if not (o.kind == SWAP and num_layers - prefetch < 1)]
+    options = [o for o in options if not (o.kind == SWAP and not swappable_layers(num_layers, prefetch))]
     del probe
     runs = []
     try:
         for option in options:
             applied = _applied_layers(option, num_layers, prefetch)
             config = option_sections({i: option for i in applied}, prefetch) if applied else None
-            runs.append(_Run(factory, option, config, batches, lr))
+            runs.append(OptionRun(factory, option, config, batches, lr))
         _step_interleaved(runs, warmup, steps)
         return _profile_from_runs(runs, num_layers, prefetch, description)
     finally:
@@ -174,7 +175,7 @@ def measure_configs(factory, batches, configs, *, steps=12, warmup=2, lr=0.05):
     """
     import mindspore as ms
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
-    runs = [_Run(factory, None, config, batches, lr) for config in configs]
+    runs = [OptionRun(factory, None, config, batches, lr) for config in configs]
     try:
         _step_interleaved(runs, warmup, steps)
         return [(statistics.median(run.times), run.memory.kept_bytes) for run in runs]
@@ -220,8 +221,8 @@ def _profile_from_runs(runs, num_layers, prefetch, description):
 def profile_reference(layers=8, hidden=128, heads=4, seq=64, batch=4, vocab=256, dropout=0.1, seed=0,
                       prefetch=1, steps=12, warmup=2):
     """``profile_model`` on the reference GPT with ``train``'s synthetic batches (same seeds)."""
-    from .models import synthetic_batch
-    from .train import TrainSpec
+    from ..harness.models import synthetic_batch
+    from ..harness.train import TrainSpec
     spec = TrainSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=vocab,
                      dropout=dropout, seed=seed)
     batches = [synthetic_batch(batch, seq, vocab, seed=seed + k) for k in range(4)]

@@ -23,40 +23,12 @@ import weakref
 
 import mindspore as ms
 
-from mindformers_ac.policy import CheckpointPolicy
-from mindformers_ac.swap_executor import SwapExecutor, SwapHandle
+from ..recompute.policy import CheckpointPolicy
+from ..tensors import param_ptrs, storage_nbytes, storage_ptr
+from .executor import SwapExecutor, SwapHandle
 
-logger = logging.getLogger("mindformers_ac.swap")
 
 DEFAULT_MIN_BYTES = 1024
-
-
-def storage_ptr(t):
-    """Address of the storage behind ``t`` (views of one storage share it)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (AttributeError, RuntimeError, TypeError):
-        return t.data_ptr()
-
-
-def storage_nbytes(t):
-    try:
-        return int(t.untyped_storage().nbytes())
-    except (AttributeError, RuntimeError, TypeError):
-        return int(t.nbytes)
-
-
-def tensor_storage_ptrs(*values):
-    """Storage addresses of the tensors in ``values`` (one level of tuple/list/dict is searched)."""
-    ptrs = set()
-    for v in values:
-        items = v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else (v,)
-        for item in items:
-            if isinstance(item, ms.Tensor):
-                ptrs.add(storage_ptr(item))
-            elif isinstance(item, (tuple, list)):
-                ptrs.update(storage_ptr(x) for x in item if isinstance(x, ms.Tensor))
-    return ptrs
 
 
 class _Kept:
@@ -114,12 +86,7 @@ class SwapScheduler:
 
     def add_params(self, params):
         """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
-        for p in params:
-            try:
-                self.param_ptrs.add(p.data_ptr())
-                self.param_ptrs.add(storage_ptr(p))
-            except (RuntimeError, TypeError):  # uninitialised parameter: it cannot be packed either
-                continue
+        self.param_ptrs |= param_ptrs(params)
 
     def mark_prefetchable(self, key):
         self._prefetchable.add(key)

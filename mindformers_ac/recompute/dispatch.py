@@ -1,0 +1,167 @@
+"""Op dispatch inside a region run: number every op, apply the region's decision before it runs.
+
+How a region works (see ``checkpoint`` for the user contract):
+
+* Forward: the region's function runs under a ``MsDispatchMode`` that numbers
+  every op and asks the region, *before* the op runs (legacy ops such as
+  LayerNorm or Dropout pack their saved tensors inside the call), whether to
+  keep it, and under ``saved_tensors_hooks`` whose pack replaces every tensor
+  saved by a recomputed op with a ``Token`` (op index, pack number) that does
+  not hold the tensor.
+* Backward: the first unpack of a token re-runs the function on the saved
+  inputs, in a throw-away graph, under the same numbering; the recompute pack
+  hook files each regenerated tensor under its key and the token takes it.
+  Kept ops are not run again: their cached outputs are returned in place.
+
+The dispatch only numbers ops and asks its region (``Region.decide``,
+``cache_output``, ``cached_output``, ...); the region owns every decision.
+"""
+from mindspore.utils import MsDispatchMode
+
+from .saved import Token
+from .state import ENGINE, FORWARD
+
+# Decisions recorded per op index in forward (absent = recompute).
+SAVE, SWAP, REBUILD = "save", "swap", "rebuild"
+
+
+
+def op_name_of(op):
+    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds)."""
+    name = getattr(op, "name", None)
+    if callable(name):
+        name = name()
+    return name if isinstance(name, str) else type(op).__name__
+
+
+
+class RegionRun:
+    """One execution (forward, recompute, or replay) of a region's function."""
+
+    def __init__(self, region, mode):
+        self.region, self.mode = region, mode
+        self.op_idx = -1
+        self.inside = []       # op indices whose call is in progress (legacy ops pack inside)
+        self.last = None       # index of the op that returned last (pyboost ops pack after)
+        self.npacks = {}       # op index -> packs so far
+        self.path = []         # [(name, cell)] of sub-cells entered, maintained by PathTracker
+        self.attrs = []        # op attribute paths being called, maintained by AttrProxy
+        self.child_idx = 0     # nested regions met so far
+        self.in_hook = False   # our own code running ops (swap offload): not part of the region
+        self.pending = []      # (token, tensor) packed inside a Dropout call, resolved when it returns
+
+    def cell_path(self):
+        return self.path[-1][0] if self.path else ""
+
+    def cell(self):
+        return self.path[-1][1] if self.path else self.region.root
+
+    def current_op(self):
+        return self.inside[-1] if self.inside else self.last
+
+    def next_key(self):
+        idx = self.current_op()
+        if idx is None:
+            return None
+        k = self.npacks.get(idx, 0)
+        self.npacks[idx] = k + 1
+        return idx, k
+
+    # -- forward pack: decide what the region keeps ---------------------------------
+    def pack_forward(self, t):
+        region = self.region
+        if self.in_hook:
+            return t
+        key = self.next_key()   # first: the recompute numbers every pack, weights included
+        ptr = t.data_ptr()
+        if ptr in region.param_ptrs:
+            return t
+        decision = region.decisions.get(key[0]) if key is not None else SAVE
+        if decision == SAVE or (ptr in region.input_ptrs and not region.swap_inputs):
+            region.account_kept(t)
+            return t
+        if decision == SWAP:
+            return region.offload(self, t)
+        token = Token(region, key)
+        region.token_keys.add(key)
+        if decision == REBUILD:
+            self.pending.append((token, t))   # settled when the Dropout returns (finish_dropout)
+        else:
+            region.account_dropped(t)
+        return token
+
+    # -- recompute pack: file regenerated tensors under their forward keys ---------
+    def pack_recompute(self, t):
+        if self.in_hook:
+            return None
+        key = self.next_key()
+        if key is not None and key in self.region.token_keys:
+            self.region.recomputed[key] = t
+        return None
+
+
+class RegionDispatch(MsDispatchMode):
+    """Numbers ops of one run and applies the region's keep/recompute decisions."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        run = self.run
+        kwargs = kwargs or {}
+        # Ops of a nested region, or run by our own hooks, belong to nobody here; skipping
+        # them in forward and recompute alike keeps the numbering aligned.
+        if run.in_hook or ENGINE.top() is not run:
+            return func(*args, **kwargs)
+        run.op_idx += 1
+        idx = run.op_idx
+        if run.mode == FORWARD:
+            return self._forward_op(run, idx, func, args, kwargs)
+        return self._recompute_op(run, idx, func, args, kwargs)
+
+    @staticmethod
+    def _call(run, idx, func, args, kwargs):
+        run.inside.append(idx)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            run.inside.pop()
+            run.last = idx
+
+    def _forward_op(self, run, idx, func, args, kwargs):
+        region = run.region
+        name = op_name_of(func)
+        region.op_names.append(name)
+        region.stats.ops_forward += 1
+        decision = region.decide(run, idx, name, func, args, kwargs)
+        if decision is not None:
+            region.decisions[idx] = decision   # before the call: legacy ops pack inside it
+        out = self._call(run, idx, func, args, kwargs)
+        region.note_outputs(idx, out)
+        if decision == REBUILD:
+            region.finish_dropout(run, idx, args, out)
+        elif decision in (SAVE, SWAP):
+            region.cache_output(run, idx, out)
+        return out
+
+    def _recompute_op(self, run, idx, func, args, kwargs):
+        region = run.region
+        name = op_name_of(func)
+        if idx >= len(region.op_names) or region.op_names[idx] != name:
+            expected = region.op_names[idx] if idx < len(region.op_names) else "<end of region>"
+            raise RuntimeError(
+                f"mindformers_ac: recompute diverged from forward at op #{idx}: forward ran {expected}, "
+                f"recompute runs {name}. A checkpointed region must take the same code path when run "
+                "again (no branching on global state, step counters or is_in_recompute() that changes ops).")
+        if region.policy_fn is not None:
+            region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
+        decision = region.decisions.get(idx)
+        if decision is None:
+            region.stats.count_rerun(name)
+            return self._call(run, idx, func, args, kwargs)
+        region.stats.ops_reused += 1
+        run.last = idx
+        if decision == REBUILD:
+            return region.rebuild_dropout(run, idx, args)
+        return region.cached_output(idx)

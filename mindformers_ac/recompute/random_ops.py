@@ -1,0 +1,115 @@
+"""Random ops in a recomputed region: which ones can't be run again, and how Dropout is rebuilt exactly.
+
+A random op's second call draws different numbers, so the engine never runs
+it again in a recompute: ``Dropout`` (the only random kernel the CPU build has
+on this path) keeps its mask as packed bits and its output is rebuilt as
+``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel
+once per dtype and keep_prob (if the check fails the outputs are kept
+instead); other random ops keep their outputs. A primitive marked
+``mac_replayable = True`` promises that a second call draws the same output
+and is recomputed like any other op.
+"""
+import logging
+import re
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, ops
+
+logger = logging.getLogger("mindformers_ac.recompute")
+
+# Names of ops whose output cannot be reproduced by running them again.
+RANDOM_OP_PATTERN = re.compile(
+    r"dropout|uniform|normal(?!ize)|random|bernoulli|multinomial|randperm|randint|randn|^rand|"
+    r"^gamma|poisson|shuffle|seed", re.IGNORECASE)
+
+FORWARD, RECOMPUTE, REPLAY = "forward", "recompute", "replay"
+
+# A random primitive with this attribute set to True promises that calling it again on the same
+# inputs draws the same output (a fresh primitive with explicit seeds: a counter-based RNG).
+REPLAYABLE_ATTR = "mac_replayable"
+
+
+def is_random_op_name(name):
+    """True if an op called ``name`` draws random numbers (its output is always kept)."""
+    return bool(name) and RANDOM_OP_PATTERN.search(name) is not None
+
+
+def is_unreplayable_random_op(name, args):
+    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat.
+
+    Legacy ops are dispatched with their primitive as the first argument; a
+    primitive marked ``mac_replayable = True`` is recomputed like any other op
+    instead of keeping its output or mask.
+    """
+    if not is_random_op_name(name):
+        return False
+    return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
+
+
+
+class DropoutFormulaCheck:
+    """Whether ``dropout_formula`` equals the kernel bitwise, checked once per (dtype, keep_prob)."""
+
+    def __init__(self):
+        self._ok = {}   # (dtype, keep_prob) -> bool
+
+    def __call__(self, x, out, mask, keep_prob):
+        key = (str(x.dtype), float(keep_prob))
+        ok = self._ok.get(key)
+        if ok is None:
+            mn = mask.asnumpy()
+            ok = bool(np.isin(mn, (0, 1)).all())
+            if ok:
+                with ms._no_grad():   # a check, not part of the graph
+                    rebuilt = dropout_formula(x, mask, keep_prob)
+                ok = np.array_equal(rebuilt.asnumpy(), out.asnumpy())
+            self._ok[key] = ok
+            if not ok:
+                logger.warning("Dropout output can't be rebuilt bitwise from its mask for %s; "
+                               "keeping Dropout outputs instead (more memory, still exact)", key)
+        return ok
+
+
+def dropout_formula(x, mask, keep_prob):
+    """The CPU kernel's ``out = mask * x * (1/keep_prob)`` as ``x * (mask * scale)``.
+
+    With mask in {0, 1} both orders round identically (x*scale or a signed
+    zero); the scale is rounded in the mask dtype as the kernel does. Runs a
+    MindSpore op so that the rebuilt output carries gradient history from ``x``
+    (the recompute must record the ops that consume it).
+    """
+    mask = mask.asnumpy() if isinstance(mask, Tensor) else mask
+    dt = mask.dtype
+    scaled = mask * (dt.type(1.0) / dt.type(keep_prob))
+    return ops.mul(x, Tensor(scaled))
+
+
+class DropoutRecord:
+    """A Dropout result kept as 1 bit per element; rebuilds (output, mask) from the op's input."""
+
+    __slots__ = ("bits", "shape", "dtype", "keep_prob", "pack_outputs")
+
+    def __init__(self, mask, keep_prob):
+        m = mask.asnumpy()
+        self.shape, self.dtype = m.shape, m.dtype
+        self.bits = np.packbits(m != 0)
+        self.keep_prob = keep_prob
+        self.pack_outputs = []   # (pack number, output index) of the packs the op made in forward
+
+    @property
+    def nbytes(self):
+        return int(self.bits.nbytes)
+
+    def rebuild(self, x):
+        n = int(np.prod(self.shape))
+        mask = np.unpackbits(self.bits, count=n).reshape(self.shape).astype(self.dtype)
+        return dropout_formula(x, mask, self.keep_prob), Tensor(mask)
+
+
+def dropout_input(args):
+    """(x, keep_prob) of a dispatched legacy ``Dropout`` call ``(prim, name, (x, keep_prob, seed0, seed1))``."""
+    if len(args) == 3 and isinstance(args[2], tuple) and len(args[2]) >= 2 and isinstance(args[2][0], Tensor):
+        return args[2][0], float(args[2][1])
+    return None, None
+

@@ -1,0 +1,57 @@
+"""Per-thread state of the recompute engine: the stack of running region runs and the recompute depth.
+
+Process-wide on purpose: ``is_in_recompute()`` and nested regions must be
+answerable from any code on the thread without a handle; the mutable per-run
+state is thread-local inside ``ENGINE``, and the only shared state is a
+warn-once log and the Dropout formula check (both caches of facts that hold
+for the whole process).
+"""
+import logging
+import threading
+
+from ..logs import OnceLogger
+from .random_ops import DropoutFormulaCheck
+
+# What a run of a region's function is doing.
+FORWARD, RECOMPUTE, REPLAY = "forward", "recompute", "replay"
+
+
+class EngineState:
+    """Per-thread stack of running region runs plus the engine's process-wide caches."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self.warnings = OnceLogger(logging.getLogger("mindformers_ac.recompute"))
+        self.dropout_formula_ok = DropoutFormulaCheck()
+
+    def _state(self):
+        local = self._local
+        if not hasattr(local, "runs"):
+            local.runs = []
+            local.recompute_depth = 0
+        return local
+
+    def top(self):
+        runs = self._state().runs
+        return runs[-1] if runs else None
+
+    def push(self, run):
+        self._state().runs.append(run)
+
+    def pop(self, run):
+        runs = self._state().runs
+        if not runs or runs[-1] is not run:
+            raise RuntimeError("mindformers_ac: region stack corrupted (a region exited out of order)")
+        runs.pop()
+
+    def in_recompute(self):
+        return self._state().recompute_depth > 0
+
+    def enter_recompute(self):
+        self._state().recompute_depth += 1
+
+    def exit_recompute(self):
+        self._state().recompute_depth -= 1
+
+
+ENGINE = EngineState()

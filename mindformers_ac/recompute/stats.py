@@ -1,0 +1,69 @@
+"""Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run."""
+import collections
+import weakref
+
+
+class RecomputeStats:
+    """Counters of one or more regions (``apply_ac`` shares one per layer).
+
+    ``kept_bytes``: bytes kept for backward by the live regions of this stats
+    object, read when the latest region forward ended (storage-deduplicated
+    inside a region, weights excluded); ``peak_kept_bytes`` its maximum.
+    ``dropped_bytes`` / ``swapped_bytes``: same, for bytes dropped for recompute
+    and handed to the swap executor (``dropped_bytes`` is a lower bound: a
+    storage freed during the forward and reallocated at the same address is
+    counted once). ``live_bytes`` / ``live_regions`` fall back
+    to 0 when backward has freed the regions. ``ops_forward``: ops run in region
+    forwards; ``ops_rerun``: ops run again in backward (``rerun_by_op`` by name);
+    ``ops_reused``: ops whose kept outputs replaced a re-run (policy saves,
+    excluded ops, random ops); ``recompute_calls``: backward-time re-runs.
+    """
+
+    _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
+                 "ops_rerun", "ops_reused", "recompute_calls", "live_bytes", "live_regions")
+
+    def __init__(self):
+        self._generation = 0
+        self.reset()
+
+    def reset(self):
+        """Zero every counter; regions still alive no longer report to this object."""
+        self._generation += 1
+        for name in self._COUNTERS:
+            setattr(self, name, 0)
+        self._live_dropped = 0
+        self._live_swapped = 0
+        self.rerun_by_op = collections.Counter()
+
+    def count_rerun(self, op_name, n=1):
+        self.ops_rerun += n
+        self.rerun_by_op[op_name] += n
+
+    def open_region(self, owner, kept, dropped, swapped):
+        """Account a finished forward; the bytes are released when ``owner`` is garbage."""
+        self.live_bytes += kept
+        self._live_dropped += dropped
+        self._live_swapped += swapped
+        self.live_regions += 1
+        self.kept_bytes = self.live_bytes
+        self.dropped_bytes = self._live_dropped
+        self.swapped_bytes = self._live_swapped
+        self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        fin = weakref.finalize(owner, self._close_region, self._generation, kept, dropped, swapped)
+        fin.atexit = False   # nothing to release at interpreter exit
+
+    def _close_region(self, generation, kept, dropped, swapped):
+        if generation != self._generation:
+            return
+        self.live_bytes -= kept
+        self._live_dropped -= dropped
+        self._live_swapped -= swapped
+        self.live_regions -= 1
+
+    def as_dict(self):
+        d = {name: getattr(self, name) for name in self._COUNTERS}
+        d["rerun_by_op"] = dict(self.rerun_by_op)
+        return d
+
+    def __repr__(self):
+        return f"RecomputeStats({self.as_dict()})"

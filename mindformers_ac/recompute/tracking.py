@@ -1,0 +1,169 @@
+"""Where an op runs inside a region: the cell path and op attribute a ``policy_fn`` sees.
+
+``PathTracker`` keeps ``cell_path`` (forward pre/post hooks on the root's
+sub-cells) and ``attr_path`` (op attributes replaced by ``AttrProxy``) of the
+innermost running region on this thread; ``OpContext`` is what the policy is
+handed per op.
+"""
+import contextlib
+import functools
+import types
+
+import mindspore as ms
+from mindspore.ops import Primitive
+
+from .state import ENGINE
+
+
+class OpContext:
+    """What a ``policy_fn`` learns about the op being dispatched.
+
+    ``op_name``: dispatched op name (``MatMulExt``, ``Softmax``, ``Dropout`` ...).
+    ``cell_path``: dotted path of the innermost sub-cell running, relative to the
+    region root ('' at the root). ``op_path``: ``cell_path + '.' + op_name``.
+    ``attr_path``: path of the op attribute being called (e.g.
+    ``self_attention.core_attention.bmm_qk``, ``mlp.activation_func`` for every
+    op gelu runs), tracked for cell regions; otherwise a guess (the only
+    Primitive or function attribute of the innermost cell named like the op),
+    or None.
+    ``is_recompute``: True in the backward-time re-run. ``op_index``: order in the region.
+    """
+
+    __slots__ = ("op_name", "cell_path", "is_recompute", "op_index", "_cell", "_attr_path")
+
+    def __init__(self, op_name, cell_path, is_recompute, op_index, cell, attr_path=None):
+        self.op_name, self.cell_path, self.is_recompute = op_name, cell_path, is_recompute
+        self.op_index, self._cell, self._attr_path = op_index, cell, attr_path
+
+    @property
+    def op_path(self):
+        return f"{self.cell_path}.{self.op_name}" if self.cell_path else self.op_name
+
+    @property
+    def attr_path(self):
+        if self._attr_path is not None:
+            return self._attr_path
+        attr = _find_op_attr(self._cell, self.op_name)
+        if attr is None:
+            return None
+        return f"{self.cell_path}.{attr}" if self.cell_path else attr
+
+
+def _norm_op_name(name):
+    name = name.lower().replace("_", "")
+    return name[:-3] if name.endswith("ext") else name
+
+
+def _find_op_attr(cell, op_name):
+    if cell is None:
+        return None
+    want = _norm_op_name(op_name)
+    found = []
+    for attr, value in vars(cell).items():
+        if attr.startswith("_") or not callable(value) or isinstance(value, ms.nn.Cell):
+            continue
+        name = getattr(value, "name", None) or getattr(value, "__name__", None)
+        if isinstance(name, str) and _norm_op_name(name) == want:
+            found.append(attr)
+    # Two attributes running the same op (bmm_qk, bmm_pv) can't be told apart from the op alone.
+    return found[0] if len(found) == 1 else None
+
+
+def is_op_attribute(value):
+    """A cell attribute that runs ops when called: a Primitive, a function, or one of our proxies."""
+    return isinstance(value, (Primitive, types.FunctionType, types.BuiltinFunctionType, functools.partial)) \
+        or getattr(value, "mac_is_op_proxy", False)
+
+
+class AttrProxy:
+    """Instance-attribute stand-in that names the attribute for the policy while its op runs.
+
+    ``mac_inner`` is the wrapped callable (a later ``wrap_op_output`` may swap it).
+    """
+
+    mac_is_op_proxy = True
+
+    def __init__(self, tracker, path, inner):
+        self.mac_tracker, self.mac_path, self.mac_inner = tracker, path, inner
+
+    def __call__(self, *args, **kwargs):
+        run = ENGINE.top()
+        if run is None or run.region.tracker is not self.mac_tracker:
+            return self.mac_inner(*args, **kwargs)
+        run.attrs.append(self.mac_path)
+        try:
+            return self.mac_inner(*args, **kwargs)
+        finally:
+            run.attrs.pop()
+
+    def __getattr__(self, name):   # keep Primitive attributes (name, attrs ...) reachable
+        return getattr(self.__dict__["mac_inner"], name)
+
+
+
+class PathTracker:
+    """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy.
+
+    Forward pre/post hooks on the root's sub-cells push and pop the cell path;
+    op attributes of the cells (Primitives and functions such as
+    ``core_attention.bmm_qk`` or ``mlp.activation_func``) are replaced, on the
+    instance, by ``AttrProxy`` objects that name the attribute while it runs.
+    Both act only when the innermost running region on this thread was created
+    with this tracker, so nested regions and calls outside regions are left
+    alone. ``remove()`` restores every attribute and hook.
+    """
+
+    def __init__(self, root):
+        self.root = root
+        self._handles = []
+        self._attrs = []        # (cell, attr name, proxy)
+        self.installed = False
+
+    def install(self):
+        if self.installed:
+            return
+        self.installed = True
+        for name, cell in self.root.cells_and_names():
+            if cell is not self.root and name:
+                self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
+                self._handles.append(cell.register_forward_hook(self._exit, always_call=True))
+            for attr, value in list(vars(cell).items()):
+                if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
+                    continue
+                proxy = AttrProxy(self, f"{name}.{attr}" if name else attr, value)
+                object.__setattr__(cell, attr, proxy)   # an instance attribute: the cell tree is unchanged
+                self._attrs.append((cell, attr, proxy))
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+        for cell, attr, proxy in reversed(self._attrs):
+            if cell.__dict__.get(attr) is proxy:   # someone may have replaced it since: leave theirs
+                object.__setattr__(cell, attr, proxy.mac_inner)
+        self._handles, self._attrs = [], []
+        self.installed = False
+
+    @contextlib.contextmanager
+    def active(self):
+        """Install for the duration of a run unless installed for good (by ``checkpoint_wrapper``)."""
+        if self.installed:
+            yield
+            return
+        self.install()
+        try:
+            yield
+        finally:
+            self.remove()
+
+    def _make_enter(self, name):
+        def enter(cell, _args):
+            run = ENGINE.top()
+            if run is not None and run.region.tracker is self:
+                run.path.append((name, cell))
+        return enter
+
+    def _exit(self, cell, _args, _output):
+        run = ENGINE.top()
+        if run is not None and run.region.tracker is self and run.path and run.path[-1][1] is cell:
+            run.path.pop()
+

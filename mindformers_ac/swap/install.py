@@ -1,0 +1,209 @@
+"""Install swap on a model's layers or sub-cells: what ``apply_ac`` calls.
+
+``install_layer_swap(layers, layer_ids, prefetch=1, ...)`` swaps whole layers;
+``install_op_swap(layer, sub_cell_paths, ...)`` only what chosen sub-cells of
+one layer save. Both return a ``SwapInstallation`` whose ``remove()`` restores
+the model. Each call of a swapped cell is one swap group of the scheduler;
+the backward pre-hook of the layer ``prefetch`` places later starts loading
+the group back.
+
+Gradients are bitwise equal to training without swap: the host copy is an
+exact byte copy and the loaded tensor replaces the saved one. Parameters,
+inputs of the swapped layer (or of the model call, when ``model`` is given),
+tensors under ``min_bytes`` and extra views of an offloaded tensor stay on the
+device. A saved tensor modified in place after its offload raises RuntimeError
+(checked when the layer's forward ends, and at load while it is still alive).
+"""
+import weakref
+
+from mindspore import nn
+
+from ..layer_specs import swappable_layers
+from ..tensors import tensor_storage_ptrs
+from ..whitelist import sub_cell
+from .executor import SwapExecutor
+from .scheduler import DEFAULT_MIN_BYTES, SwapScheduler
+
+
+class SwapInstallation:
+    """Hooks installed on a model by ``install_layer_swap``/``install_op_swap``.
+
+    ``remove()`` takes every hook off (the model is exactly as before) and, if
+    the installer created its executor, stops its worker thread. Idempotent.
+    ``report``/``executor``/``scheduler`` expose the engine state.
+    """
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.executor = scheduler.executor
+        self.report = scheduler.report
+        self._hooks = []
+
+    def add(self, hook_handle):
+        self._hooks.append(hook_handle)
+
+    def remove(self):
+        while self._hooks:
+            self._hooks.pop().remove()
+        self.scheduler.close()
+
+
+def _make_scheduler(executor, report, min_bytes, params, max_pool_bytes):
+    if executor is not None and report is not None and executor.report is not report:
+        raise ValueError("pass the report to the executor instead: SwapExecutor(report=report)")
+    owns = executor is None
+    if owns:
+        executor = SwapExecutor(max_pool_bytes=max_pool_bytes, report=report)
+    sched = SwapScheduler(executor, min_bytes, params)
+    sched.owns_executor = owns
+    return sched
+
+
+def _params_of(*sources):
+    params = []
+    for src in sources:
+        if isinstance(src, nn.Cell):
+            params.extend(src.get_parameters())
+        else:
+            for cell in src:
+                params.extend(cell.get_parameters())
+    return params
+
+
+def _track_inputs(sched, model, inst):
+    """Keep the storages of the model call's inputs (masks, rotary tables) on the device."""
+    if model is None:
+        return
+
+    def pre(cell, args, kwargs):
+        del cell
+        sched.extra_exclude = tensor_storage_ptrs(args, kwargs)
+
+    def post(cell, args, output):
+        del cell, args, output
+        sched.extra_exclude = set()
+
+    inst.add(model.register_forward_pre_hook(pre, with_kwargs=True))
+    inst.add(model.register_forward_hook(post, always_call=True))
+
+
+def region_hooks(sched, key, mode="all", exclude_fn=None, begins_call=True):
+    """Forward pre/post hooks that open and close a swap group for each call of a cell."""
+    open_groups = []   # a stack: a cell may be re-entered (recursion, nested calls)
+
+    def pre(cell, args, kwargs):
+        del cell
+        if begins_call:
+            sched.begin_call(key)
+        exclude = tensor_storage_ptrs(args, kwargs) if exclude_fn is None else exclude_fn()
+        open_groups.append(sched.open_group(key, mode, exclude=exclude))
+
+    def post(cell, args, output):
+        del cell, args, output
+        if open_groups:
+            sched.close_group(open_groups.pop())
+
+    return pre, post
+
+
+def prefetch_hook(sched, key, trigger):
+    # Weak: MindSpore keeps a cell with a backward hook (and the hook) alive after the model is
+    # deleted; a strong reference here would keep the scheduler and its worker thread alive too.
+    sched_ref = weakref.ref(sched)
+
+    def hook(cell, grad_output):
+        del cell, grad_output
+        live = sched_ref()
+        if live is not None:
+            live.prefetch(key, trigger=trigger)
+        # None: the gradients pass through unchanged.
+    return hook
+
+
+def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None, model=None,
+                       min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None):
+    """Swap whole layers: everything ``layers[i]`` saves for backward goes to host, ``i`` in ``layer_ids``.
+
+    Args:
+        layers: the model's layer list (global ids index it).
+        layer_ids: global ids of the layers to swap.
+        prefetch: p >= 1: when ``layers[i + p]`` starts its backward, layer i's tensors are
+            loaded on the copy worker; p = 0: no prefetch, every tensor is loaded on demand.
+            Every swapped id needs ``i + p < len(layers)`` (else ValueError, nothing installed).
+        executor: a shared ``SwapExecutor`` (not closed by ``remove()``); default: a new one.
+        report: a ``SwapReport`` for a new executor (with ``executor``, pass it there).
+        model: the top-level model; its call's input tensors stay on the device.
+        min_bytes: tensors smaller than this stay on the device.
+        max_pool_bytes: host pool bound for a new executor.
+        params: parameters never to offload (default: those of ``model``, else of ``layers``).
+    Returns a ``SwapInstallation``; report keys are the global layer ids.
+    """
+    layer_ids = list(layer_ids)
+    n = len(layers)
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0 (0 = load on demand), got {prefetch}")
+    for i in layer_ids:
+        if not 0 <= i < n:
+            raise ValueError(f"layer id {i} out of range for {n} layers")
+        if i not in swappable_layers(n, prefetch):
+            raise ValueError(f"layer {i} with prefetch {prefetch} needs layer {i + prefetch} to trigger its "
+                             f"prefetch, but there are {n} layers: lower the prefetch or do not swap layer {i}")
+    if params is None:
+        params = _params_of(model if model is not None else layers)
+    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes)
+    inst = SwapInstallation(sched)
+    _track_inputs(sched, model, inst)
+    for i in layer_ids:
+        pre, post = region_hooks(sched, i)
+        inst.add(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+        inst.add(layers[i].register_forward_hook(post, always_call=True))
+        if prefetch:
+            sched.mark_prefetchable(i)
+            inst.add(layers[i + prefetch].register_backward_pre_hook(prefetch_hook(sched, i, i + prefetch)))
+    return inst
+
+
+def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, executor=None, report=None,
+                    model=None, min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None):
+    """Swap only what the given sub-cells of ``layer`` save (e.g. ``["mlp", "self_attention.core_attention"]``).
+
+    The layer's own inputs (and the model call's, with ``model``) stay on the device.
+    ``prefetch_layer``: a Cell whose backward start triggers the load of this layer's
+    tensors (typically ``layers[layer_id + p]``); None: loads on demand.
+    ``layer_id`` is the report key (default: the layer's class name and id).
+    Other arguments as ``install_layer_swap``. Returns a ``SwapInstallation``.
+    """
+    if isinstance(sub_cell_paths, str):
+        sub_cell_paths = [sub_cell_paths]
+    cells = [sub_cell(layer, p) for p in sub_cell_paths]   # raise before installing anything
+    key = layer_id if layer_id is not None else f"{type(layer).__name__}@{id(layer):x}"
+    if params is None:
+        params = _params_of(model if model is not None else layer)
+    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes)
+    inst = SwapInstallation(sched)
+    _track_inputs(sched, model, inst)
+    layer_inputs = []
+
+    def layer_pre(cell, args, kwargs):
+        del cell
+        sched.begin_call(key)
+        layer_inputs.append(tensor_storage_ptrs(args, kwargs))
+
+    def layer_post(cell, args, output):
+        del cell, args, output
+        if layer_inputs:
+            layer_inputs.pop()
+
+    inst.add(layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
+    inst.add(layer.register_forward_hook(layer_post, always_call=True))
+    for cell in cells:
+        pre, post = region_hooks(sched, key, exclude_fn=lambda: layer_inputs[-1] if layer_inputs else set(),
+                                  begins_call=False)
+        inst.add(cell.register_forward_pre_hook(pre, with_kwargs=True))
+        inst.add(cell.register_forward_hook(post, always_call=True))
+    if prefetch_layer is not None:
+        sched.mark_prefetchable(key)
+        trigger = getattr(prefetch_layer, "layer_number", type(prefetch_layer).__name__)
+        inst.add(prefetch_layer.register_backward_pre_hook(prefetch_hook(sched, key, trigger)))
+    return inst
+
