@@ -50,9 +50,10 @@ class LayerMeter(SavedTensorMeter):
             self._running.pop()
 
     def attach(self):
+        self._running = []   # a step that raised may have left layers open
         for layer_id, cell in self.layer_cells.items():
             self._handles.append(cell.register_forward_pre_hook(self._enter(layer_id)))
-            self._handles.append(cell.register_forward_hook(self._exit, always_call=True))
+            self._handles.append(cell.register_forward_hook(self._exit))
 
     def detach(self):
         while self._handles:

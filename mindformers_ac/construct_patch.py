@@ -41,29 +41,39 @@ def find_patch(cell, kind):
 class ConstructPatch:
     """``cell.construct(*a, **k)`` becomes ``around(inner, *a, **k)``; ``remove()`` undoes it.
 
-    ``kind`` names the wrapper (one patch per kind and cell; ValueError with
-    ``undo`` as the hint otherwise); ``info`` is the wrapper's own record.
+    ``kind`` names the wrapper: one patch per kind and cell (ValueError with
+    ``undo`` as the hint otherwise) unless ``unique`` is False; ``info`` is
+    the wrapper's own record. An ``outer`` patch stands for a pair of forward
+    hooks: it stays outside every other patch, whenever either was added, so a
+    swap group opened around a layer call encloses a checkpoint region of the
+    same layer as hooks would.
     """
 
-    def __init__(self, cell, kind, around, info=None, undo=""):
+    def __init__(self, cell, kind, around, info=None, undo="", unique=True, outer=False):
         name = type(cell).__name__
-        for other in patches(cell):
-            if other.kind == kind:
+        stack = patches(cell)
+        for other in stack:
+            if unique and other.kind == kind:
                 raise ValueError(f"{name} is already wrapped by {kind}; {undo} first to change its options")
             if kind in _EXCLUSIVE_KINDS and other.kind in _EXCLUSIVE_KINDS:
                 raise ValueError(f"{name}: checkpoint_wrapper and swap_wrapper can't wrap the same cell "
                                  "(recompute it or swap it, not both); undo the other with unwrap() or "
                                  "remove_swap_wrapper() first")
-        self.cell, self.kind, self.info = cell, kind, info
-        self.inner = cell.construct   # the class method (bound) or the patch below
-        self.had_instance = "construct" in cell.__dict__
+        self.cell, self.kind, self.info, self.outer = cell, kind, info, outer
 
         def construct(*args, **kwargs):
             return around(self.inner, *args, **kwargs)
 
         setattr(construct, _PATCH_ATTR, self)
         self.construct = construct
-        cell.construct = construct
+        above = None if outer else next((p for p in reversed(stack) if p.outer), None)
+        if above is None:
+            self.inner = cell.construct   # the class method (bound), an instance construct, or the top patch
+            self.had_instance = "construct" in cell.__dict__
+            cell.construct = construct
+        else:   # below the innermost hook-like patch
+            self.inner, self.had_instance = above.inner, above.had_instance
+            above.inner, above.had_instance = construct, True
 
     def remove(self):
         """Take this patch out of the chain, wherever it is; a second call does nothing."""
@@ -80,3 +90,23 @@ class ConstructPatch:
         else:
             above = stack[i - 1]
             above.inner, above.had_instance = self.inner, self.had_instance
+
+
+def bracket_calls(cell, kind, enter, leave, unique=True):
+    """Run ``enter(args, kwargs) -> state`` before and ``leave(state)`` after every call of ``cell``.
+
+    ``leave`` runs however the call ends: a return, an exception, or a
+    KeyboardInterrupt / SystemExit (MindSpore's ``always_call`` forward hooks
+    run on ``Exception`` only, so a Ctrl-C in forward would skip them and
+    leave a saved-tensor hook installed for the whole process). Like a pair
+    of forward hooks, the bracket stays outside the cell's other wrappers.
+    Returns the ``ConstructPatch``; ``remove()`` undoes it.
+    """
+    def around(inner, *args, **kwargs):
+        state = enter(args, kwargs)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            leave(state)
+
+    return ConstructPatch(cell, kind, around, unique=unique, outer=True)

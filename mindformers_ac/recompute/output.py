@@ -23,7 +23,7 @@ from mindspore import Tensor, nn
 from mindspore.graph.api import _pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
-from ..construct_patch import ConstructPatch, find_patch
+from ..construct_patch import ConstructPatch, bracket_calls, find_patch
 from ..tensors import output_tensors, storage_nbytes
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
@@ -100,34 +100,34 @@ class _Scope:
         self.live = {}          # data_ptr -> (record, output index), during one scope forward
         self.run = None
         self._ctx = None
-        self._handles = []
+        self._bracket = None
 
     def attach(self, target):
         if not self.targets:
-            self._handles = [self.cell.register_forward_pre_hook(self._enter),
-                             self.cell.register_forward_hook(self._exit, always_call=True)]
+            self._bracket = bracket_calls(self.cell, "op_output_scope", self._enter, self._exit)
         self.targets.append(target)
 
     def detach(self, target):
         self.targets.remove(target)
         if not self.targets:
-            for h in self._handles:
-                h.remove()
-            self._handles = []
+            self._bracket.remove()
+            self._bracket = None
             object.__delattr__(self.cell, _SCOPE_ATTR)
 
-    def _enter(self, _cell, _args):
+    def _enter(self, _args, _kwargs):
+        """True when this call opened the scope's hooks (a re-entered scope is already open)."""
         # Inside a checkpoint region (or its re-run) the region already drops what it can.
         if self._ctx is not None or ENGINE.top() is not None or ENGINE.in_recompute() \
                 or not _executor.requires_grad():
-            return
+            return False
         self.live = {}
         self.run = _ScopeRun()
         self._ctx = ms.saved_tensors_hooks(self._pack, _unpack_output)
         self._ctx.__enter__()
+        return True
 
-    def _exit(self, _cell, _args, _output):
-        if self._ctx is None:
+    def _exit(self, opened):
+        if not opened:
             return
         ctx, self._ctx = self._ctx, None
         ctx.__exit__(None, None, None)

@@ -126,7 +126,8 @@ class PathTracker:
         for name, cell in self.root.cells_and_names():
             if cell is not self.root and name:
                 self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
-                self._handles.append(cell.register_forward_hook(self._exit, always_call=True))
+                # No always_call: a call that raises ends its region run, and the path dies with it.
+                self._handles.append(cell.register_forward_hook(self._exit))
             for attr, value in list(vars(cell).items()):
                 if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
                     continue

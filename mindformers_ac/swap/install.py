@@ -18,6 +18,7 @@ import weakref
 
 from mindspore import nn
 
+from ..construct_patch import bracket_calls
 from ..layer_specs import swappable_layers
 from ..tensors import tensor_storage_ptrs
 from ..whitelist import sub_cell
@@ -75,35 +76,30 @@ def _track_inputs(sched, model, inst):
     if model is None:
         return
 
-    def pre(cell, args, kwargs):
-        del cell
+    def enter(args, kwargs):
         sched.extra_exclude = tensor_storage_ptrs(args, kwargs)
 
-    def post(cell, args, output):
-        del cell, args, output
+    def leave(_state):
         sched.extra_exclude = set()
 
-    inst.add(model.register_forward_pre_hook(pre, with_kwargs=True))
-    inst.add(model.register_forward_hook(post, always_call=True))
+    # Several installations (layer swap, op swap of each layer) may track the same model.
+    inst.add(bracket_calls(model, "swap_model_inputs", enter, leave, unique=False))
 
 
-def region_hooks(sched, key, mode="all", exclude_fn=None, begins_call=True):
-    """Forward pre/post hooks that open and close a swap group for each call of a cell."""
-    open_groups = []   # a stack: a cell may be re-entered (recursion, nested calls)
+def bracket_swap_group(cell, sched, key, mode="all", exclude_fn=None, begins_call=True):
+    """Open a swap group of ``key`` around every call of ``cell`` and close it however the call ends.
 
-    def pre(cell, args, kwargs):
-        del cell
+    The group excludes the call's own input tensors (or ``exclude_fn()``);
+    ``begins_call`` starts a new call of ``key`` (so older calls are not
+    prefetched with it). Returns the ``ConstructPatch``.
+    """
+    def enter(args, kwargs):
         if begins_call:
             sched.begin_call(key)
         exclude = tensor_storage_ptrs(args, kwargs) if exclude_fn is None else exclude_fn()
-        open_groups.append(sched.open_group(key, mode, exclude=exclude))
+        return sched.open_group(key, mode, exclude=exclude)
 
-    def post(cell, args, output):
-        del cell, args, output
-        if open_groups:
-            sched.close_group(open_groups.pop())
-
-    return pre, post
+    return bracket_calls(cell, "swap_group", enter, sched.close_group, unique=False)
 
 
 def prefetch_hook(sched, key, trigger):
@@ -154,9 +150,7 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
     for i in layer_ids:
-        pre, post = region_hooks(sched, i)
-        inst.add(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
-        inst.add(layers[i].register_forward_hook(post, always_call=True))
+        inst.add(bracket_swap_group(layers[i], sched, i))
         if prefetch:
             sched.mark_prefetchable(i)
             inst.add(layers[i + prefetch].register_backward_pre_hook(prefetch_hook(sched, i, i + prefetch)))
@@ -182,25 +176,19 @@ def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, e
     sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes)
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
-    layer_inputs = []
+    layer_inputs = []   # a stack: the layer may be re-entered
 
-    def layer_pre(cell, args, kwargs):
-        del cell
+    def enter_layer(args, kwargs):
         sched.begin_call(key)
         layer_inputs.append(tensor_storage_ptrs(args, kwargs))
 
-    def layer_post(cell, args, output):
-        del cell, args, output
-        if layer_inputs:
-            layer_inputs.pop()
+    def leave_layer(_state):
+        layer_inputs.pop()
 
-    inst.add(layer.register_forward_pre_hook(layer_pre, with_kwargs=True))
-    inst.add(layer.register_forward_hook(layer_post, always_call=True))
+    inst.add(bracket_calls(layer, "swap_layer_inputs", enter_layer, leave_layer, unique=False))
     for cell in cells:
-        pre, post = region_hooks(sched, key, exclude_fn=lambda: layer_inputs[-1] if layer_inputs else set(),
-                                  begins_call=False)
-        inst.add(cell.register_forward_pre_hook(pre, with_kwargs=True))
-        inst.add(cell.register_forward_hook(post, always_call=True))
+        inst.add(bracket_swap_group(cell, sched, key, exclude_fn=lambda: layer_inputs[-1] if layer_inputs else set(),
+                                    begins_call=False))
     if prefetch_layer is not None:
         sched.mark_prefetchable(key)
         trigger = getattr(prefetch_layer, "layer_number", type(prefetch_layer).__name__)

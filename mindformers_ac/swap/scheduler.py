@@ -122,7 +122,7 @@ class SwapScheduler:
         Raises RuntimeError if a saved tensor was modified in place after its offload."""
         if self.current_group() is not g:
             raise RuntimeError(f"swap group {g.key!r} closed out of order; swap regions must nest "
-                               "(a forward hook that did not run? use always_call hooks)")
+                               "(open and close groups with construct_patch.bracket_calls, which closes on every exit path)")
         self._stack.pop()
         g.hooks.__exit__(None, None, None)
         error = None
