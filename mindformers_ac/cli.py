@@ -57,11 +57,13 @@ def _summary(config):
 
 
 def _int_argument(text):
-    """An int for argparse whose error quotes the text shortened (argparse would print all of it)."""
+    """An int of ASCII digits for argparse; its error quotes the text shortened (argparse would print all)."""
     try:
+        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
+            raise ValueError(text)
         return int(text)   # ValueError past 4300 digits too
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {quote(text)}") from None
 
 
 def cmd_validate(args):

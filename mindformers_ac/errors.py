@@ -79,6 +79,8 @@ def quote(value, limit=QUOTE_CHARS):
     containers, dataclasses holding any of those. The result ends in ``...``
     where it was cut.
     """
+    if isinstance(value, str) and len(value) > limit:   # say how long it was
+        return f"{repr(value[:limit])[:limit]}... ({len(value)} characters)"
     parts, size = [], 0
     for chunk in _repr_chunks(value, 0):
         parts.append(chunk)

@@ -149,8 +149,9 @@ def read_config_text(path):
 
 def load_yaml_text(text, name):
     """Parse ``text`` (called ``name`` in messages) into plain data, within the module's bounds."""
-    loader = _BoundedLoader(text, name)
+    loader = None
     try:
+        loader = _BoundedLoader(text, name)   # its reader already rejects control characters
         return loader.get_single_data()
     except ConfigError:
         raise
@@ -162,7 +163,8 @@ def load_yaml_text(text, name):
         # PyYAML converts timestamps and numbers with Python calls that raise these
         raise ConfigError(None, f"YAML value that can't be read in {name}: {clip(exc)}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def load_yaml_file(path):
