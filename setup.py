@@ -18,6 +18,6 @@ setup(
         "psutil",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "hypothesis"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.cli:main"]},
 )
