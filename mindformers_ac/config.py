@@ -174,6 +174,12 @@ class SwapConfig:
 
     def __post_init__(self):
         self.validate()
+        # warned once, when built: validate() runs again in plan_ac and stays quiet
+        if not self.enable and (self.layer_swap or self.op_swap):
+            logger.warning("swap.enable is false: layer_swap and op_swap are ignored")
+        if self.enable and not (self.layer_swap or self.op_swap):
+            logger.warning("swap.enable is true but neither layer_swap nor op_swap is set: "
+                           "nothing will be swapped")
 
     def validate(self):
         """Check every field (again, after changes)."""
@@ -185,11 +191,6 @@ class SwapConfig:
         self._check_entries("layer_swap", ("layers",))
         self._check_entries("op_swap", ("op_name", "layers"))
         self._check_layer_swap_disjoint()
-        if not self.enable and (self.layer_swap or self.op_swap):
-            logger.warning("swap.enable is false: layer_swap and op_swap are ignored")
-        if self.enable and not (self.layer_swap or self.op_swap):
-            logger.warning("swap.enable is true but neither layer_swap nor op_swap is set: "
-                           "nothing will be swapped")
 
     def _check_entries(self, name, keys):
         entries, path = getattr(self, name), f"swap.{name}"

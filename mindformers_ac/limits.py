@@ -36,8 +36,8 @@ MAX_LAYERS = 10_000
 MAX_PATTERN_CHARS = 500
 MAX_REPEAT_PRODUCT = 1000
 
-# Total wall time for all pattern matching of one plan_ac call (not per match):
-# a catastrophic pattern fails after this, however many paths it is tried on.
+# Total time spent matching patterns in one plan_ac call (not per match): a
+# catastrophic pattern fails after this, however many paths it is tried on.
 MATCH_BUDGET_S = 2.0
 
 # A value quoted in a message is cut to about this many characters; a whole

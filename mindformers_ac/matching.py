@@ -6,8 +6,8 @@ Patterns come from user YAML, so they are bounded twice:
   and counted repetitions whose bounds multiply to at most
   ``MAX_REPEAT_PRODUCT``, because ``regex`` expands ``{m,n}`` when compiling;
 * at match time (``MatchBudget``): all matches of one planning pass share one
-  wall-time budget, so a catastrophic pattern (``(a|aa)+b``) fails once,
-  after ``MATCH_BUDGET_S`` in total, not after a timeout per path.
+  time budget, so a catastrophic pattern (``(a|aa)+b``) fails once, after
+  ``MATCH_BUDGET_S`` in total, not after a timeout per path.
 
 Exceeding either is a ``ConfigError`` that names the pattern's field.
 """
@@ -57,28 +57,31 @@ def check_pattern(pattern, field):
 
 
 class MatchBudget:
-    """One wall-time budget shared by every match of a planning pass.
+    """One budget of matching time shared by every match of a planning pass.
 
-    Each match runs with the time left as its ``regex`` timeout; when the time
-    is spent, the match in progress raises ``ConfigError`` naming its field.
-    Create one per pass: the budget is not reusable.
+    Only the time spent inside matches counts (not building whitelists between
+    them). Each match runs with what is left as its ``regex`` timeout, which
+    ``regex`` measures in CPU time; when the budget is spent, the match in
+    progress raises ``ConfigError`` naming its field. Create one per pass.
     """
 
     def __init__(self, seconds=MATCH_BUDGET_S):
         self.seconds = seconds
-        self.deadline = time.monotonic() + seconds
+        self.spent = 0.0
 
     def fullmatch(self, compiled, path, field):
-        remaining = self.deadline - time.monotonic()
+        start = time.monotonic()
         try:
-            if remaining <= 0:
+            if self.spent >= self.seconds:
                 raise TimeoutError
-            return compiled.fullmatch(path, timeout=remaining) is not None
+            return compiled.fullmatch(path, timeout=self.seconds - self.spent) is not None
         except TimeoutError:
             raise ConfigError(field, f"pattern matching took more than the {self.seconds:g}s budget "
                                      f"of this plan, stopped while matching {quote(compiled.pattern)} "
                                      f"against {quote(path)} (catastrophic backtracking?); simplify "
                                      f"the regex") from None
+        finally:
+            self.spent += time.monotonic() - start
 
 
 def fullmatch(pattern, path, field, budget=None):
