@@ -22,6 +22,6 @@ setup(
         "psutil",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "hypothesis"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )

@@ -6,7 +6,9 @@ value fails before any model is looked at; checks that need the model (layer
 counts, pattern matches, overlaps between sections) are done by ``plan_ac``.
 
 Every rejection is a ``ConfigError`` whose message starts with the field path,
-e.g. ``swap.op_swap[1].layers[0]: ...``.
+e.g. ``swap.op_swap[1].layers[0]: ...``. Fields changed after a section was
+built are checked again by ``validate()``, which ``plan_ac`` / ``apply_ac`` call
+on whatever they are given. Input is untrusted: see ``limits`` for the bounds.
 """
 import dataclasses
 import logging
@@ -14,11 +16,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-import regex
 import yaml
 
-from .errors import ConfigError
-from .layer_specs import spec_ranges
+from .errors import ConfigError, child_field, item_field, quote
+from .layer_specs import RangeSet, spec_ranges
+from .matching import check_pattern
+from .yaml_loading import config_path, load_yaml_file
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -32,43 +35,31 @@ def _type_name(value):
 
 def check_bool(value, field_path):
     if not isinstance(value, bool):
-        raise ConfigError(field_path, f"expected true or false, got {_type_name(value)} {value!r}")
+        raise ConfigError(field_path, f"expected true or false, got {_type_name(value)} {quote(value)}")
     return value
-
-
-def check_pattern(pattern, field_path):
-    """A ``select_module`` / ``op_name`` key must be a regex that compiles."""
-    if not isinstance(pattern, str) or not pattern:
-        raise ConfigError(field_path, f"expected a non-empty regex string, got "
-                                      f"{_type_name(pattern)} {pattern!r}")
-    try:
-        regex.compile(pattern)
-    except regex.error as exc:
-        raise ConfigError(field_path, f"invalid regex {pattern!r}: {exc}") from None
-    return pattern
 
 
 def check_pattern_map(value, field_path):
     """``{regex: layer specs}`` as used by select_module and the dict form of exclude_op."""
     if not isinstance(value, dict):
         raise ConfigError(field_path, f"expected a mapping of path regex to layer specs such as "
-                                      f"{{'.*mlp': [0-3]}}, got {_type_name(value)} {value!r}")
+                                      f"{{'.*mlp': [0-3]}}, got {_type_name(value)} {quote(value)}")
     if not value:
         raise ConfigError(field_path, "expected at least one 'regex: layers' entry, got an empty mapping")
     for pattern, specs in value.items():
-        check_pattern(pattern, f"{field_path}[{pattern!r}]")
-        spec_ranges(specs, f"{field_path}[{pattern!r}]")
+        check_pattern(pattern, item_field(field_path, pattern))
+        spec_ranges(specs, item_field(field_path, pattern))
     return value
 
 
 def check_keys(section, allowed, field_path):
     if not isinstance(section, dict):
         raise ConfigError(field_path, f"expected a mapping with keys {', '.join(allowed)}, got "
-                                      f"{_type_name(section)} {section!r}")
+                                      f"{_type_name(section)} {quote(section)}")
     unknown = [k for k in section if k not in allowed]
     if unknown:
-        raise ConfigError(f"{field_path}.{unknown[0]}", f"unknown key; allowed keys are: "
-                                                        f"{', '.join(allowed)}")
+        raise ConfigError(child_field(field_path, unknown[0]), f"unknown key; allowed keys are: "
+                                                               f"{', '.join(allowed)}")
 
 
 def _field_names(cls):
@@ -95,11 +86,15 @@ class RecomputeConfig:
     exclude_op: Optional[Union[list, tuple, dict]] = None
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Check every field (again, after changes); ``mode=None`` becomes ``"None"``."""
         if self.mode is None:
             self.mode = "None"
-        if self.mode not in RECOMPUTE_MODES:
+        if not isinstance(self.mode, str) or self.mode not in RECOMPUTE_MODES:
             raise ConfigError("recompute.mode", f"expected one of None, full, select, got "
-                                                f"{_type_name(self.mode)} {self.mode!r}")
+                                                f"{_type_name(self.mode)} {quote(self.mode)}")
         if self.full_recompute_layer is not None:
             spec_ranges(self.full_recompute_layer, "recompute.full_recompute_layer")
         if self.select_module is not None:
@@ -122,11 +117,11 @@ class RecomputeConfig:
         if not isinstance(self.exclude_op, (list, tuple)):
             raise ConfigError(path, f"expected a list of op names such as ['AllGather'] or a mapping "
                                     f"of op path regex to layer specs, got "
-                                    f"{_type_name(self.exclude_op)} {self.exclude_op!r}")
+                                    f"{_type_name(self.exclude_op)} {quote(self.exclude_op)}")
         for i, name in enumerate(self.exclude_op):
             if not isinstance(name, str) or not name.strip():
                 raise ConfigError(f"{path}[{i}]", f"expected a non-empty op name string, got "
-                                                  f"{_type_name(name)} {name!r}")
+                                                  f"{_type_name(name)} {quote(name)}")
 
     @property
     def enabled(self):
@@ -145,6 +140,10 @@ class RecomputeCommConfig:
     select_module: Optional[dict] = None
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Check every field (again, after changes)."""
         check_bool(self.enable, "recompute_comm.enable")
         if self.select_module is not None:
             check_pattern_map(self.select_module, "recompute_comm.select_module")
@@ -174,19 +173,24 @@ class SwapConfig:
     op_swap: Optional[Union[list, tuple]] = None
 
     def __post_init__(self):
-        check_bool(self.enable, "swap.enable")
-        p = self.default_prefetch
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ConfigError("swap.default_prefetch", f"expected an integer >= 1, got "
-                                                       f"{_type_name(p)} {p!r}")
-        self._check_entries("layer_swap", ("layers",))
-        self._check_entries("op_swap", ("op_name", "layers"))
-        self._check_layer_swap_disjoint()
+        self.validate()
+        # warned once, when built: validate() runs again in plan_ac and stays quiet
         if not self.enable and (self.layer_swap or self.op_swap):
             logger.warning("swap.enable is false: layer_swap and op_swap are ignored")
         if self.enable and not (self.layer_swap or self.op_swap):
             logger.warning("swap.enable is true but neither layer_swap nor op_swap is set: "
                            "nothing will be swapped")
+
+    def validate(self):
+        """Check every field (again, after changes)."""
+        check_bool(self.enable, "swap.enable")
+        p = self.default_prefetch
+        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+            raise ConfigError("swap.default_prefetch", f"expected an integer >= 1, got "
+                                                       f"{_type_name(p)} {quote(p)}")
+        self._check_entries("layer_swap", ("layers",))
+        self._check_entries("op_swap", ("op_name", "layers"))
+        self._check_layer_swap_disjoint()
 
     def _check_entries(self, name, keys):
         entries, path = getattr(self, name), f"swap.{name}"
@@ -195,7 +199,7 @@ class SwapConfig:
         example = "{" + ", ".join(f"{k}: ..." for k in keys) + "}"
         if not isinstance(entries, (list, tuple)):
             raise ConfigError(path, f"expected a list of {example} entries, got "
-                                    f"{_type_name(entries)} {entries!r}")
+                                    f"{_type_name(entries)} {quote(entries)}")
         for i, entry in enumerate(entries):
             check_keys(entry, keys, f"{path}[{i}]")
             for key in keys:
@@ -206,15 +210,15 @@ class SwapConfig:
             spec_ranges(entry["layers"], f"{path}[{i}].layers")
 
     def _check_layer_swap_disjoint(self):
-        seen = {}
+        taken = RangeSet()
         for i, entry in enumerate(self.layer_swap or ()):
-            for start, end in spec_ranges(entry["layers"], f"swap.layer_swap[{i}].layers"):
-                for layer in range(start, end + 1):
-                    if layer in seen:
-                        raise ConfigError(f"swap.layer_swap[{i}].layers",
-                                          f"layer {layer} is already listed in "
-                                          f"swap.layer_swap[{seen[layer]}]; entries must not overlap")
-                    seen[layer] = i
+            ranges = spec_ranges(entry["layers"], f"swap.layer_swap[{i}].layers")
+            overlap = taken.first_overlap(ranges)
+            if overlap is not None:
+                raise ConfigError(f"swap.layer_swap[{i}].layers",
+                                  f"layer {overlap[0]} is already listed in "
+                                  f"swap.layer_swap[{overlap[1]}]; entries must not overlap")
+            taken.add(ranges, i)
 
     @property
     def enabled(self):
@@ -226,11 +230,12 @@ _SECTION_TYPES = {"recompute": RecomputeConfig, "recompute_comm": RecomputeCommC
 
 
 def section_from_value(name, value):
-    """Build section ``name`` from a dataclass instance, a mapping or ``None`` (defaults)."""
+    """Section ``name`` from a dataclass instance (checked again), a mapping or ``None`` (defaults)."""
     cls = _SECTION_TYPES[name]
     if value is None:
         return cls()
     if isinstance(value, cls):
+        value.validate()
         return value
     check_keys(value, _field_names(cls), name)
     return cls(**value)
@@ -245,8 +250,14 @@ class AcConfig:
     swap: SwapConfig = field(default_factory=SwapConfig)
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Check every section (again, after changes): a section may have been replaced by a
+        mapping (built into its dataclass here) or by anything else (a ``ConfigError``)."""
         for name in SECTIONS:
             setattr(self, name, section_from_value(name, getattr(self, name)))
+        return self
 
     @classmethod
     def from_dict(cls, data):
@@ -258,26 +269,20 @@ class AcConfig:
 
     @classmethod
     def from_yaml(cls, path):
-        """Load a trainer YAML safely (no object construction) and read its sections."""
-        path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as stream:
-                data = yaml.safe_load(stream)
-        except FileNotFoundError:
-            raise ConfigError(None, f"config file not found: {path}") from None
-        except IsADirectoryError:
-            raise ConfigError(None, f"config path is a directory, not a YAML file: {path}") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else path
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(None, f"YAML syntax error in {where}: {problem}") from None
+        """Load a trainer YAML safely and read its sections.
+
+        Only plain data is constructed, and the file is read within the bounds
+        of ``yaml_loading`` (size, UTF-8, alias expansion, depth, duplicate
+        keys). Every failure, including a ``path`` that is not a path, is a
+        ``ConfigError``; errors about a value name the file too.
+        """
+        data = load_yaml_file(path)
         if data is None:
             data = {}
         try:
             return cls.from_dict(data)
         except ConfigError as exc:
-            raise ConfigError(exc.field, f"{exc.reason} (in {path})") from None
+            raise ConfigError(exc.field, f"{exc.reason} (in {config_path(path)[1]})") from None
 
     def to_dict(self):
         """Plain sections, as they would be written in a trainer YAML."""
@@ -294,7 +299,7 @@ def resolve_config(config=None, recompute=None, recompute_comm=None, swap=None):
             raise ConfigError("config", "pass either config=AcConfig(...) or the recompute / "
                                     "recompute_comm / swap sections, not both")
         if isinstance(config, AcConfig):
-            return config
+            return config.validate()
         if isinstance(config, dict):
             return AcConfig.from_dict(config)
         if isinstance(config, (str, os.PathLike)):

@@ -5,30 +5,48 @@ mixes both. The rules (from MindFormers' ``_validate_layer_specs``): each entry
 is a layer id or an inclusive ``start-end`` range with ``start <= end``, the
 entries are strictly ascending and do not overlap, and every id lies in
 ``[0, num_layers - 1]``.
+
+Specs are untrusted: ranges stay ``(start, end)`` pairs until they have been
+checked against their bound (``num_layers``, or ``MAX_LAYERS`` when the model
+is not known yet), so ``"0-999999999999"`` is an error, never a huge list.
 """
+import bisect
+
 import regex
 
-from .errors import ConfigError
+from .errors import ConfigError, quote
+from .limits import MAX_LAYERS
 
-_RANGE = regex.compile(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?")
+# ASCII digits only: ``\d`` would also take Arabic-Indic or fullwidth digits.
+_RANGE = regex.compile(r"[ \t]*([0-9]+)[ \t]*(?:-[ \t]*([0-9]+)[ \t]*)?")
+# Longer strings are never valid ranges; the cap keeps int() of their digits cheap.
+_MAX_RANGE_CHARS = 64
+
+
+def _check_id(layer, entry, field):
+    if layer >= MAX_LAYERS:
+        raise ConfigError(field, f"layer id {layer} in {quote(entry)} is beyond the supported maximum "
+                                 f"{MAX_LAYERS - 1} (a model has at most {MAX_LAYERS} layers)")
 
 
 def _entry_range(entry, field):
     if isinstance(entry, bool) or not isinstance(entry, (int, str)):
         raise ConfigError(field, f"expected a layer id (int) or a 'start-end' string, got "
-                                 f"{type(entry).__name__} {entry!r}")
+                                 f"{type(entry).__name__} {quote(entry)}")
     if isinstance(entry, int):
         if entry < 0:
-            raise ConfigError(field, f"layer id must be >= 0, got {entry}")
-        return entry, entry
-    match = _RANGE.fullmatch(entry)
+            raise ConfigError(field, f"layer id must be >= 0, got {quote(entry)}")
+        _check_id(entry, entry, field)
+        return int(entry), int(entry)
+    match = _RANGE.fullmatch(entry) if len(entry) <= _MAX_RANGE_CHARS else None
     if match is None:
         raise ConfigError(field, f"expected a layer id or a 'start-end' range of non-negative "
-                                 f"integers such as '0-3', got {entry!r}")
+                                 f"integers (ASCII digits) such as '0-3', got {quote(entry)}")
     start = int(match.group(1))
     end = int(match.group(2)) if match.group(2) is not None else start
     if start > end:
-        raise ConfigError(field, f"range start must be <= end, got {entry!r}")
+        raise ConfigError(field, f"range start must be <= end, got {quote(entry)}")
+    _check_id(end, entry, field)
     return start, end
 
 
@@ -36,11 +54,12 @@ def spec_ranges(specs, field):
     """Check the shape of a spec list and return its ``(start, end)`` ranges.
 
     Everything that can be checked without knowing the model's layer count is
-    checked here; ``parse_layer_specs`` adds the bounds.
+    checked here, including ids below ``MAX_LAYERS``; ``parse_layer_specs`` adds
+    the model's bound. Nothing is expanded.
     """
     if isinstance(specs, (str, int)) or not isinstance(specs, (list, tuple)):
         raise ConfigError(field, f"expected a list of layer ids and 'start-end' ranges such as "
-                                 f"[0-3, 8], got {type(specs).__name__} {specs!r}")
+                                 f"[0-3, 8], got {type(specs).__name__} {quote(specs)}")
     if not specs:
         raise ConfigError(field, "expected at least one layer id or range, got an empty list")
     ranges = []
@@ -48,10 +67,18 @@ def spec_ranges(specs, field):
         start, end = _entry_range(entry, f"{field}[{i}]")
         if ranges and start <= ranges[-1][1]:
             raise ConfigError(f"{field}[{i}]", f"entries must be strictly ascending and must not "
-                                               f"overlap: {entry!r} starts at or before layer "
+                                               f"overlap: {quote(entry)} starts at or before layer "
                                                f"{ranges[-1][1]} covered by the previous entry")
         ranges.append((start, end))
     return ranges
+
+
+def check_bounds(ranges, num_layers, field):
+    """Raise ``ConfigError`` naming ``field[i]`` for the first range that ends at or past ``num_layers``."""
+    for i, (_, end) in enumerate(ranges):
+        if end >= num_layers:
+            raise ConfigError(f"{field}[{i}]", f"layer {end} is out of range: the model has "
+                                               f"{num_layers} layers, valid ids are 0-{num_layers - 1}")
 
 
 def parse_layer_specs(specs, num_layers, field="layers"):
@@ -59,16 +86,38 @@ def parse_layer_specs(specs, num_layers, field="layers"):
 
     Raises ``ConfigError`` naming the offending entry (``layers[1]``) for a wrong
     type (bool, float, negative), a malformed range (``"3-"``, ``"a-b"``,
-    ``"5-2"``), entries out of order or overlapping, or an id outside
-    ``[0, num_layers - 1]``. ``num_layers=None`` skips the bounds check.
+    ``"5-2"``, non-ASCII digits), entries out of order or overlapping, or an id
+    outside ``[0, num_layers - 1]``. ``num_layers=None`` checks ids against
+    ``MAX_LAYERS`` only. Every bound is checked before anything is expanded, so
+    the result has at most ``MAX_LAYERS`` ids.
     """
-    ids = []
-    for i, (start, end) in enumerate(spec_ranges(specs, field)):
-        if num_layers is not None and end >= num_layers:
-            raise ConfigError(f"{field}[{i}]", f"layer {end} is out of range: the model has "
-                                               f"{num_layers} layers, valid ids are 0-{num_layers - 1}")
-        ids.extend(range(start, end + 1))
-    return ids
+    ranges = spec_ranges(specs, field)
+    if num_layers is not None:
+        check_bounds(ranges, num_layers, field)
+    return [layer for start, end in ranges for layer in range(start, end + 1)]
+
+
+class RangeSet:
+    """Disjoint ``(start, end)`` layer ranges, each with an owner, kept as ranges (never expanded)."""
+
+    def __init__(self):
+        self.starts, self.ends, self.owners = [], [], []
+
+    def first_overlap(self, ranges):
+        """``(layer, owner)`` for the first layer of ``ranges`` already in the set, else ``None``."""
+        for start, end in ranges:
+            k = bisect.bisect_left(self.ends, start)
+            if k < len(self.ends) and self.starts[k] <= end:
+                return max(start, self.starts[k]), self.owners[k]
+        return None
+
+    def add(self, ranges, owner):
+        """Add ``ranges``, which must not overlap the set (check with ``first_overlap``)."""
+        for start, end in ranges:
+            k = bisect.bisect_left(self.ends, start)
+            self.starts.insert(k, start)
+            self.ends.insert(k, end)
+            self.owners.insert(k, owner)
 
 
 def format_layer_specs(layer_ids):

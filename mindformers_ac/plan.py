@@ -11,6 +11,10 @@ so a rejected config fails before anything is installed:
 * no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
 * no op swap on a recomputed module or on its parent or child;
 * no swap with pipeline parallelism (``pp > 1``).
+
+The config is checked again first (fields may have changed since it was
+built), and all pattern matching of one call shares one time budget
+(``matching.MatchBudget``).
 """
 import logging
 from dataclasses import dataclass, field
@@ -20,10 +24,11 @@ import regex
 import yaml
 
 from .config import AcConfig, resolve_config
-from .errors import ConfigError
+from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import LayerStack, find_layer_stack
-from .matching import drop_covered, match_entries
+from .limits import MAX_LAYERS
+from .matching import MatchBudget, drop_covered, match_entries
 from .whitelist import is_under, layer_inventory
 
 logger = logging.getLogger("mindformers_ac")
@@ -204,6 +209,7 @@ class _Planner:
         self.num_layers = stack.num_layers
         self.inventories = {}
         self.matches, self.warnings = [], []
+        self.budget = MatchBudget()
         self.plans = {i: LayerPlan(i) for i in stack.layer_ids}
 
     def warn(self, message):
@@ -224,12 +230,12 @@ class _Planner:
         if not self.match_patterns:
             return {}
         local = [i for i in layer_ids if self.stack.holds(i)]
-        found = {i: match_entries(pattern, self.inventory(i), field_path) for i in local}
+        found = {i: match_entries(pattern, self.inventory(i), field_path, self.budget) for i in local}
         self.matches.append(PatternMatch(field_path, pattern, tuple(layer_ids),
                                          {i: [e.path for e in es] for i, es in found.items()}))
         if local and not any(found.values()):
             section = field_path.split("[")[0]
-            self.warn(f"{section} pattern '{pattern}' did not match any module")
+            self.warn(f"{section} pattern '{clip(pattern)}' did not match any module")
         return found
 
     def plan(self):
@@ -254,7 +260,8 @@ class _Planner:
         if rc.mode == "select":
             chosen = {i: [] for i in self.plans}
             for pattern, specs in rc.select_module.items():
-                for i, entries in self.match(f"recompute.select_module[{pattern!r}]", pattern, specs).items():
+                for i, entries in self.match(item_field("recompute.select_module", pattern), pattern,
+                                             specs).items():
                     if i not in full:
                         chosen[i].extend(entries)
             for i, entries in chosen.items():
@@ -270,10 +277,11 @@ class _Planner:
         recomputed = [i for i, lp in self.plans.items() if lp.full_recompute or lp.recompute]
         if isinstance(exclude_op, dict):
             for pattern, specs in exclude_op.items():
-                found = self.match(f"recompute.exclude_op[{pattern!r}]", pattern, specs)
+                field_path = item_field("recompute.exclude_op", pattern)
+                found = self.match(field_path, pattern, specs)
                 for i, entries in found.items():
                     if entries and i not in recomputed:
-                        self.warn(f"recompute.exclude_op[{pattern!r}]: layer {i} is not recomputed, "
+                        self.warn(f"{field_path}: layer {i} is not recomputed, "
                                   f"so excluding {', '.join(e.path for e in entries)} has no effect")
                     elif entries:
                         lp = self.plans[i]
@@ -289,7 +297,7 @@ class _Planner:
         if not rcc.enabled:
             return
         for pattern, specs in rcc.select_module.items():
-            field_path = f"recompute_comm.select_module[{pattern!r}]"
+            field_path = item_field("recompute_comm.select_module", pattern)
             for i, entries in self.match(field_path, pattern, specs).items():
                 lp = self.plans[i]
                 for entry in entries:
@@ -307,13 +315,11 @@ class _Planner:
         sc = self.config.swap
         if not sc.enabled:
             return
-        if self.pp != 1:
-            raise ConfigError("swap.enable", f"swap is not supported with pipeline parallelism "
-                                             f"(pp={self.pp}); use recompute on pipeline stages")
+        check_swap_pp(self.config, self.pp)
         p = sc.default_prefetch
         if p > self.num_layers - 1:
             raise ConfigError("swap.default_prefetch", f"must be in [1, {self.num_layers - 1}] for a "
-                                                       f"model with {self.num_layers} layers, got {p}")
+                                                       f"model with {self.num_layers} layers, got {quote(p)}")
         for k, entry in enumerate(sc.layer_swap or ()):
             field_path = f"swap.layer_swap[{k}].layers"
             for i in self.layer_ids(entry["layers"], field_path):
@@ -369,20 +375,33 @@ class _Planner:
 
 def _check_pp(pp):
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ConfigError("pp", f"expected the pipeline-parallel size as an integer >= 1, got {pp!r}")
+        raise ConfigError("pp", f"expected the pipeline-parallel size as an integer >= 1, got {quote(pp)}")
+
+
+def check_swap_pp(config, pp):
+    """Swap is refused under pipeline parallelism, whatever the model."""
+    if config.swap.enabled and pp != 1:
+        raise ConfigError("swap.enable", f"swap is not supported with pipeline parallelism "
+                                         f"(pp={quote(pp)}); use recompute on pipeline stages")
 
 
 def check_layer_ids(config, num_layers, pp=1):
-    """The checks that need only the layer count (``mindformers-ac validate --num-layers``).
+    """The checks that need at most the layer count (``mindformers-ac validate``).
 
-    Layer-spec bounds, prefetch bounds, full-recompute vs layer-swap overlap
-    and pp. Pattern matches need a model and are left to ``plan_ac``.
+    With ``num_layers=None``: the config's structure and the pp rule. With a
+    count (at most ``MAX_LAYERS``): also layer-spec bounds, prefetch bounds and
+    full-recompute vs layer-swap overlap. Pattern matches need a model and are
+    left to ``plan_ac``. Returns the layer plans (empty without a count).
     """
     _check_pp(pp)
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-        raise ConfigError("num_layers", f"expected an integer >= 1, got {num_layers!r}")
+    config = resolve_config(config)
+    check_swap_pp(config, pp)
+    if num_layers is None:
+        return {}
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
+        raise ConfigError("num_layers", f"expected an integer in [1, {MAX_LAYERS}], got {quote(num_layers)}")
     stack = LayerStack([None] * num_layers, "<count only>", None, 0, num_layers)
-    return _Planner(resolve_config(config), stack, pp, match_patterns=False).plan()
+    return _Planner(config, stack, pp, match_patterns=False).plan()
 
 
 def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):

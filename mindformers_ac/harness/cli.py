@@ -15,7 +15,7 @@ import sys
 from importlib import resources
 
 from ..config import AcConfig
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
 
 DEFAULT_MODEL = "mindformers_ac.harness.models:reference_model"
 
@@ -56,11 +56,20 @@ def _summary(config):
     return "\n".join(lines)
 
 
+def _int_argument(text):
+    """An int of ASCII digits for argparse; its error quotes the text shortened (argparse would print all)."""
+    try:
+        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
+            raise ValueError(text)
+        return int(text)   # ValueError past 4300 digits too
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {quote(text)}") from None
+
+
 def cmd_validate(args):
     from ..plan import check_layer_ids
     config = AcConfig.from_yaml(args.config)
-    if args.num_layers is not None:
-        check_layer_ids(config, args.num_layers, args.pp)
+    check_layer_ids(config, args.num_layers, args.pp)   # without --num-layers: the pp rule only
     print(_summary(config))
     checked = f"layer ids checked against {args.num_layers} layers" if args.num_layers else \
         "structure checked; pass --num-layers N to check layer ids too"
@@ -145,8 +154,8 @@ def build_parser():
     train.set_defaults(func=cmd_train)
     validate = sub.add_parser("validate", help="check a YAML config")
     validate.add_argument("config")
-    validate.add_argument("--num-layers", type=int, default=None)
-    validate.add_argument("--pp", type=int, default=1)
+    validate.add_argument("--num-layers", type=_int_argument, default=None)
+    validate.add_argument("--pp", type=_int_argument, default=1)
     validate.set_defaults(func=cmd_validate)
     explain = sub.add_parser("explain", help="print the plan a config gives on a model")
     explain.add_argument("config", nargs="?", default=None,
