@@ -126,13 +126,15 @@ class _Scope:
         self._ctx.__enter__()
         return True
 
-    def _exit(self, opened):
+    def _exit(self, opened, failed):
         if not opened:
             return
         ctx, self._ctx = self._ctx, None
         ctx.__exit__(None, None, None)
         self.live = {}
         run, self.run = self.run, None
+        if failed:
+            return   # an abandoned forward: nothing was kept for a backward that won't come
         for stats, kept, dropped, _ in run.stats_bytes.values():
             stats.open_region(run, kept, dropped, 0)
         for target, dropped in run.dropped_any.items():
