@@ -10,7 +10,11 @@ so a rejected config fails before anything is installed:
   for every swapped layer;
 * no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
 * no op swap on a recomputed module or on its parent or child;
-* no swap with pipeline parallelism (``pp > 1``).
+* no swap with pipeline parallelism (``pp > 1``);
+* no recompute or swap on a layer whose cell is also another layer of the list
+  (weight-shared layers), nor on a module or op that two planned layers share:
+  the installers patch the cell or op object itself, which can't tell the
+  layers apart.
 """
 import logging
 from dataclasses import dataclass, field
@@ -24,7 +28,7 @@ from .errors import ConfigError
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import LayerStack, find_layer_stack
 from .matching import drop_covered, match_entries
-from .whitelist import is_under, layer_inventory
+from .whitelist import is_under, layer_inventory, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -236,7 +240,51 @@ class _Planner:
         self.plan_recompute()
         self.plan_comm()
         self.plan_swap()
+        if self.match_patterns:   # a real model: its cells can be compared
+            self.check_shared_layers()
+            self.check_shared_targets()
         return self.plans
+
+    def check_shared_layers(self):
+        """Refuse recompute or swap on a layer whose cell object is also another layer of the list.
+
+        Recompute and swap patch the cell in place (an instance ``construct``,
+        hooks) and key what they keep by layer id: a shared cell would be
+        patched twice, or acted on for ids the plan leaves alone.
+        """
+        by_cell = {}
+        for i in self.stack.layer_ids:
+            by_cell.setdefault(id(self.stack.cell(i)), []).append(i)
+        for ids in by_cell.values():
+            active = [i for i in ids if not self.plans[i].is_empty]
+            if len(ids) > 1 and active:
+                shared = ", ".join(map(str, ids))
+                raise ConfigError("model", f"layers {shared} of '{self.stack.path}' are one "
+                                           f"{type(self.stack.cell(ids[0])).__name__} cell (weight-shared layers) "
+                                           f"and the config recomputes or swaps layer "
+                                           f"{', '.join(map(str, active))}; recompute and swap patch the cell "
+                                           f"itself, so they can't act on one of these layers only or tell their "
+                                           f"calls apart: give each layer its own cell (sharing parameters is "
+                                           f"fine), or leave layers {shared} out of recompute and swap")
+
+    def check_shared_targets(self):
+        """Refuse a select / comm / op-swap target (module or op slot) that two planned layers share."""
+        owners = {}
+        for i, lp in self.plans.items():
+            layer = self.stack.cell(i)
+            for path in lp.recompute + lp.recompute_comm + lp.op_swap:
+                entry = lp.targets[path]
+                if entry.is_op:
+                    key = (id(sub_cell(layer, entry.owner_path)), entry.registry, entry.attr)
+                else:
+                    key = id(sub_cell(layer, path))
+                other = owners.setdefault(key, (i, path))
+                if other[0] != i:
+                    raise ConfigError("model", f"{path} of layer {i} is the same object as {other[1]} of layer "
+                                               f"{other[0]} (a shared module or op) and the config recomputes or "
+                                               f"swaps it; recompute and swap patch it in place, so they can't "
+                                               f"act on it for one layer only: give each layer its own (sharing "
+                                               f"parameters is fine), or leave it out of recompute and swap")
 
     def plan_recompute(self):
         rc = self.config.recompute
