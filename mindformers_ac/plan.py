@@ -12,9 +12,9 @@ so a rejected config fails before anything is installed:
 * no op swap on a recomputed module or on its parent or child;
 * no swap with pipeline parallelism (``pp > 1``);
 * no recompute or swap on a layer whose cell is also another layer of the list
-  (weight-shared layers), nor on a module or op that two planned layers share:
-  the installers patch the cell or op object itself, which can't tell the
-  layers apart.
+  (weight-shared layers), nor a select / comm / op-swap target (a module, or
+  the module holding an op) that another layer also holds: the installers
+  patch the cell itself, which can't tell the layers apart.
 """
 import logging
 from dataclasses import dataclass, field
@@ -268,23 +268,29 @@ class _Planner:
                                            f"fine), or leave layers {shared} out of recompute and swap")
 
     def check_shared_targets(self):
-        """Refuse a select / comm / op-swap target (module or op slot) that two planned layers share."""
-        owners = {}
+        """Refuse a select / comm / op-swap target (module, or the module holding an op) that is also
+        part of another layer: patching it would act on that layer's calls too, which the plan says
+        are untouched (or patch it twice)."""
+        if not any(lp.recompute or lp.recompute_comm or lp.op_swap for lp in self.plans.values()):
+            return
+        owner_of = {}   # id of a cell inside a layer -> ids of the layers holding it
+        for i in self.stack.layer_ids:
+            for _, cell in self.stack.cell(i).cells_and_names():
+                owner_of.setdefault(id(cell), []).append(i)
         for i, lp in self.plans.items():
             layer = self.stack.cell(i)
             for path in lp.recompute + lp.recompute_comm + lp.op_swap:
                 entry = lp.targets[path]
-                if entry.is_op:
-                    key = (id(sub_cell(layer, entry.owner_path)), entry.registry, entry.attr)
-                else:
-                    key = id(sub_cell(layer, path))
-                other = owners.setdefault(key, (i, path))
-                if other[0] != i:
-                    raise ConfigError("model", f"{path} of layer {i} is the same object as {other[1]} of layer "
-                                               f"{other[0]} (a shared module or op) and the config recomputes or "
-                                               f"swaps it; recompute and swap patch it in place, so they can't "
-                                               f"act on it for one layer only: give each layer its own (sharing "
-                                               f"parameters is fine), or leave it out of recompute and swap")
+                cell = sub_cell(layer, entry.owner_path if entry.is_op else path)
+                others = [j for j in owner_of[id(cell)] if j != i]
+                if others:
+                    what = "the module holding op " + path if entry.is_op else "module " + path
+                    raise ConfigError("model", f"{what} of layer {i} is also part of layer "
+                                               f"{', '.join(map(str, others))} (a shared module) and the config "
+                                               f"recomputes or swaps it; recompute and swap patch it in place, so "
+                                               f"they would act on it in every layer that holds it: give each "
+                                               f"layer its own (sharing parameters is fine), or leave it out of "
+                                               f"recompute and swap")
 
     def plan_recompute(self):
         rc = self.config.recompute

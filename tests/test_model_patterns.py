@@ -290,6 +290,31 @@ def test_layer_swap_of_a_layer_called_twice_prefetches_its_latest_call_and_does_
     mac.remove_ac(model)
 
 
+# -- a module shared by two layers ------------------------------------------------------------------
+
+def test_a_module_shared_by_two_layers_is_exact_under_whole_layer_modes():
+    """Layers 1 and 2 share their MLP (select or op-swap of it is refused by plan_ac, see test_plan):
+    whole-layer recompute and swap patch the distinct layer cells and stay exact, and remove_ac restores
+    the shared module's op attributes too."""
+    pattern = PATTERNS["int_bool_inputs"]
+
+    def build():
+        model = pattern.build()
+        model.layers[2].mlp = model.layers[1].mlp
+        return model
+
+    base = run_steps(build(), pattern.batch)
+    for mode in ("full", "layer_swap", "mixed"):
+        model = build()
+        before = model_fingerprint(model)[0]
+        mac.apply_ac(model, config=mode_config(mode, pattern) if mode != "mixed" else
+                     {"recompute": {"mode": "full", "full_recompute_layer": [2]},
+                      "swap": {"enable": True, "layer_swap": [{"layers": [1]}]}})
+        assert first_difference(base, run_steps(model, pattern.batch)) is None, mode
+        mac.remove_ac(model)
+        assert model_fingerprint(model)[0] == before, mode
+
+
 # -- diagnostics ----------------------------------------------------------------------------------
 
 def _run_worker(*args):
