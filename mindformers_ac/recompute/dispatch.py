@@ -7,11 +7,15 @@ How a region works (see ``checkpoint`` for the user contract):
   LayerNorm or Dropout pack their saved tensors inside the call), whether to
   keep it, and under ``saved_tensors_hooks`` whose pack replaces every tensor
   saved by a recomputed op with a ``Token`` (op index, pack number) that does
-  not hold the tensor.
+  not hold the tensor (it records the tensor's shape and dtype). An op that
+  writes parameters is shown to the region first (``Region.guard_writes``:
+  copies of what it writes, or its output kept).
 * Backward: the first unpack of a token re-runs the function on the saved
   inputs, in a throw-away graph, under the same numbering; the recompute pack
   hook files each regenerated tensor under its key and the token takes it.
-  Kept ops are not run again: their cached outputs are returned in place.
+  Kept ops are not run again: their cached outputs are returned in place; ops
+  that write run on copies (``Region.rerun_args``). The region then checks
+  that every dropped tensor came back alike (``Region.check_recompute``).
 
 The dispatch only numbers ops and asks its region (``Region.decide``,
 ``cache_output``, ``cached_output``, ...); the region owns every decision.
