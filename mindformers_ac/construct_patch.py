@@ -13,6 +13,10 @@ saved-tensor hook wins), so ``checkpoint_wrapper`` and ``swap_wrapper`` on one
 cell are refused in either order with the same message.
 """
 
+import logging
+
+logger = logging.getLogger("mindformers_ac")
+
 _PATCH_ATTR = "mac_construct_patch"
 
 _EXCLUSIVE_KINDS = ("checkpoint_wrapper", "swap_wrapper")
@@ -93,20 +97,31 @@ class ConstructPatch:
 
 
 def bracket_calls(cell, kind, enter, leave, unique=True):
-    """Run ``enter(args, kwargs) -> state`` before and ``leave(state)`` after every call of ``cell``.
+    """Run ``enter(args, kwargs) -> state`` before and ``leave(state, failed)`` after every call of ``cell``.
 
-    ``leave`` runs however the call ends: a return, an exception, or a
-    KeyboardInterrupt / SystemExit (MindSpore's ``always_call`` forward hooks
-    run on ``Exception`` only, so a Ctrl-C in forward would skip them and
-    leave a saved-tensor hook installed for the whole process). Like a pair
-    of forward hooks, the bracket stays outside the cell's other wrappers.
-    Returns the ``ConstructPatch``; ``remove()`` undoes it.
+    ``leave`` runs however the call ends: a return (``failed`` False), an
+    exception, or a KeyboardInterrupt / SystemExit (``failed`` True).
+    MindSpore's ``always_call`` forward hooks run on ``Exception`` only, so a
+    Ctrl-C in forward would skip them and leave a saved-tensor hook installed
+    for the whole process. When the call failed, an exception raised by
+    ``leave`` itself is logged and the original error propagates (a cleanup
+    failure must not hide what interrupted the forward); after a successful
+    call it propagates. Like a pair of forward hooks, the bracket stays
+    outside the cell's other wrappers. Returns the ``ConstructPatch``;
+    ``remove()`` undoes it.
     """
     def around(inner, *args, **kwargs):
         state = enter(args, kwargs)
         try:
-            return inner(*args, **kwargs)
-        finally:
-            leave(state)
+            out = inner(*args, **kwargs)
+        except BaseException:
+            try:
+                leave(state, True)
+            except Exception:  # pylint: disable=broad-exception-caught  # the original error wins
+                logger.warning("cleanup of %s after a failed call of %s failed", kind, type(cell).__name__,
+                               exc_info=True)
+            raise
+        leave(state, False)
+        return out
 
     return ConstructPatch(cell, kind, around, unique=unique, outer=True)

@@ -10,7 +10,11 @@ so a rejected config fails before anything is installed:
   for every swapped layer;
 * no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
 * no op swap on a recomputed module or on its parent or child;
-* no swap with pipeline parallelism (``pp > 1``).
+* no swap with pipeline parallelism (``pp > 1``);
+* no recompute or swap on a layer whose cell is also another layer of the list
+  (weight-shared layers), nor a select / comm / op-swap target (a module, or
+  the module holding an op) that another layer also holds: the installers
+  patch the cell itself, which can't tell the layers apart.
 
 The config is checked again first (fields may have changed since it was
 built), and all pattern matching of one call shares one time budget
@@ -29,7 +33,7 @@ from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import LayerStack, find_layer_stack
 from .limits import MAX_LAYERS
 from .matching import MatchBudget, drop_covered, match_entries
-from .whitelist import is_under, layer_inventory
+from .whitelist import is_under, layer_inventory, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -242,7 +246,57 @@ class _Planner:
         self.plan_recompute()
         self.plan_comm()
         self.plan_swap()
+        if self.match_patterns:   # a real model: its cells can be compared
+            self.check_shared_layers()
+            self.check_shared_targets()
         return self.plans
+
+    def check_shared_layers(self):
+        """Refuse recompute or swap on a layer whose cell object is also another layer of the list.
+
+        Recompute and swap patch the cell in place (an instance ``construct``,
+        hooks) and key what they keep by layer id: a shared cell would be
+        patched twice, or acted on for ids the plan leaves alone.
+        """
+        by_cell = {}
+        for i in self.stack.layer_ids:
+            by_cell.setdefault(id(self.stack.cell(i)), []).append(i)
+        for ids in by_cell.values():
+            active = [i for i in ids if not self.plans[i].is_empty]
+            if len(ids) > 1 and active:
+                shared = ", ".join(map(str, ids))
+                raise ConfigError("model", f"layers {shared} of '{self.stack.path}' are one "
+                                           f"{type(self.stack.cell(ids[0])).__name__} cell (weight-shared layers) "
+                                           f"and the config recomputes or swaps layer "
+                                           f"{', '.join(map(str, active))}; recompute and swap patch the cell "
+                                           f"itself, so they can't act on one of these layers only or tell their "
+                                           f"calls apart: give each layer its own cell (sharing parameters is "
+                                           f"fine), or leave layers {shared} out of recompute and swap")
+
+    def check_shared_targets(self):
+        """Refuse a select / comm / op-swap target (module, or the module holding an op) that is also
+        part of another layer: patching it would act on that layer's calls too, which the plan says
+        are untouched (or patch it twice)."""
+        if not any(lp.recompute or lp.recompute_comm or lp.op_swap for lp in self.plans.values()):
+            return
+        owner_of = {}   # id of a cell inside a layer -> ids of the layers holding it
+        for i in self.stack.layer_ids:
+            for _, cell in self.stack.cell(i).cells_and_names():
+                owner_of.setdefault(id(cell), []).append(i)
+        for i, lp in self.plans.items():
+            layer = self.stack.cell(i)
+            for path in lp.recompute + lp.recompute_comm + lp.op_swap:
+                entry = lp.targets[path]
+                cell = sub_cell(layer, entry.owner_path if entry.is_op else path)
+                others = [j for j in owner_of[id(cell)] if j != i]
+                if others:
+                    what = "the module holding op " + path if entry.is_op else "module " + path
+                    raise ConfigError("model", f"{what} of layer {i} is also part of layer "
+                                               f"{', '.join(map(str, others))} (a shared module) and the config "
+                                               f"recomputes or swaps it; recompute and swap patch it in place, so "
+                                               f"they would act on it in every layer that holds it: give each "
+                                               f"layer its own (sharing parameters is fine), or leave it out of "
+                                               f"recompute and swap")
 
     def plan_recompute(self):
         rc = self.config.recompute

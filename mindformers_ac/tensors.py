@@ -66,3 +66,18 @@ def root_cell_of(fn):
         return fn
     owner = getattr(fn, "__self__", None)
     return owner if isinstance(owner, nn.Cell) else None
+
+
+def is_tracked(t):
+    """Whether autograd records ops on ``t`` in the graph being built (any dtype).
+
+    A grad-function input is tracked whatever its dtype (int position ids and
+    bool masks from the batch too); a constant float tensor is not. Ops save
+    for backward only what their tracked inputs' gradients need, so this
+    decides which tensors an op packs. Reads MindSpore's private
+    ``Tensor._requires_grad``, falling back to ``_grad_node`` if it is gone.
+    """
+    flag = getattr(t, "_requires_grad", None)
+    if isinstance(flag, bool):
+        return flag
+    return getattr(t, "_grad_node", None) is not None

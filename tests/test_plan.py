@@ -281,3 +281,42 @@ def test_op_swap_on_an_operation_warns_and_is_skipped(gpt8, caplog):
         plan = mac.plan_ac(gpt8, config=swap(op_swap=[{"op_name": r"mlp(\.activation_func)?|.*bmm_qk", "layers": [1]}]))
     assert plan.layers[1].op_swap == ("mlp",)
     assert "self_attention.core_attention.bmm_qk in layer 1 is an operation" in caplog.text
+
+
+# -- shared cells: the installers patch cells, which can't tell layers apart --------------------
+
+def _gpt_with(layers_of):
+    model = build_gpt(num_layers=3, hidden_size=16, num_heads=2, seq_length=8, vocab_size=32)
+    cells = list(model.decoder.layers)
+    model.decoder.layers = nn.CellList(layers_of(cells))
+    return model
+
+
+@pytest.mark.parametrize("config, acting", [(full([0]), "0"), (full([2]), "2"), (select({"mlp": ["0-2"]}), "0, 2"),
+                                            (swap(layer_swap=[{"layers": [0]}]), "0"),
+                                            (swap(op_swap=[{"op_name": "mlp", "layers": [0]}]), "0")])
+def test_a_layer_cell_listed_twice_is_refused_naming_the_ids(config, acting):
+    model = _gpt_with(lambda c: [c[0], c[1], c[0]])
+    before = model_fingerprint(model)
+    with pytest.raises(ConfigError, match=rf"layers 0, 2 of 'decoder.layers' are one TransformerLayer cell "
+                                          rf".* recomputes or swaps layer {acting};"):
+        mac.apply_ac(model, config=config)
+    assert model_fingerprint(model) == before
+    plan = mac.plan_ac(model, config=full([1]))   # the shared ids left alone: fine
+    assert plan.layers[1].full_recompute
+
+
+@pytest.mark.parametrize("config, words", [
+    (select({"mlp": ["1-2"]}), "module mlp of layer 1 is also part of layer 2"),
+    (select({"mlp": [2]}), "module mlp of layer 2 is also part of layer 1"),   # layer 1 would be recomputed too
+    (select({r"mlp\.activation_func": [1]}), "the module holding op mlp.activation_func of layer 1"),
+    (swap(op_swap=[{"op_name": "mlp", "layers": [1]}]), "module mlp of layer 1 is also part of layer 2"),
+])
+def test_a_module_shared_by_two_layers_is_refused_as_a_target(config, words):
+    model = _gpt_with(lambda c: c)
+    layers = model.decoder.layers
+    layers[2].mlp = layers[1].mlp
+    with pytest.raises(ConfigError, match=words):
+        mac.plan_ac(model, config=config)
+    mac.plan_ac(model, config=full(["0-2"]))   # whole layers are distinct cells: fine
+    mac.plan_ac(model, config=select({"mlp": [0]}))   # a module of its own: fine

@@ -569,3 +569,70 @@ def test_one_host_copy_per_storage():
     assert st["dedup_hits"] >= 1                       # y was packed twice, copied once
     assert st["offloaded_bytes"] == 8 * 64 * 4         # one host copy of y; x is the layer input
     inst.remove()
+
+
+# --- failure paths: what a call that raised leaves behind ------------------------------------
+
+class _Raises(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.exc = None
+
+    def construct(self, x):
+        if self.exc is not None:
+            raise self.exc("injected")
+        return x * 2
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt, SystemExit])
+def test_bracket_calls_tells_leave_the_call_failed_and_keeps_the_original_error(exc, caplog):
+    from mindformers_ac.construct_patch import bracket_calls
+
+    cell, seen = _Raises(), []
+
+    def leave(state, failed):
+        seen.append((state, failed))
+        raise ValueError("cleanup broke")
+
+    patch = bracket_calls(cell, "test_bracket", lambda args, kwargs: "state", leave)
+    x = Tensor(np.ones(2, np.float32))
+    cell.exc = exc
+    with caplog.at_level("WARNING", logger="mindformers_ac"), pytest.raises(exc, match="injected"):
+        cell(x)   # the cleanup's own error is logged, the original one propagates
+    assert seen == [("state", True)] and "cleanup of test_bracket" in caplog.text
+    cell.exc = None
+    with pytest.raises(ValueError, match="cleanup broke"):
+        cell(x)   # after a successful call the cleanup's error is the error
+    assert seen[-1] == ("state", False)
+    patch.remove()
+    assert "construct" not in cell.__dict__
+
+
+def test_failed_swap_group_closes_groups_opened_inside_and_is_not_prefetched():
+    from mindspore.graph.api import _pynative_executor
+    from mindformers_ac.swap.scheduler import SwapScheduler
+
+    sched = SwapScheduler(min_bytes=0)
+    for key in ("outer", "inner", "ok"):
+        sched.mark_prefetchable(key)
+    t = Tensor(np.arange(256, dtype=np.float32))
+    ok = sched.open_group("ok")
+    held = [sched._pack(t)]   # pylint: disable=protected-access  # an offload, as autograd's pack makes
+    sched.close_group(ok)
+    assert sched.prefetch("ok") == 1   # a group that closed normally waits for its prefetch
+    outer = sched.open_group("outer")
+    held.append(sched._pack(t))   # pylint: disable=protected-access
+    inner = sched.open_group("inner")
+    held.append(sched._pack(t + 1))   # pylint: disable=protected-access
+    sched.close_group(outer, failed=True)   # inner's exit was skipped by the failure: closed here too
+    assert sched.current_group() is None and not _pynative_executor.is_saved_tensor_hook_active()
+    assert sched.prefetch("outer") == 0 and sched.prefetch("inner") == 0   # abandoned, nothing will unpack them
+    sched.close_group(inner, failed=True)   # a late close of an abandoned group does nothing
+    a = sched.open_group("a")
+    b = sched.open_group("b")
+    with pytest.raises(RuntimeError, match="closed out of order"):
+        sched.close_group(a)   # a normal close still checks nesting
+    sched.close_group(b)
+    sched.close_group(a)
+    sched.close()
+    del held

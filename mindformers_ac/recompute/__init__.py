@@ -8,6 +8,7 @@
 * ``tracking``: the cell path and op attribute a policy sees;
 * ``saved``: what a region leaves in the autograd graph instead of a tensor;
 * ``random_ops``: which ops can't be run again, and Dropout's exact rebuild;
+* ``side_effects``: ops that write parameters (BatchNorm, Assign ...), written once per step;
 * ``output``: output recompute of one op (``recompute_comm``, op paths);
 * ``stats``: ``RecomputeStats``; ``state``: the per-thread engine state.
 """

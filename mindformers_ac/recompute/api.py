@@ -11,16 +11,28 @@ outputs). The exception is a random primitive marked ``mac_replayable = True``
 ``SeededDropout``): calling it again draws the same output, so it is
 recomputed like any other op and nothing of it is kept.
 
+Ops that write parameters (BatchNorm's moving statistics, ``Assign``,
+``AssignAdd``, ``Inplace*`` ops on the region's parameters) write once per
+step: the recompute runs them on copies of what they write, taken before the
+forward's write, or keeps their outputs when those copies would be larger (see
+``side_effects``). Region inputs are tracked by autograd in the recompute
+exactly when they were in forward, whatever their dtype (int position ids and
+bool masks from the batch are), so every op saves the same tensors twice.
+
 What stays alive between forward and backward: the region's inputs (detached),
 the outputs and saved tensors of ops the policy keeps (MUST_SAVE / PREFER_SAVE,
-random ops that are not replayable), Dropout masks as bits, and tokens. Parameters are never counted.
+random ops that are not replayable), Dropout masks as bits, copies of what
+side-effect ops write, and tokens. Parameters are never counted.
 
 Failure modes, all raised as errors that name the fix:
 
-* the re-run takes a different code path (op sequence differs): RuntimeError
-  naming the first diverging op; a region must be a pure function of its
-  inputs and parameters (parameters must not change between forward and
-  backward);
+* the re-run takes a different code path (op sequence differs, or fewer ops
+  run): RuntimeError naming the first diverging op and its cell path; a region
+  must be a pure function of its inputs and parameters;
+* an op saves a different number of tensors, or one of another shape or dtype,
+  in the recompute than in forward: RuntimeError naming the op and what
+  differed (e.g. a tensor read from outside the region's arguments that
+  requires grad in only one run);
 * backpropagating the same graph twice: RuntimeError (tokens are single use);
 * ``policy_fn`` returning anything but a ``CheckpointPolicy``: TypeError;
 * wrapping a cell twice, or a cell that ``swap_wrapper`` wraps: ValueError.

@@ -7,11 +7,15 @@ How a region works (see ``checkpoint`` for the user contract):
   LayerNorm or Dropout pack their saved tensors inside the call), whether to
   keep it, and under ``saved_tensors_hooks`` whose pack replaces every tensor
   saved by a recomputed op with a ``Token`` (op index, pack number) that does
-  not hold the tensor.
+  not hold the tensor (it records the tensor's shape and dtype). An op that
+  writes parameters is shown to the region first (``Region.guard_writes``:
+  copies of what it writes, or its output kept).
 * Backward: the first unpack of a token re-runs the function on the saved
   inputs, in a throw-away graph, under the same numbering; the recompute pack
   hook files each regenerated tensor under its key and the token takes it.
-  Kept ops are not run again: their cached outputs are returned in place.
+  Kept ops are not run again: their cached outputs are returned in place; ops
+  that write run on copies (``Region.rerun_args``). The region then checks
+  that every dropped tensor came back alike (``Region.check_recompute``).
 
 The dispatch only numbers ops and asks its region (``Region.decide``,
 ``cache_output``, ``cached_output``, ...); the region owns every decision.
@@ -19,6 +23,7 @@ The dispatch only numbers ops and asks its region (``Region.decide``,
 from mindspore.utils import MsDispatchMode
 
 from .saved import Token
+from .side_effects import may_write
 from .state import ENGINE, FORWARD
 
 # Decisions recorded per op index in forward (absent = recompute).
@@ -49,6 +54,7 @@ class RegionRun:
         self.child_idx = 0     # nested regions met so far
         self.in_hook = False   # our own code running ops (swap offload): not part of the region
         self.pending = []      # (token, tensor) packed inside a Dropout call, resolved when it returns
+        self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
 
     def cell_path(self):
         return self.path[-1][0] if self.path else ""
@@ -83,7 +89,9 @@ class RegionRun:
         if decision == SWAP:
             return region.offload(self, t)
         token = Token(region, key)
-        region.token_keys.add(key)
+        region.token_meta[key] = (tuple(t.shape), t.dtype)   # checked against the recompute's
+        if key[0] not in region.op_paths:
+            region.op_paths[key[0]] = self.cell_path()
         if decision == REBUILD:
             self.pending.append((token, t))   # settled when the Dropout returns (finish_dropout)
         else:
@@ -95,7 +103,7 @@ class RegionRun:
         if self.in_hook:
             return None
         key = self.next_key()
-        if key is not None and key in self.region.token_keys:
+        if key is not None and key in self.region.token_meta:
             self.region.recomputed[key] = t
         return None
 
@@ -135,6 +143,8 @@ class RegionDispatch(MsDispatchMode):
         region.op_names.append(name)
         region.stats.ops_forward += 1
         decision = region.decide(run, idx, name, func, args, kwargs)
+        if may_write(name, args):   # before the call: the op writes during it
+            decision = region.guard_writes(run, idx, name, args, decision)
         if decision is not None:
             region.decisions[idx] = decision   # before the call: legacy ops pack inside it
         out = self._call(run, idx, func, args, kwargs)
@@ -149,16 +159,19 @@ class RegionDispatch(MsDispatchMode):
         region = run.region
         name = op_name_of(func)
         if idx >= len(region.op_names) or region.op_names[idx] != name:
-            expected = region.op_names[idx] if idx < len(region.op_names) else "<end of region>"
+            path = run.cell_path()
             raise RuntimeError(
-                f"mindformers_ac: recompute diverged from forward at op #{idx}: forward ran {expected}, "
-                f"recompute runs {name}. A checkpointed region must take the same code path when run "
-                "again (no branching on global state, step counters or is_in_recompute() that changes ops).")
+                f"mindformers_ac: recompute diverged from forward at op #{idx}: forward ran "
+                f"{region.describe_op(idx)}, recompute runs {name}{f' (in {path!r})' if path else ''}. A "
+                "checkpointed region must take the same code path when run again (no branching on global "
+                "state, step counters or is_in_recompute() that changes ops).")
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
         decision = region.decisions.get(idx)
         if decision is None:
             region.stats.count_rerun(name)
+            if region.written:
+                args = region.rerun_args(run, idx, name, args)
             return self._call(run, idx, func, args, kwargs)
         region.stats.ops_reused += 1
         run.last = idx

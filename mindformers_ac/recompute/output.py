@@ -13,7 +13,9 @@ Limits: only packs of the output tensor itself made while the scope cell runs
 are replaced (a consumer that saves a view or slice of it, or runs in another
 layer, keeps it); a checkpoint region or a swap hook installed
 *inside* the scope takes precedence for what it covers; an op found to run a
-random kernel on its first call is kept, with a warning.
+random kernel, or one that writes (a ``side_effect_mem`` primitive such as
+BatchNorm in training, an ``Inplace*`` op), on its first call is kept, with a
+warning: re-running it would draw other numbers or write twice.
 """
 import logging
 import weakref
@@ -27,6 +29,7 @@ from ..construct_patch import ConstructPatch, bracket_calls, find_patch
 from ..tensors import output_tensors, storage_nbytes
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
+from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
 from .tracking import AttrProxy
@@ -37,17 +40,26 @@ _SCOPE_ATTR = "_mac_output_scope"
 _OUTPUT_KIND = "wrap_op_output"
 
 
-class _RandomProbe(MsDispatchMode):
-    """Sees the ops of one call and notes whether any is random (ops are forwarded unchanged)."""
+class _RerunProbe(MsDispatchMode):
+    """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged).
+
+    ``random_ops``: a second call would draw other numbers. ``side_effect_ops``:
+    a second call would write again (BatchNorm's moving statistics,
+    ``AssignAdd``, any ``Inplace*`` op); the re-run calls the whole op or cell
+    and can't hand it copies of what it writes, unlike a checkpoint region.
+    """
 
     def __init__(self):
         super().__init__()
         self.random_ops = []
+        self.side_effect_ops = []
 
     def __ms_dispatch__(self, func, args, kwargs=None):
         name = op_name_of(func)
         if is_unreplayable_random_op(name, args):
             self.random_ops.append(name)
+        elif may_write(name, args):
+            self.side_effect_ops.append(name)
         return func(*args, **(kwargs or {}))
 
 
@@ -126,13 +138,15 @@ class _Scope:
         self._ctx.__enter__()
         return True
 
-    def _exit(self, opened):
+    def _exit(self, opened, failed):
         if not opened:
             return
         ctx, self._ctx = self._ctx, None
         ctx.__exit__(None, None, None)
         self.live = {}
         run, self.run = self.run, None
+        if failed:
+            return   # an abandoned forward: nothing was kept for a backward that won't come
         for stats, kept, dropped, _ in run.stats_bytes.values():
             stats.open_region(run, kept, dropped, 0)
         for target, dropped in run.dropped_any.items():
@@ -186,31 +200,38 @@ class _Target:
 
     def __init__(self, op, name, scope, stats):
         self.op, self.name, self.scope, self.stats = op, name, scope, stats
-        self.random = None      # decided on the first recorded call
+        self.keep_output = None   # True: never re-run (random or writes parameters); decided on the first recorded call
 
     def call_original(self, *args, **kwargs):
         return self.op(*args, **kwargs)
 
     def active(self):
-        return self.random is not True and self.scope.run is not None and not ENGINE.in_recompute()
+        return self.keep_output is not True and self.scope.run is not None and not ENGINE.in_recompute()
 
-    def set_random(self, random_ops):
-        self.random = bool(random_ops)
-        if self.random:
+    def decide_rerun(self, random_ops, side_effect_ops=()):
+        """Decide, from the first recorded call, whether the op can be run again at all."""
+        self.keep_output = bool(random_ops) or bool(side_effect_ops)
+        if random_ops:
             ENGINE.warnings.warning(("random_output", self.name),
                              "output recompute of %s skipped: it runs random op(s) %s, whose output "
                              "can't be reproduced; its output is kept", self.name, random_ops)
+        elif side_effect_ops:
+            ENGINE.warnings.warning(("side_effect_output", self.name),
+                             "output recompute of %s skipped: it runs op(s) %s that write parameters "
+                             "(e.g. BatchNorm's moving statistics), which running it again would update "
+                             "twice; its output is kept (recompute its enclosing module instead, which "
+                             "re-runs it on copies)", self.name, side_effect_ops)
 
     def observe(self, args, kwargs, call):
         """Run ``call()`` (the op), recording its output when the scope is collecting."""
         if not self.active():
             return call()
-        if self.random is None:
-            probe = _RandomProbe()
+        if self.keep_output is None:
+            probe = _RerunProbe()
             with probe:
                 out = call()
-            self.set_random(probe.random_ops)
-            if self.random:
+            self.decide_rerun(probe.random_ops, probe.side_effect_ops)
+            if self.keep_output:
                 return out
         else:
             out = call()
@@ -307,7 +328,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
                      stats if stats is not None else RecomputeStats())
     if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
         logger.warning("output recompute of %s skipped: %s is random; its output is kept", name, op)
-        target.random = True
+        target.keep_output = True
     target.scope.attach(target)
     if isinstance(op, nn.Cell) and registry is None:
         # A Cell op (e.g. a collective with a custom bprop) keeps its slot: forward hooks are ignored on

@@ -13,27 +13,53 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from mindspore.graph.api import _pynative_executor as _executor
 
-from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info
+from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, storage_info
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
 from .policy import CheckpointPolicy
 from .random_ops import DropoutRecord, dropout_input, is_unreplayable_random_op
 from .saved import SwappedTensor, drop_saved, keep_saved, unpack_saved
+from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
 from .tracking import OpContext
 
 
-_FLOAT_TYPES = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
+class _SavedInput:
+    """A region input kept for the recompute, and whether autograd tracked it in forward."""
+
+    __slots__ = ("value", "tracked")
+
+    def __init__(self, value, tracked):
+        self.value, self.tracked = value, tracked
 
 
 def _recompute_input(a):
+    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward.
+
+    Ops save for backward only what their *tracked* inputs' gradients need (and
+    record nothing when no input is tracked), whatever the dtype: int position
+    ids or a bool mask passed to the grad function are tracked, a float
+    constant is not. An input tracked in only one of the two runs makes its
+    consumers save a different number of tensors, and the forward's tokens
+    would take the wrong ones (or none).
+    """
+    if not isinstance(a, _SavedInput):
+        return a   # not a tensor, or a Parameter: passed as is
+    tracked, a = a.tracked, a.value
     if isinstance(a, SwappedTensor):
         a = a.load()
-    # Without grad on some input, ops fed only by inputs and rebuilt tensors would record nothing
-    # in the recompute graph, and their saved tensors would never be regenerated.
-    if isinstance(a, Tensor) and a.dtype in _FLOAT_TYPES:
-        a = ops.stop_gradient(a)
+    a = ops.stop_gradient(a)
+    if tracked:
         a.requires_grad_()
     return a
+
+
+def _meta(t):
+    """What the divergence check compares of a saved tensor."""
+    return tuple(t.shape), t.dtype
+
+
+def _describe_meta(meta):
+    return f"{meta[0]} {meta[1]}"
 
 
 class Region:
@@ -53,9 +79,13 @@ class Region:
         self.inputs = None
         self.decisions = {}       # op index -> SAVE / SWAP / REBUILD (absent: recompute)
         self.op_names = []        # forward op names, to detect a diverging recompute
+        self.op_paths = {}        # op index -> cell path, for ops that left tokens (for messages)
+        self.fwd_npacks = {}      # op index -> tensors it saved in forward
         self.cache = {}           # op index -> kept output (tensors or SwappedTensor)
         self.dropouts = {}        # op index -> DropoutRecord
-        self.token_keys = set()   # keys of saved tensors dropped in forward
+        self.snapshots = {}       # op index -> StateSnapshot of a side-effect op's written tensors
+        self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
+        self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.children = []        # regions nested in this one's forward, in call order
         self.done = False
@@ -99,11 +129,12 @@ class Region:
             return a
         ptr = a.data_ptr()
         self.input_ptrs.add(ptr)
+        tracked = is_tracked(a)
         detached = ops.stop_gradient(a)
         if self.swap_inputs and self.swap_executor is not None:
-            return self.offload(run, detached, key=("input", ptr))
+            return _SavedInput(self.offload(run, detached, key=("input", ptr)), tracked)
         self.account_kept(a)
-        return detached
+        return _SavedInput(detached, tracked)
 
     def save_inputs(self, run, args, kwargs):
         if self.swap_inputs and self.swap_executor is None:
@@ -113,7 +144,7 @@ class Region:
                        {k: self._save_input(run, v) for k, v in kwargs.items()})
 
     def _load_inputs(self):
-        """Inputs for the recompute: loaded if swapped, and requiring grad so that ops record saves."""
+        """Inputs for the recompute: loaded if swapped, tracked by autograd exactly as in forward."""
         args, kwargs = self.inputs
         return tuple(_recompute_input(a) for a in args), {k: _recompute_input(v) for k, v in kwargs.items()}
 
@@ -162,6 +193,120 @@ class Region:
                              "swap_executor: saving those ops instead (pass swap_executor= to offload)")
         return SAVE
 
+    # -- ops that write parameters (see side_effects) -----------------------------
+    def guard_writes(self, run, idx, name, args, decision):
+        """Called in forward, before op ``idx`` runs, for an op that may write tensors.
+
+        Returns the op's decision: unchanged for a kept op (it is not run
+        again), else None after a snapshot of what it writes, or SAVE when the
+        written tensors are too large to copy. Every write is recorded so the
+        recompute can serve reads of those tensors.
+        """
+        slots = written_slots(name, args, self.param_ptrs)
+        if not slots:
+            return decision
+        snapshot = None
+        if decision is None and choose_handling(args, slots) != KEEP:
+            run.in_hook = True   # the copies are ours: they must not shift the op numbering
+            try:
+                snapshot = StateSnapshot(args, slots)
+            finally:
+                run.in_hook = False
+            self.snapshots[idx] = snapshot
+            self._kept[("state", idx)] = snapshot.nbytes
+        elif decision is None:
+            decision = SAVE
+            ENGINE.warnings.warning(("keep_side_effect", name),
+                                 "%s writes parameters larger than its other inputs: its output is kept "
+                                 "instead of copying them for the recompute", name)
+        for k, ptr in enumerate(slot_ptrs(args, slots)):
+            self.written.setdefault(ptr, (idx, snapshot, k))
+        return decision
+
+    def rerun_args(self, run, idx, name, args):
+        """Arguments for re-running op ``idx`` in a region that writes tensors.
+
+        A side-effect op gets fresh copies of what it wrote (the real tensors
+        were written once, in forward); an op reading such a tensor gets the
+        run's copy (as it was at that point of the forward). A read of a tensor
+        whose writer kept its output instead, before that write, can't be
+        served: RuntimeError naming both ops.
+        """
+        run.in_hook = True   # copies are ours, not ops of the region
+        try:
+            snapshot = self.snapshots.get(idx)
+            if snapshot is not None:
+                return snapshot.args_for_rerun(args, run.written)
+            served = {}
+            for pos, ptr in read_slots(args, self.written):
+                if ptr not in run.written:
+                    first, snap, k = self.written[ptr]
+                    if snap is None:
+                        if idx < first:
+                            raise RuntimeError(
+                                f"mindformers_ac: op #{idx} {name}{self._in_path(run.cell_path())} of a "
+                                f"recomputed region reads a tensor that op #{first} {self.describe_op(first)} "
+                                "writes later in the region; that op's output is kept instead of a copy of "
+                                "what it writes (too large to copy), so the recompute can't see the value "
+                                f"the forward read. Keep {name}'s output too (exclude_op) or move the "
+                                "write out of the recomputed region.")
+                        continue   # after the write: the real tensor holds the written value
+                    run.written[ptr] = snap.fresh(k)
+                served[pos] = run.written[ptr]
+            return replace_at(args, served) if served else args
+        finally:
+            run.in_hook = False
+
+    # -- divergence checks -------------------------------------------------------
+    @staticmethod
+    def _in_path(path):
+        return f" (in {path!r})" if path else ""
+
+    def describe_op(self, idx):
+        """``Name (in 'cell.path')`` of forward op ``idx``, for messages."""
+        if idx >= len(self.op_names):
+            return "<end of region>"
+        return self.op_names[idx] + self._in_path(self.op_paths.get(idx, ""))
+
+    def check_recompute(self, run):
+        """After a recompute: raise unless it ran every op and re-saved what the forward dropped.
+
+        Each re-run op that left tokens must save as many tensors as in forward,
+        and each dropped tensor must come back with its shape and dtype. A
+        mismatch means the tokens would take the wrong tensors: the error names
+        the op and what differed, instead of failing later or silently.
+        """
+        n = len(self.op_names)
+        if run.op_idx + 1 < n:
+            i = run.op_idx + 1
+            raise RuntimeError(
+                f"mindformers_ac: recompute diverged from forward: it ran {i} ops, the forward ran {n}; "
+                f"the first missing op is #{i} {self.describe_op(i)}. A checkpointed region must take the "
+                "same code path when run again (no branching on global state, step counters or "
+                "is_in_recompute() that changes ops).")
+        for key, meta in self.token_meta.items():
+            idx, k = key
+            if self.decisions.get(idx) is not None:
+                continue   # kept or rebuilt: not run again, its tokens are served otherwise
+            fwd, rec = self.fwd_npacks.get(idx, 0), run.npacks.get(idx, 0)
+            if fwd != rec:
+                raise RuntimeError(
+                    f"mindformers_ac: recompute diverged from forward at op #{idx} {self.describe_op(idx)}: "
+                    f"it saved {fwd} tensor(s) for backward in forward but {rec} in the recompute, so its "
+                    "dropped tensors can't be matched. An op saves different tensors when autograd tracks "
+                    "different inputs: e.g. a tensor the region reads from outside its arguments (a "
+                    "closure or an attribute set by the caller) that requires grad in only one of the runs; "
+                    "pass it as an argument of the region.")
+            t = self.recomputed.get(key)
+            got = _meta(t) if t is not None else None
+            if got != meta:
+                raise RuntimeError(
+                    f"mindformers_ac: recompute diverged from forward at op #{idx} {self.describe_op(idx)}: "
+                    f"its saved tensor #{k} was {_describe_meta(meta)} in forward but "
+                    f"{_describe_meta(got) if got else 'not saved'} in the recompute. The region must "
+                    "compute the same shapes and dtypes when run again (no dependence on state that "
+                    "changed since the forward).")
+
     # -- kept outputs -----------------------------------------------------------
     def cache_output(self, run, idx, out):
         if self.decisions[idx] == SWAP:
@@ -190,7 +335,7 @@ class Region:
             self.decisions[idx] = SAVE
             for token, t in pending:
                 token.tensor = t
-                self.token_keys.discard(token.key)
+                self.token_meta.pop(token.key, None)
                 self.account_kept(t)
             self.cache_output(run, idx, out)
             return
@@ -203,7 +348,7 @@ class Region:
                 self.account_dropped(t)
             else:   # something other than its outputs: keep it as is
                 token.tensor = t
-                self.token_keys.discard(token.key)
+                self.token_meta.pop(token.key, None)
                 self.account_kept(t)
         self.dropouts[idx] = record
         self._kept[("bits", idx)] = record.nbytes
@@ -217,7 +362,7 @@ class Region:
             run.in_hook = False
         if run.mode == RECOMPUTE:
             for k, j in record.pack_outputs:
-                if (idx, k) in self.token_keys:
+                if (idx, k) in self.token_meta:
                     self.recomputed[(idx, k)] = out[j]
         return out
 
@@ -246,6 +391,7 @@ class Region:
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
+        self.fwd_npacks = run.npacks
         self._finish_accounting()
         return out
 
@@ -303,6 +449,7 @@ class Region:
                     self.fn(*args, **kwargs)
             finally:
                 _executor.end_empty_graph()
+            self.check_recompute(run)
         finally:
             _executor.set_grad_flag(grad_flag)
             _executor.set_enable_grad(enable_grad)

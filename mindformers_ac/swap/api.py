@@ -111,9 +111,12 @@ def _run_swapped(call, cell, name, args, kwargs, policy_fn):
     key = (mgr.key_of(cell) if cell is not None else None) or (outer.key if outer is not None else f"swap:{name}")
     group = sched.open_group(key, "all", exclude=tensor_storage_ptrs(args, kwargs), policy_fn=policy_fn)
     try:
-        return call()
-    finally:
-        sched.close_group(group)
+        out = call()
+    except BaseException:
+        sched.close_group(group, failed=True)
+        raise
+    sched.close_group(group)
+    return out
 
 
 def swap(fn, *args, policy_fn=None, **kwargs):
@@ -216,6 +219,8 @@ def async_save_on_cpu(h2d_stream=None, d2h_stream=None, block_idx=0, depth=1, cu
     group = sched.open_group(key, "check", check_fn=check, on_first_unpack=on_first)
     try:
         yield
-    finally:
-        sched.close_group(group)
+    except BaseException:
+        sched.close_group(group, failed=True)
+        raise
+    sched.close_group(group)
 

@@ -77,10 +77,11 @@ def _track_inputs(sched, model, inst):
         return
 
     def enter(args, kwargs):
-        sched.extra_exclude = tensor_storage_ptrs(args, kwargs)
+        previous, sched.extra_exclude = sched.extra_exclude, tensor_storage_ptrs(args, kwargs)
+        return previous
 
-    def leave(_state):
-        sched.extra_exclude = set()
+    def leave(previous, _failed):
+        sched.extra_exclude = previous   # a nested model call (e.g. a teacher inside) restores the outer one
 
     # Several installations (layer swap, op swap of each layer) may track the same model.
     inst.add(bracket_calls(model, "swap_model_inputs", enter, leave, unique=False))
@@ -91,7 +92,8 @@ def bracket_swap_group(cell, sched, key, mode="all", exclude_fn=None, begins_cal
 
     The group excludes the call's own input tensors (or ``exclude_fn()``);
     ``begins_call`` starts a new call of ``key`` (so older calls are not
-    prefetched with it). Returns the ``ConstructPatch``.
+    prefetched with it). A call that raises closes its group (and any opened
+    inside it) without queueing it for prefetch. Returns the ``ConstructPatch``.
     """
     def enter(args, kwargs):
         if begins_call:
@@ -182,7 +184,7 @@ def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, e
         sched.begin_call(key)
         layer_inputs.append(tensor_storage_ptrs(args, kwargs))
 
-    def leave_layer(_state):
+    def leave_layer(_state, _failed):
         layer_inputs.pop()
 
     inst.add(bracket_calls(layer, "swap_layer_inputs", enter_layer, leave_layer, unique=False))

@@ -117,13 +117,32 @@ class SwapScheduler:
         self._stack.append(g)
         return g
 
-    def close_group(self, g):
+    def close_group(self, g, failed=False):
         """End the region: finish its copies, verify them, drop device references.
-        Raises RuntimeError if a saved tensor was modified in place after its offload."""
+
+        Raises RuntimeError if a saved tensor was modified in place after its
+        offload, or if ``g`` is not the innermost open group (regions must nest).
+
+        ``failed=True``: the region's forward raised (any exception, Ctrl-C
+        included). Groups opened inside it and still open are closed first,
+        nothing is raised (the original error must propagate, and this may run
+        while it does), and the abandoned groups are not queued for prefetch:
+        their forward produced no graph, so nothing will unpack them.
+        """
+        if failed:
+            if g in self._stack:
+                while self._stack:
+                    if self._close_top(failed=True) is g:
+                        break
+            return
         if self.current_group() is not g:
             raise RuntimeError(f"swap group {g.key!r} closed out of order; swap regions must nest "
                                "(open and close groups with construct_patch.bracket_calls, which closes on every exit path)")
-        self._stack.pop()
+        self._close_top(failed=False)
+
+    def _close_top(self, failed):
+        """Close the innermost group; returns it. Raises the first copy error unless ``failed``."""
+        g = self._stack.pop()
         g.hooks.__exit__(None, None, None)
         error = None
         for h in g.pending:
@@ -135,10 +154,13 @@ class SwapScheduler:
         g.pending.clear()
         g.seen.clear()
         g.marked.clear()
+        if failed:
+            return g
         if g.handles and g.key in self._prefetchable:
             self._waiting.setdefault(g.key, []).append(g)
         if error is not None:
             raise error
+        return g
 
     def prefetch(self, key, trigger=None):
         """Start loading the latest call of ``key``; returns the number of loads issued."""

@@ -1,0 +1,162 @@
+"""Ops that write parameters inside a recomputed region: the write must happen once per step.
+
+BatchNorm in training (moving mean and variance), ``Assign``, ``AssignAdd``,
+``ScatterUpdate`` ... write their Parameter arguments; MindSpore marks these
+primitives ``side_effect_mem``. A pyboost ``Inplace*`` op (``p.copy_(x)``)
+writing a parameter of the region's root cell is the same kind of op, though
+unmarked (its parameter arrives as a plain tensor sharing its storage).
+Running such an op again in the recompute would write again (BatchNorm's
+moving mean moves twice per step; MindSpore's ``Cell.recompute()`` and
+PyTorch's checkpoint have that defect). The region handles each one in
+forward, before the call (the op writes during it), in one of two ways:
+
+* **snapshot** (the default): copies of the op's parameter arguments, as
+  they are before the write, are kept until backward. The recompute runs the
+  op on fresh copies of them: it returns the forward's outputs bitwise and
+  its write lands in the throw-away copy. Other recomputed ops that read one
+  of these parameters read the run's copy too, so a read before the write
+  sees what the forward saw and a read after it sees the written value.
+  Cost: the parameter bytes (BatchNorm: 4 x channels), not the op's outputs,
+  so a BatchNorm layer keeps its memory saving.
+* **keep**: when the parameters are larger than the op's other tensor inputs
+  (a ``ScatterUpdate`` on an embedding table), copying them would cost more
+  than the output, so the op's outputs are kept (like ``exclude_op``) and it
+  is not run again. Its output usually aliases the parameter, so this costs
+  nothing. A recomputed op that *reads* that parameter before the write
+  would now see the written value; the recompute raises instead of giving
+  wrong results (keep the reader's output too, e.g. ``exclude_op``).
+
+All parameter arguments are copied, not only the written ones: the
+primitive's signature can't tell them apart (BatchNorm marks gamma and beta
+writable too).
+"""
+import mindspore as ms
+from mindspore import Parameter, Tensor, ops
+from mindspore.ops import Primitive
+
+from ..tensors import is_tracked
+
+SNAPSHOT, KEEP = "snapshot", "keep"
+
+
+def is_side_effect_op(args):
+    """True for a legacy op whose primitive writes memory (``side_effect_mem``), checked cheaply.
+
+    Legacy ops are dispatched as ``(primitive, name, (inputs...))``; other
+    ops' first argument is not a Primitive and costs one isinstance check.
+    """
+    return bool(args) and isinstance(args[0], Primitive) and getattr(args[0], "side_effect_mem", False) is True
+
+
+def may_write(name, args):
+    """Cheap pre-check, per op in forward, before ``written_slots``: a marked primitive or an ``Inplace*`` op."""
+    return is_side_effect_op(args) or name.startswith("Inplace")
+
+
+def _item(args, pos):
+    return args[pos[0]] if len(pos) == 1 else args[pos[0]][pos[1]]
+
+
+def written_slots(name, args, param_ptrs):
+    """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write.
+
+    For a ``side_effect_mem`` primitive: its Parameter arguments. For an
+    ``Inplace*`` op: its first argument when it is one of ``param_ptrs`` (a
+    parameter of the region). Empty for every other op.
+    """
+    if is_side_effect_op(args):
+        slots = []
+        for i, a in enumerate(args):
+            if isinstance(a, Parameter):
+                slots.append((i,))
+            elif isinstance(a, (tuple, list)):
+                slots.extend((i, j) for j, b in enumerate(a) if isinstance(b, Parameter))
+        return slots
+    if name.startswith("Inplace") and args and isinstance(args[0], Tensor) and args[0].data_ptr() in param_ptrs:
+        return [(0,)]
+    return []
+
+
+def choose_handling(args, slots):
+    """SNAPSHOT unless the written tensors are larger than the op's other tensor inputs (then KEEP)."""
+    written = {id(_item(args, pos)) for pos in slots}
+    param_bytes = sum(int(_item(args, pos).nbytes) for pos in slots)
+    other_bytes = 0
+    for a in args:
+        for b in (a if isinstance(a, (tuple, list)) else (a,)):
+            if isinstance(b, Tensor) and id(b) not in written:
+                other_bytes += int(b.nbytes)
+    return SNAPSHOT if param_bytes <= other_bytes else KEEP
+
+
+def slot_ptrs(args, slots):
+    """Storage pointers (``data_ptr``) of the tensors at ``slots``."""
+    return [_item(args, pos).data_ptr() for pos in slots]
+
+
+def replace_at(args, replacements):
+    """``args`` with the values at the given positions replaced (``{position: value}``)."""
+    out = list(args)
+    nested = {}
+    for pos, value in replacements.items():
+        if len(pos) == 1:
+            out[pos[0]] = value
+        else:
+            nested.setdefault(pos[0], list(args[pos[0]]))[pos[1]] = value
+    for i, items in nested.items():
+        out[i] = type(args[i])(items)
+    return tuple(out)
+
+
+class StateSnapshot:
+    """The tensors a side-effect op may write, copied before its forward call.
+
+    ``ptrs``: storage pointers (``data_ptr``) of the real tensors, which is how
+    the recompute recognises reads of them by other ops. Copies are made
+    without recording a graph; a fresh copy per re-run requires grad exactly
+    when the original was tracked, so the op saves the same tensors as in
+    forward.
+    """
+
+    __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes")
+
+    def __init__(self, args, slots):
+        self.slots = list(slots)
+        items = [_item(args, pos) for pos in self.slots]
+        self.ptrs = slot_ptrs(args, self.slots)
+        self.tracked = [is_tracked(t) for t in items]
+        with ms._no_grad():   # pylint: disable=protected-access  # a copy, not part of the graph
+            self.copies = [ops.deepcopy(t) for t in items]
+        self.nbytes = sum(int(c.nbytes) for c in self.copies)
+
+    def fresh(self, k):
+        """A new copy of tensor ``k`` as it was before the forward's write."""
+        with ms._no_grad():   # pylint: disable=protected-access
+            c = ops.deepcopy(self.copies[k])
+        if self.tracked[k]:
+            c.requires_grad_()
+        return c
+
+    def args_for_rerun(self, args, state):
+        """``args`` with the written tensors replaced by fresh copies, recorded in ``state`` (ptr -> copy)."""
+        replacements = {}
+        for k, pos in enumerate(self.slots):
+            c = self.fresh(k)
+            state[self.ptrs[k]] = c
+            replacements[pos] = c
+        return replace_at(args, replacements)
+
+
+def read_slots(args, ptrs):
+    """``[(position, data_ptr)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
+    found = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            ptr = a.data_ptr()
+            if ptr in ptrs:
+                found.append(((i,), ptr))
+        elif isinstance(a, (tuple, list)):
+            for j, b in enumerate(a):
+                if isinstance(b, Tensor) and b.data_ptr() in ptrs:
+                    found.append(((i, j), b.data_ptr()))
+    return found

@@ -1,0 +1,561 @@
+"""A catalogue of small models written the way real models are, for the AC exactness matrix.
+
+Each ``Pattern`` builds a fresh model with a layer list (3 layers, hidden 32,
+sequence 8, batch 2; weights set from the parameter names, so two builds are
+bitwise equal) and hands out the grad-function inputs of each step the way a
+data loader does: int32 position ids and a bool causal/padding mask arrive as
+arguments of ``value_and_grad(model)``, so autograd tracks them like any
+input. It also names, for this model, what each AC mode acts on: a module to
+select (the one that uses the int/bool inputs or the stateful op), an op
+attribute for output recompute, a collective stand-in in ``_comm_ops`` for
+``recompute_comm``, and a module to op-swap.
+
+Every model routes its layer calls through ``model.run_layer(layer, *args,
+**kwargs)``: the ``checkpoint``/``swap`` API modes replace it on the instance.
+"""
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, mint, nn, ops
+
+H, S, B, FFN, N_LAYERS, MAX_POS = 32, 8, 2, 64, 3, 16
+
+
+# -- building blocks -------------------------------------------------------------------------
+
+def init_weights(model, scale=0.3):
+    """Trainable weights from their names (a fresh build is bitwise the same model)."""
+    for name, p in model.parameters_and_names():
+        if p.requires_grad:
+            rng = np.random.RandomState(zlib.crc32(name.encode()))
+            p.set_data(Tensor(rng.uniform(-scale, scale, p.shape).astype(np.float32)))
+    return model
+
+
+def rope_tables(dim, max_pos=MAX_POS):
+    """cos/sin tables indexed by position: float constants (untracked) handed to the layers."""
+    inv = 1.0 / (10000 ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    ang = np.outer(np.arange(max_pos, dtype=np.float32), inv)
+    ang = np.concatenate([ang, ang], axis=-1)
+    return Tensor(np.cos(ang).astype(np.float32)), Tensor(np.sin(ang).astype(np.float32))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return ops.cat((-x[..., half:], x[..., :half]), -1)
+
+
+class StandInAllGather(nn.Cell):
+    """Identity with a custom bprop: a single-process stand-in for a sequence-parallel all-gather."""
+
+    def construct(self, x):
+        return ops.mul(x, 1.0)
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+class MLP(nn.Cell):
+    """``act`` is an op attribute (output recompute); ``_comm_ops['all_gather']`` a collective slot
+    whose output ``fc1`` saves (what ``recompute_comm`` drops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = mint.nn.Linear(H, FFN)
+        self.act = ops.gelu
+        self.fc2 = mint.nn.Linear(FFN, H)
+        self._comm_ops = {"all_gather": StandInAllGather()}
+
+    def construct(self, x):
+        return self.fc2(self.act(self.fc1(self._comm_ops["all_gather"](x))))
+
+
+class Attention(nn.Cell):
+    """Single-head attention on the int/bool inputs and a float constant argument.
+
+    Position ids (int32) gather a rotary table the cell holds (as HF-style
+    rotary embeddings do); the bool mask is applied with ``masked_fill`` and,
+    cast to int and then float, zeroes masked probabilities; ``scale`` is a
+    float constant argument (not tracked by autograd).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.q = mint.nn.Linear(H, H)
+        self.k = mint.nn.Linear(H, H)
+        self.v = mint.nn.Linear(H, H)
+        self.cos_cached = rope_tables(H)[0]
+
+    def construct(self, x, pos, mask, scale):
+        rope = ops.gather(self.cos_cached, pos, 0)                 # int32 ids index a float table
+        q, k = self.q(x) * rope, self.k(x) * rope
+        s = ops.matmul(q, k.swapaxes(-1, -2)) * (H ** -0.5)
+        s = s.masked_fill(mask, -1e4)                              # bool mask
+        keep = (1 - mask.astype(ms.int32)).astype(ms.float32)      # int -> float cast
+        p = mint.nn.functional.softmax(s, dim=-1) * keep
+        return ops.matmul(p, self.v(x)) * (scale * 2.0)            # a float constant argument
+
+
+class Layer(nn.Cell):
+    """Pre-norm block: attention on the int/bool inputs, then the MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.LayerNorm((H,))
+        self.attn = Attention()
+        self.norm2 = nn.LayerNorm((H,))
+        self.mlp = MLP()
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        return h + self.mlp(self.norm2(h))
+
+
+class PatternModel(nn.Cell):
+    """Float hidden states in, a regression loss out; ``run_layer`` is where the API modes hook in."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.CellList(layers)
+        self.head = mint.nn.Linear(H, 1)
+        self.scale = Tensor(np.linspace(0.5, 1.5, H).astype(np.float32))   # a float constant, not a parameter
+
+    def run_layer(self, layer, *args, **kwargs):
+        return layer(*args, **kwargs)
+
+    def loss(self, x, y):
+        return ((self.head(x).squeeze(-1) - y) ** 2).mean()
+
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+        return self.loss(x, y)
+
+
+def causal_padding_mask(pad_last=1):
+    """bool (B, S, S), True where attention is masked: the future, and the last ``pad_last`` keys of batch row 1."""
+    m = np.broadcast_to(np.triu(np.ones((S, S), bool), 1), (B, S, S)).copy()
+    m[1, :, S - pad_last:] = True
+    np.fill_diagonal(m[1], False)
+    return Tensor(m)
+
+
+def hidden_batch(step):
+    """(x, y, pos, mask): float hidden states and targets, int32 position ids, bool mask."""
+    rng = np.random.RandomState(100 + step)
+    pos = Tensor((np.arange(S, dtype=np.int32)[None, :] + np.array([[0], [3]], np.int32)))
+    return (Tensor(rng.randn(B, S, H).astype(np.float32)), Tensor(rng.randn(B, S).astype(np.float32)),
+            pos, causal_padding_mask())
+
+
+def token_batch(vocab):
+    def batch(step):
+        rng = np.random.RandomState(200 + step)
+        ids = Tensor(rng.randint(0, vocab, (B, S)).astype(np.int32))
+        labels = Tensor(rng.randint(0, vocab, (B * S,)).astype(np.int32))
+        pos = Tensor(np.tile(np.arange(S, dtype=np.int32), (B, 1)))
+        return ids, labels, pos, causal_padding_mask()
+    return batch
+
+
+# -- the patterns ---------------------------------------------------------------------------
+
+@dataclass
+class Pattern:
+    """One model pattern and what each AC mode acts on in it.
+
+    ``cell``: a select_module regex naming a module; ``op``: one naming an op
+    attribute (output recompute); ``comm``: one naming a ``_comm_ops`` slot;
+    ``op_swap``: a module to op-swap; ``layers``: the layer-list path.
+    ``refused``: mode -> regex the ``ConfigError`` must match.
+    """
+
+    name: str
+    build: object
+    batch: object
+    cell: str
+    op: str = r"mlp\.act"
+    comm: str = r"mlp\.all_gather"
+    op_swap: str = "mlp"
+    layers: str = "layers"
+    refused: dict = field(default_factory=dict)
+
+
+# int/bool inputs used inside the layer ----------------------------------------------------------
+
+def build_int_bool():
+    return init_weights(PatternModel([Layer() for _ in range(N_LAYERS)]))
+
+
+# BatchNorm in training ---------------------------------------------------------------------------
+
+class BNLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(H)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        h = h + ops.gelu(self.bn(h.reshape(-1, H))).reshape(h.shape)   # gelu saves the BN output
+        return h + self.mlp(self.norm2(h))
+
+
+def build_batchnorm():
+    return init_weights(PatternModel([BNLayer() for _ in range(N_LAYERS)]))
+
+
+# forward-time assign / assign_add / in-place copy ----------------------------------------------
+
+class StatefulLayer(Layer):
+    """A call counter (assign_add), an EMA buffer read before it is written (assign), an in-place copy_."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Parameter(Tensor(np.zeros(1, np.float32)), name="calls", requires_grad=False)
+        self.ema = Parameter(Tensor(np.full(H, 0.5, np.float32)), name="ema", requires_grad=False)
+        self.last = Parameter(Tensor(np.zeros(H, np.float32)), name="last", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        h = h * (1 + self.ema)                                  # read before the write below
+        ops.assign(self.ema, ops.stop_gradient(0.9 * self.ema + 0.1 * h.mean((0, 1))))
+        self.last.copy_(ops.stop_gradient(h.mean((0, 1))))      # pyboost InplaceCopy on a parameter
+        ops.assign_add(self.calls, Tensor(np.ones(1, np.float32)))
+        return h + self.mlp(self.norm2(h))
+
+
+def build_stateful():
+    return init_weights(PatternModel([StatefulLayer() for _ in range(N_LAYERS)]))
+
+
+# tuple outputs ------------------------------------------------------------------------------
+
+class TupleLayer(Layer):
+    """Returns (hidden, auxiliary loss), MoE-style."""
+
+    def construct(self, x, pos, mask, scale):
+        h = super().construct(x, pos, mask, scale)
+        return h, (h ** 2).mean() * 0.01
+
+
+class TupleModel(PatternModel):
+    def construct(self, x, y, pos, mask):
+        aux_total = 0.0
+        for layer in self.layers:
+            x, aux = self.run_layer(layer, x, pos, mask, self.scale)
+            aux_total = aux_total + aux
+        return self.loss(x, y) + aux_total
+
+
+def build_tuple_outputs():
+    return init_weights(TupleModel([TupleLayer() for _ in range(N_LAYERS)]))
+
+
+# keyword arguments ----------------------------------------------------------------------------
+
+class KwargsLayer(Layer):
+    def construct(self, x, pos=None, mask=None, scale=None):
+        return super().construct(x, pos, mask, scale)
+
+
+class KwargsModel(PatternModel):
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            x = self.run_layer(layer, x, mask=mask, scale=self.scale, pos=pos)
+        return self.loss(x, y)
+
+
+def build_keyword_args():
+    return init_weights(KwargsModel([KwargsLayer() for _ in range(N_LAYERS)]))
+
+
+# a layer called twice per forward ------------------------------------------------------------
+
+class TwiceModel(PatternModel):
+    """Layer 0 runs twice per forward (a shared-depth / universal-transformer loop)."""
+
+    def construct(self, x, y, pos, mask):
+        x = self.run_layer(self.layers[0], x, pos, mask, self.scale)
+        for layer in self.layers:
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+        return self.loss(x, y)
+
+
+def build_called_twice():
+    return init_weights(TwiceModel([Layer() for _ in range(N_LAYERS)]))
+
+
+# tied weights ---------------------------------------------------------------------------------
+
+VOCAB = 24
+
+
+class TiedLayer(Layer):
+    """Every layer scales by one Parameter shared across the layers."""
+
+    def __init__(self, shared_scale):
+        super().__init__()
+        self.shared_scale = shared_scale
+
+    def construct(self, x, pos, mask, scale):
+        return super().construct(x * self.shared_scale, pos, mask, scale)
+
+
+class TiedModel(PatternModel):
+    """Token embedding tied to the output projection, and a scale shared by every layer."""
+
+    def __init__(self):
+        shared = Parameter(Tensor(np.ones(H, np.float32)), name="shared_scale")
+        super().__init__([TiedLayer(shared) for _ in range(N_LAYERS)])
+        self.embed = nn.Embedding(VOCAB, H)
+        self.ce = nn.CrossEntropyLoss()
+
+    def construct(self, ids, labels, pos, mask):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+        logits = ops.matmul(x.reshape(-1, H), self.embed.embedding_table.T)   # tied output projection
+        return self.ce(logits, labels)
+
+
+def build_tied_weights():
+    return init_weights(TiedModel())
+
+
+# nested layer lists -----------------------------------------------------------------------------
+
+class AttnBlock(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm((H,))
+        self.attn = Attention()
+
+    def construct(self, x, pos, mask, scale):
+        return x + self.attn(self.norm(x), pos, mask, scale)
+
+
+class MLPBlock(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm((H,))
+        self.mlp = MLP()
+
+    def construct(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class NestedLayer(nn.Cell):
+    """A layer whose own sub-blocks sit in a CellList."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.CellList([AttnBlock(), MLPBlock()])
+
+    def construct(self, x, pos, mask, scale):
+        return self.blocks[1](self.blocks[0](x, pos, mask, scale))
+
+
+class Decoder(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([NestedLayer() for _ in range(N_LAYERS)])
+
+
+class NestedModel(PatternModel):
+    def __init__(self):
+        super().__init__([])
+        self.decoder = Decoder()
+
+    def construct(self, x, y, pos, mask):
+        for layer in self.decoder.layers:
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+        return self.loss(x, y)
+
+
+def build_nested_lists():
+    model = NestedModel()
+    del model.layers   # the layer list lives at decoder.layers only
+    return init_weights(model)
+
+
+# LLaMA-style decoder with MindFormers' names -----------------------------------------------------
+
+N_HEADS, N_KV_HEADS = 4, 2
+HEAD_DIM = H // N_HEADS
+
+
+class LlamaRMSNorm(nn.Cell):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
+
+
+class LlamaRotaryEmbedding(nn.Cell):
+    """cos/sin tables held by the cell, gathered by int32 position ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.cos_cached, self.sin_cached = rope_tables(HEAD_DIM)
+
+    def construct(self, position_ids):
+        return (ops.gather(self.cos_cached, position_ids, 0).expand_dims(1),   # (B, 1, S, D)
+                ops.gather(self.sin_cached, position_ids, 0).expand_dims(1))
+
+
+class LLamaAttention(nn.Cell):
+    """Grouped-query attention (4 query heads, 2 KV heads), RoPE by position ids, bool mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq = mint.nn.Linear(H, N_HEADS * HEAD_DIM, bias=False)
+        self.wk = mint.nn.Linear(H, N_KV_HEADS * HEAD_DIM, bias=False)
+        self.wv = mint.nn.Linear(H, N_KV_HEADS * HEAD_DIM, bias=False)
+        self.wo = mint.nn.Linear(N_HEADS * HEAD_DIM, H, bias=False)
+        self.rotary_emb = LlamaRotaryEmbedding()
+
+    def construct(self, x, position_ids, mask):
+        bs, seq, _ = x.shape
+        q = self.wq(x).reshape(bs, seq, N_HEADS, HEAD_DIM).swapaxes(1, 2)
+        k = self.wk(x).reshape(bs, seq, N_KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        v = self.wv(x).reshape(bs, seq, N_KV_HEADS, HEAD_DIM).swapaxes(1, 2)
+        cos, sin = self.rotary_emb(position_ids)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = N_HEADS // N_KV_HEADS
+        k = ops.repeat_interleave(k, rep, 1)
+        v = ops.repeat_interleave(v, rep, 1)
+        s = ops.matmul(q, k.swapaxes(-1, -2)) * (HEAD_DIM ** -0.5)
+        s = s.masked_fill(mask.expand_dims(1), -1e4)
+        out = ops.matmul(mint.nn.functional.softmax(s, dim=-1), v)
+        return self.wo(out.swapaxes(1, 2).reshape(bs, seq, N_HEADS * HEAD_DIM))
+
+
+class LlamaFeedForward(nn.Cell):
+    """SwiGLU: w2(silu(w1 x) * w3 x); ``mul`` is an op attribute as in MindFormers."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = mint.nn.Linear(H, FFN, bias=False)
+        self.w2 = mint.nn.Linear(FFN, H, bias=False)
+        self.w3 = mint.nn.Linear(H, FFN, bias=False)
+        self.mul = ops.Mul()
+        self._comm_ops = {"all_gather": StandInAllGather()}
+
+    def construct(self, x):
+        x = self._comm_ops["all_gather"](x)
+        return self.w2(self.mul(ops.silu(self.w1(x)), self.w3(x)))
+
+
+class LLamaDecodeLayer(nn.Cell):
+    def __init__(self, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = LlamaRMSNorm(H)
+        self.attention = LLamaAttention()
+        self.ffn_norm = LlamaRMSNorm(H)
+        self.feed_forward = LlamaFeedForward()
+
+    def construct(self, x, position_ids, mask):
+        h = x + self.attention(self.attention_norm(x), position_ids, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+LLAMA_VOCAB = 40
+
+
+class LlamaModel(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(LLAMA_VOCAB, H)
+        self.layers = nn.CellList([LLamaDecodeLayer(i) for i in range(N_LAYERS)])
+        self.norm_out = LlamaRMSNorm(H)
+
+
+class LlamaForCausalLM(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.model = LlamaModel()
+        self.lm_head = mint.nn.Linear(H, LLAMA_VOCAB, bias=False)
+        self.ce = nn.CrossEntropyLoss()
+
+    def run_layer(self, layer, *args, **kwargs):
+        return layer(*args, **kwargs)
+
+    def construct(self, input_ids, labels, position_ids, mask):
+        m = self.model
+        h = m.tok_embeddings(input_ids)
+        for layer in m.layers:
+            h = self.run_layer(layer, h, position_ids, mask)
+        logits = self.lm_head(m.norm_out(h)).reshape(-1, LLAMA_VOCAB)
+        return self.ce(logits, labels)
+
+
+def build_llama():
+    return init_weights(LlamaForCausalLM())
+
+
+# one cell twice in the layer list (weight-shared layers) -------------------------------------------
+
+def build_shared_layer_cell():
+    a, b = Layer(), Layer()
+    return init_weights(PatternModel([a, b, a]))
+
+
+SHARED = r"layers 0, 2 of 'layers' are one Layer cell"
+
+PATTERNS = {p.name: p for p in [
+    Pattern("int_bool_inputs", build_int_bool, hidden_batch, cell="attn"),
+    Pattern("batchnorm", build_batchnorm, hidden_batch, cell="bn"),
+    Pattern("assign_counters", build_stateful, hidden_batch, cell="attn"),
+    Pattern("tuple_outputs", build_tuple_outputs, hidden_batch, cell="attn"),
+    Pattern("keyword_args", build_keyword_args, hidden_batch, cell="attn"),
+    Pattern("called_twice", build_called_twice, hidden_batch, cell="attn"),
+    Pattern("tied_weights", build_tied_weights, token_batch(VOCAB), cell="attn"),
+    Pattern("nested_lists", build_nested_lists, hidden_batch, cell=r"blocks\.0", op=r"blocks\.1\.mlp\.act",
+            comm=r"blocks\.1\.mlp\.all_gather", op_swap=r"blocks\.1", layers="decoder.layers"),
+    Pattern("llama", build_llama, token_batch(LLAMA_VOCAB), cell="attention", op=r"feed_forward\.mul",
+            comm=r"feed_forward\.all_gather", op_swap="feed_forward", layers="model.layers"),
+    Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
+            refused={mode: SHARED for mode in ("full", "select_cell", "select_op", "exclude_op", "recompute_comm",
+                                               "layer_swap", "op_swap", "mixed")}),
+]}
+
+
+# -- the AC modes -----------------------------------------------------------------------------
+
+ALL = f"0-{N_LAYERS - 1}"
+
+
+def mode_config(mode, pattern):
+    """The apply_ac config of ``mode`` for ``pattern`` (None for the checkpoint/swap API modes)."""
+    if mode == "full":
+        return {"recompute": {"mode": "full", "full_recompute_layer": [ALL]}}
+    if mode == "select_cell":
+        return {"recompute": {"mode": "select", "select_module": {pattern.cell: [ALL]}}}
+    if mode == "select_op":
+        return {"recompute": {"mode": "select", "select_module": {pattern.op: [ALL]}}}
+    if mode == "exclude_op":
+        return {"recompute": {"mode": "full", "full_recompute_layer": [ALL], "exclude_op": ["MatMul", "Softmax"]}}
+    if mode == "recompute_comm":
+        return {"recompute_comm": {"enable": True, "select_module": {pattern.comm: [ALL]}}}
+    if mode == "layer_swap":
+        return {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}
+    if mode == "op_swap":
+        return {"swap": {"enable": True, "op_swap": [{"op_name": pattern.op_swap, "layers": ["0-1"]}]}}
+    if mode == "mixed":   # full, select and swap on different layers, with exclude_op
+        return {"recompute": {"mode": "select", "full_recompute_layer": [0], "select_module": {pattern.cell: [2]},
+                              "exclude_op": ["Softmax"]},
+                "swap": {"enable": True, "layer_swap": [{"layers": [1]}]}}
+    return None
+
+
+MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed",
+         "checkpoint_api", "swap_api")
+RECOMPUTE_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "mixed")
+SWAP_MODES = ("layer_swap", "op_swap", "mixed")

@@ -1,0 +1,359 @@
+"""Exactness on the models users write: every AC mode x a catalogue of model patterns.
+
+For each cell of the matrix, 3 SGD steps with AC must leave the loss, every
+gradient and **every parameter, trainable or not** (BatchNorm moving
+statistics, forward-time counters and buffers) bitwise equal to the same model
+trained without AC, and the mode must have acted (ops re-run, tensors
+offloaded), or the config is refused up front with a ``ConfigError`` naming
+what is unsupported, leaving the model untouched. The patterns are in
+``model_patterns.py``; the failure-path checks (exceptions, Ctrl-C and
+SystemExit in forward and backward) run in subprocesses, in
+``interrupt_worker.py``.
+"""
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore.graph.api import _pynative_executor
+from mindspore import nn
+
+import mindformers_ac as mac
+from mindformers_ac.recompute.state import ENGINE
+from mindformers_ac.tensors import storage_nbytes
+
+from conftest import model_fingerprint
+from model_patterns import B, H, MODES, PATTERNS, RECOMPUTE_MODES, S, SWAP_MODES, init_weights, mode_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 3
+
+
+def run_steps(model, batch, steps=STEPS):
+    """Per step: loss bytes, every gradient's bytes, and every parameter's (name, bytes) after the update."""
+    model.set_train(True)
+    opt = nn.SGD(model.trainable_params(), learning_rate=0.05)
+    grad_fn = ms.value_and_grad(model, None, opt.parameters)
+    history = []
+    for step in range(steps):
+        loss, grads = grad_fn(*batch(step))
+        opt(grads)
+        history.append((loss.asnumpy().tobytes(), [g.asnumpy().tobytes() for g in grads],
+                        [(name, p.asnumpy().tobytes()) for name, p in model.parameters_and_names()]))
+    return history
+
+
+def first_difference(base, other):
+    """The first difference between two ``run_steps`` histories, in words, or None."""
+    for step, ((lb, gb, pb), (lo, go, po)) in enumerate(zip(base, other)):
+        if lb != lo:
+            return f"step {step}: loss {np.frombuffer(lb, np.float32)} vs {np.frombuffer(lo, np.float32)}"
+        for i, (a, b) in enumerate(zip(gb, go)):
+            if a != b:
+                return f"step {step}: gradient {i} differs"
+        if [n for n, _ in pb] != [n for n, _ in po]:
+            return f"step {step}: parameter names differ"
+        for (name, a), (_, b) in zip(pb, po):
+            if a != b:
+                return (f"step {step}: parameter {name} differs ({np.frombuffer(a, np.float32)[:3]} vs "
+                        f"{np.frombuffer(b, np.float32)[:3]})")
+    return None if len(base) == len(other) else "different number of steps"
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    """The pattern's history without AC, trained once per pattern and module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = run_steps(PATTERNS[name].build(), PATTERNS[name].batch)
+        return cache[name]
+    return get
+
+
+@pytest.fixture(autouse=True)
+def fresh_swap_manager():
+    mac.SwapManager().reset()
+    yield
+    mac.SwapManager().reset()
+
+
+def _install_api(mode, model):
+    """Route every layer call through ``checkpoint`` or ``swap``; returns what counts its work."""
+    if mode == "checkpoint_api":
+        stats = mac.RecomputeStats()
+        object.__setattr__(model, "run_layer", lambda layer, *a, **k: mac.checkpoint(layer, *a, stats=stats, **k))
+        return stats
+    object.__setattr__(model, "run_layer", lambda layer, *a, **k: mac.swap(layer, *a, **k))
+    return mac.SwapManager().report
+
+
+def _offloaded(report):
+    return sum(s.num_offloaded for s in report.layers.values())
+
+
+def _assert_acted(mode, model, counter):
+    """A mode that silently did nothing must fail: count what was re-run or offloaded."""
+    if mode == "checkpoint_api":
+        assert counter.ops_rerun > 0 and counter.recompute_calls > 0, counter
+        return
+    if mode == "swap_api":
+        assert _offloaded(counter) > 0, counter.as_dict()
+        return
+    state = mac.ac_state(model)
+    if mode in RECOMPUTE_MODES:
+        stats = state.recompute_stats.values()
+        assert sum(s.ops_rerun for s in stats) > 0 and sum(s.recompute_calls for s in stats) > 0, \
+            [s.as_dict() for s in stats]
+    if mode in ("exclude_op", "mixed"):
+        assert sum(s.ops_reused for s in state.recompute_stats.values()) > 0
+    if mode in SWAP_MODES:
+        assert _offloaded(state.swap_report) > 0, state.swap_report.as_dict()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_whole_training_state_bitwise_or_refused(baselines, name, mode):
+    pattern = PATTERNS[name]
+    model = pattern.build()
+    config = mode_config(mode, pattern)
+    refused = pattern.refused.get(mode)
+    if refused is not None:
+        before = model_fingerprint(model)
+        with pytest.raises(mac.ConfigError, match=refused):
+            mac.apply_ac(model, config=config, layers=pattern.layers)
+        assert model_fingerprint(model) == before
+        return
+    if config is None:
+        counter = _install_api(mode, model)
+    else:
+        mac.apply_ac(model, config=config, layers=pattern.layers)
+        counter = None
+    history = run_steps(model, pattern.batch)
+    assert not _pynative_executor.is_saved_tensor_hook_active()
+    assert ENGINE.top() is None and not ENGINE.in_recompute()
+    diff = first_difference(baselines(name), history)
+    assert diff is None, f"{name} with {mode}: {diff}"
+    _assert_acted(mode, model, counter)
+    if config is not None:
+        mac.remove_ac(model)
+        assert all("construct" not in cell.__dict__ for _, cell in model.cells_and_names())
+
+
+# -- stateful ops: written once, re-run on copies, memory kept low -------------------------------
+
+def _rerun_by_op(model):
+    total = {}
+    for stats in mac.ac_state(model).recompute_stats.values():
+        for op, n in stats.rerun_by_op.items():
+            total[op] = total.get(op, 0) + n
+    return total
+
+
+@pytest.mark.parametrize("name, writers", [("batchnorm", {"BatchNorm": 3}),
+                                           ("assign_counters", {"Assign": 3, "AssignAdd": 3, "InplaceCopy": 3})])
+def test_stateful_ops_are_rerun_on_copies_and_write_once(name, writers):
+    pattern = PATTERNS[name]
+    model = pattern.build()
+    mac.apply_ac(model, config=mode_config("full", pattern), layers=pattern.layers)
+    run_steps(model, pattern.batch, steps=1)
+    rerun = _rerun_by_op(model)
+    assert {op: rerun.get(op, 0) for op in writers} == writers   # re-run once per layer, not kept
+    if name == "assign_counters":
+        assert [layer.calls.asnumpy().tolist() for layer in model.layers] == [[1.0]] * 3
+
+
+@pytest.mark.parametrize("name, child", [("batchnorm", "bn"), ("assign_counters", "attn")])
+def test_nested_regions_write_once(baselines, name, child):
+    """A region inside a region: the parent's recompute replays the child. BatchNorm writes in the
+    child (replayed, then recomputed), the counters in the parent: each must still write once per step."""
+    pattern = PATTERNS[name]
+    model = pattern.build()
+    stats = mac.RecomputeStats()
+    for layer in model.layers:
+        mac.checkpoint_wrapper(getattr(layer, child), stats=stats)
+        mac.checkpoint_wrapper(layer, stats=stats)
+    assert first_difference(baselines(name), run_steps(model, pattern.batch)) is None
+    assert stats.recompute_calls > 0
+    for layer in model.layers:
+        mac.unwrap(layer)
+        mac.unwrap(getattr(layer, child))
+
+
+def _layer_input_bytes(pattern, model):
+    x, _, pos, mask = pattern.batch(0)
+    return sum(storage_nbytes(t) for t in (x, pos, mask, model.scale))
+
+
+def test_batchnorm_full_recompute_keeps_inputs_and_small_copies_only():
+    pattern = PATTERNS["batchnorm"]
+    model = pattern.build()
+    mac.apply_ac(model, config=mode_config("full", pattern), layers=pattern.layers)
+    run_steps(model, pattern.batch, steps=1)
+    inputs = _layer_input_bytes(pattern, model)
+    copies = 4 * H * 4   # BatchNorm's gamma, beta, moving mean and variance: H float32 each
+    bn_output = B * S * H * 4
+    for layer_id, stats in mac.ac_state(model).recompute_stats.items():
+        assert inputs + copies <= stats.kept_bytes <= 1.2 * inputs + copies, (layer_id, stats.kept_bytes, inputs)
+        assert stats.kept_bytes < inputs + copies + bn_output   # BN's output is not kept
+
+
+def test_large_written_parameter_keeps_the_output_instead_of_copying(caplog):
+    """ScatterUpdate on a table larger than its other inputs: output kept, the table written once."""
+    from mindspore import Parameter, Tensor, mint, ops
+
+    class Memory(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.fc = mint.nn.Linear(H, H)
+            self.table = Parameter(Tensor(np.zeros((64, H), np.float32)), name="table", requires_grad=False)
+            self.update = ops.ScatterUpdate()
+
+        def construct(self, x, slot):
+            h = self.fc(x)
+            self.update(self.table, slot, ops.stop_gradient(h))
+            return ops.gelu(h)
+
+    class Net(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.CellList([Memory() for _ in range(2)])
+
+        def construct(self, x, slot):
+            for layer in self.layers:
+                x = layer(x, slot)
+            return (x ** 2).mean()
+
+    def batch(step):
+        rng = np.random.RandomState(step)
+        return Tensor(rng.randn(2, H).astype(np.float32)), Tensor(np.array([step, step + 5], np.int32))
+
+    base = run_steps(init_weights(Net()), batch)
+    model = init_weights(Net())
+    mac.apply_ac(model, config={"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}})
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac.recompute"):
+        other = run_steps(model, batch)
+    assert first_difference(base, other) is None
+    assert "ScatterUpdate writes parameters larger than its other inputs" in caplog.text
+    assert _rerun_by_op(model).get("ScatterUpdate", 0) == 0
+
+
+@pytest.mark.slow
+def test_reading_a_kept_write_before_it_raises_naming_both_ops():
+    """A recomputed read of a table that a kept (too large to copy) ScatterUpdate writes later can't be exact."""
+    res = _run_worker("kept_write_read_before")
+    assert res.returncode != 0
+    assert "reads a tensor that op #" in res.stderr and "ScatterUpdate" in res.stderr, res.stderr[-3000:]
+
+
+def test_output_recompute_of_a_stateful_op_keeps_its_output(baselines, caplog):
+    pattern = PATTERNS["batchnorm"]
+    model = pattern.build()
+    handles = [mac.wrap_op_output(layer, "bn", scope=layer) for layer in model.layers]
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac.recompute"):
+        history = run_steps(model, pattern.batch)
+    assert first_difference(baselines("batchnorm"), history) is None
+    assert "write parameters" in caplog.text
+    assert all(h.stats.ops_rerun == 0 for h in handles)
+    for h in handles:
+        h.remove()
+
+
+# -- a layer called twice per forward ----------------------------------------------------------------
+
+def test_layer_swap_of_a_layer_called_twice_prefetches_its_latest_call_and_does_not_grow():
+    """Two calls of swapped layer 0 per step: the prefetch at layer 1's backward loads the second call
+    (the one backward reaches first); the first call loads on demand; nothing accumulates across steps."""
+    pattern = PATTERNS["called_twice"]
+    model = pattern.build()
+    mac.apply_ac(model, config=mode_config("layer_swap", pattern), layers=pattern.layers)
+    report = mac.ac_state(model).swap_report
+    model.set_train(True)
+    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+    snaps = []
+    for step in range(4):
+        grad_fn(*pattern.batch(step))
+        snaps.append(report.end_step())
+    for snap in snaps:
+        layer0 = snap["layers"][0]
+        assert [e for e in snap["events"] if e[0] == "prefetch" and e[1] == 0] == [("prefetch", 0, 1)]
+        assert layer0["num_offloaded"] > 0 and layer0["on_demand_bytes"] > 0
+        assert layer0["prefetched_bytes"] + layer0["late_bytes"] > 0
+        assert layer0["prefetched_bytes"] + layer0["late_bytes"] + layer0["on_demand_bytes"] == \
+            layer0["offloaded_bytes"]
+    assert len({s["live_resident_bytes"] for s in snaps}) == 1
+    mac.remove_ac(model)
+
+
+# -- a module shared by two layers ------------------------------------------------------------------
+
+def test_a_module_shared_by_two_layers_is_exact_under_whole_layer_modes():
+    """Layers 1 and 2 share their MLP (select or op-swap of it is refused by plan_ac, see test_plan):
+    whole-layer recompute and swap patch the distinct layer cells and stay exact, and remove_ac restores
+    the shared module's op attributes too."""
+    pattern = PATTERNS["int_bool_inputs"]
+
+    def build():
+        model = pattern.build()
+        model.layers[2].mlp = model.layers[1].mlp
+        return model
+
+    base = run_steps(build(), pattern.batch)
+    for mode in ("full", "layer_swap", "mixed"):
+        model = build()
+        before = model_fingerprint(model)[0]
+        mac.apply_ac(model, config=mode_config(mode, pattern) if mode != "mixed" else
+                     {"recompute": {"mode": "full", "full_recompute_layer": [2]},
+                      "swap": {"enable": True, "layer_swap": [{"layers": [1]}]}})
+        assert first_difference(base, run_steps(model, pattern.batch)) is None, mode
+        mac.remove_ac(model)
+        assert model_fingerprint(model)[0] == before, mode
+
+
+# -- diagnostics ----------------------------------------------------------------------------------
+
+def _run_worker(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tests", "interrupt_worker.py"), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+
+
+@pytest.mark.slow
+def test_a_real_divergence_names_the_op_and_what_differed():
+    """A tensor read from outside the region's arguments that requires grad in forward only."""
+    res = _run_worker("divergence")
+    assert res.returncode != 0
+    assert "recompute diverged from forward at op #" in res.stderr, res.stderr[-3000:]
+    assert "saved 2 tensor(s) for backward in forward but 1 in the recompute" in res.stderr
+
+
+# -- failure paths -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "select_op", "layer_swap", "op_swap"])
+def test_failures_in_forward_and_backward_leave_nothing_behind(mode):
+    """Exception, KeyboardInterrupt and SystemExit in forward, in a backward hook and in the recompute.
+
+    After each: no saved-tensor hook or dispatch mode active, the engine's stacks
+    empty, the model trains on bitwise like a model without AC that failed
+    alike, a fresh plain model trains like in a clean process, and remove_ac
+    restores the cells.
+    """
+    res = _run_worker("interrupt", mode)
+    assert res.returncode == 0, res.stderr[-4000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    wheres = {r["where"] for r in results}
+    assert wheres == ({"forward", "backward", "recompute"} if mode in ("full", "select_op")
+                      else {"forward", "backward"})
+    assert {r["exc"] for r in results} == {"RuntimeError", "KeyboardInterrupt", "SystemExit"}
+    for r in results:
+        label = f"{mode}/{r['where']}/{r['exc']}"
+        assert r["raised"], f"{label}: the injected error did not surface"
+        assert r["hook_active"] is False and r["dispatch_depth"] == 0 and r["engine_clean"], (label, r)
+        assert r["same_as_plain"] is None, (label, r["same_as_plain"])
+        assert r["fresh_model_clean"] and r["removed_clean"], (label, r)
