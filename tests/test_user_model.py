@@ -275,6 +275,22 @@ def test_layer_list_not_found_names_the_flag_and_layers_path_finds_it(factory_di
         in capsys.readouterr().err
 
 
+def test_the_docs_example_explains_as_the_docs_show(tmp_path, monkeypatch, capsys):
+    text = (REPO / "docs" / "own_model.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    config = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    shown = text.split("$ mindformers-ac explain llama_trainer.yaml --model llama_factory:build\n", 1)[1]
+    (tmp_path / "llama_docs_factory.py").write_text(code)
+    (tmp_path / "llama_trainer.yaml").write_text(config)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert main(["explain", "llama_trainer.yaml", "--model", "llama_docs_factory:build"]) == 0
+    finally:
+        sys.modules.pop("llama_docs_factory", None)
+    assert capsys.readouterr().out == shown.split("```", 1)[0]
+
+
 # --- every breach of the contract is named, exit 2, no traceback ----------------------------------------
 
 BUILD_ERRORS = [
