@@ -107,17 +107,22 @@ def cmd_plan(args):
     from .planner import parse_budget, plan_budget
     from .planner_profile import profile_model
     from .train import spec_from_args
+    from .user_model import describe_exception
     prefetch = args.prefetch
     if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
         prefetch = AcConfig.from_yaml(args.config).swap.default_prefetch if args.config else 1
     parse_budget(args.budget, 1)   # a malformed --budget fails before minutes of profiling
     spec = spec_from_args(args)
-    if spec.factory is not None:   # the whole contract, one forward included, before minutes of profiling
-        model, make_inputs = spec.build()
-        spec.user_model().check_loss(model, make_inputs)
-        del model, make_inputs
-    profile = profile_model(spec.build, layers=spec.layer_list, prefetch=prefetch, steps=args.profile_steps,
-                            description=spec.describe())
+    user = spec.user_model()
+    try:   # a --model factory is checked when the profile builds it and on its very first step
+        profile = profile_model(spec.build, layers=spec.layer_list, prefetch=prefetch, steps=args.profile_steps,
+                                description=spec.describe(), check_loss=user.check_loss_value if user else None)
+    except ConfigError:
+        raise
+    except Exception as exc:   # the user's model failed in a step: one line, as train reports a failed run
+        if user is None:
+            raise
+        raise RunFailed(f"profiling {spec.describe()} failed: {describe_exception(exc)}") from None
     plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak), pp=args.pp)
     print(f"profiled {profile.description}")
     print(plan.report())

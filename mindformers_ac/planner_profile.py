@@ -89,16 +89,19 @@ def host_copy_bandwidth(nbytes=32 * 2 ** 20, repeats=7):
 class _Run:
     """One fresh model with one option applied, stepped like ``train.run_variant``."""
 
-    def __init__(self, factory, option, config, lr, layers=None):
+    def __init__(self, factory, option, config, lr, layers=None, check_loss=None):
         from .train import TrainingRun
         self.option = option
         model, self.make_inputs = factory()
         self.training = TrainingRun(model, config, lr, layers=layers)
         self.model = model
+        self.check_loss = check_loss
         self.times, self.memory = [], None   # memory: the recorded step with the most kept bytes
 
     def step(self, k, record=True):
-        _, _, memory, seconds = self.training.step(self.make_inputs(k))
+        loss, _, memory, seconds = self.training.step(self.make_inputs(k))
+        if k == 0 and self.check_loss is not None:
+            self.check_loss(loss)
         if record:
             self.times.append(seconds)
             # train reports its peak step, so the profile keeps the same one
@@ -120,13 +123,15 @@ def _applied_layers(option, num_layers, prefetch):
 
 
 def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.05, options=None,
-                  description=""):
+                  description="", check_loss=None):
     """Profile every option of ``candidate_options`` (or ``options``) on models from ``factory``.
 
     ``factory()`` must return ``(model, make_inputs)``: a fresh model with the
     same weights each call, and ``make_inputs(step)`` the tuple the model is
     called with in step ``step`` (``model(*make_inputs(step))`` is the loss).
     ``layers`` names the layer list when ``find_layer_stack`` can't find it.
+    ``check_loss(loss)`` (optional) sees the loss of each model's first step,
+    the very first step of the profile included, and may raise to stop it.
     ``steps`` timed steps per option after ``warmup`` untimed ones. Returns a
     ``Profile``. Raises ``ConfigError`` for a ``prefetch`` outside
     ``[1, num_layers - 1]`` or if ``plan_ac`` rejects an option on this model
@@ -151,7 +156,7 @@ def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.
         for option in options:
             applied = _applied_layers(option, num_layers, prefetch)
             config = option_sections({i: option for i in applied}, prefetch) if applied else None
-            runs.append(_Run(factory, option, config, lr, layers))
+            runs.append(_Run(factory, option, config, lr, layers, check_loss))
         _step_interleaved(runs, warmup, steps)
         return _profile_from_runs(runs, num_layers, prefetch, description)
     finally:

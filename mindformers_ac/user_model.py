@@ -37,7 +37,7 @@ _MAX_NAMES = 12      # functions listed when the one asked for is missing
 
 
 def describe_exception(exc):
-    """``Type: message (at file.py:line)`` of an exception, on one bounded line.
+    """``Type: message (at file.py:line)`` of an exception, on one bounded line (a user's, or MindSpore's).
 
     The place is the innermost frame outside installed packages (the user's
     code rather than MindSpore's), or where a ``SyntaxError`` is.
@@ -49,7 +49,8 @@ def describe_exception(exc):
         own = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith("<")]
         frame = (own or frames or [None])[-1]
         where = f" (at {os.path.basename(frame.filename)}:{frame.lineno})" if frame else ""
-    message = " ".join(str(exc).split())
+    # MindSpore frames its messages with lines of dashes: drop them, keep the words
+    message = " ".join(word for word in str(exc).split() if word.strip("-"))
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + " ..."
     return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}"
@@ -116,7 +117,9 @@ class UserModel:
         """Call FUNCTION once; return ``(model, make_inputs)``.
 
         Checks what can be checked without running the model: the import, the
-        return value's shape, the layer list. Raises ``ConfigError``.
+        return value's shape, the layer list. Raises ``ConfigError``. The
+        ``make_inputs`` returned checks each of its results: a ``ConfigError``
+        when the user's function raises or returns no tuple.
         """
         function = import_factory(self.spec)
         try:
@@ -125,7 +128,21 @@ class UserModel:
             raise ConfigError(FLAG, f"{self.spec}() raised {describe_exception(exc)}") from None
         model, make_inputs = self._unpack(returned)
         self._check_layers(model)
-        return model, make_inputs
+        return model, self._checked_inputs(make_inputs)
+
+    def _checked_inputs(self, make_inputs):
+        spec = self.spec
+
+        def checked(step):
+            try:
+                inputs = make_inputs(step)
+            except Exception as exc:
+                raise ConfigError(FLAG, f"make_inputs({step}) of {spec} raised {describe_exception(exc)}") from None
+            if not isinstance(inputs, (tuple, list)):
+                raise ConfigError(FLAG, f"make_inputs({step}) of {spec} returned a {_kind(inputs)}; expected a tuple "
+                                        f"of the model's inputs (the loss is model(*make_inputs(step)))")
+            return inputs
+        return checked
 
     def _unpack(self, returned):
         from mindspore import nn
@@ -163,24 +180,29 @@ class UserModel:
     def check_loss(self, model, make_inputs):
         """Run ``model(*make_inputs(0))`` once, forward only, and check it returns a floating-point scalar.
 
-        Raises ``ConfigError`` when ``make_inputs(0)`` fails or returns no tuple,
-        when the forward raises, or when the result is not a one-element float
-        Tensor. Call it on a model that is thrown away after: the forward may
-        change its state (BatchNorm statistics, counters).
+        ``make_inputs`` is the one ``build`` returned. Raises ``ConfigError``
+        when ``make_inputs(0)`` fails or returns no tuple, when the forward
+        raises, or when the result is not a one-element float Tensor. Call it
+        on a model that is thrown away after (the forward may change its state:
+        BatchNorm statistics, counters), and not in a process that then times
+        other models: ``train`` calls it before its runs start in their own
+        processes; ``plan`` checks its first profiled step's loss instead
+        (``check_loss_value``), because a model run in the profiling process
+        besides the profiled ones was measured to slow every profiled step
+        about 15-fold.
         """
-        from mindspore import Tensor
-        try:
-            inputs = make_inputs(0)
-        except Exception as exc:
-            raise ConfigError(FLAG, f"make_inputs(0) of {self.spec} raised {describe_exception(exc)}") from None
-        if not isinstance(inputs, (tuple, list)):
-            raise ConfigError(FLAG, f"make_inputs(0) of {self.spec} returned a {_kind(inputs)}; expected a tuple "
-                                    f"of the model's inputs (the loss is model(*make_inputs(step)))")
+        inputs = make_inputs(0)
         try:
             loss = model(*inputs)
         except Exception as exc:
             raise ConfigError(FLAG, f"model(*make_inputs(0)) of {self.spec} raised "
                                     f"{describe_exception(exc)}") from None
+        self.check_loss_value(loss)
+
+    def check_loss_value(self, loss):
+        """Raise ``ConfigError`` unless ``loss`` (what ``model(*make_inputs(0))`` returned) is a
+        one-element floating-point Tensor."""
+        from mindspore import Tensor
         if isinstance(loss, Tensor) and loss.size == 1 and loss.is_floating_point():
             return
         found = (f"a {loss.dtype} Tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor)
