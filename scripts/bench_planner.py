@@ -20,9 +20,8 @@ import time
 import numpy as np
 
 from mindformers_ac.planner.solver import MiB, parse_budget, plan_budget, solve
-from mindformers_ac.harness.models import synthetic_batch
 from mindformers_ac.planner.profile import measure_configs, profile_reference
-from mindformers_ac.harness.train import TrainSpec, add_model_arguments
+from mindformers_ac.harness.train import add_model_arguments, spec_from_args
 
 
 def parse_args():
@@ -53,11 +52,9 @@ def solver_time(num_layers=128, num_options=8, repeats=5):
 
 def main():
     a = parse_args()
-    spec = TrainSpec(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, batch=a.batch,
-                     dropout=a.dropout, steps=a.train_steps)
+    spec = spec_from_args(a, steps=a.train_steps)
     start = time.perf_counter()
-    profile = profile_reference(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, batch=a.batch,
-                                dropout=a.dropout, steps=a.profile_steps)
+    profile = profile_reference(spec, steps=a.profile_steps)
     print(f"profiled {profile.description} in {time.perf_counter() - start:.1f} s; baseline "
           f"{profile.baseline_peak / MiB:.2f} MiB, {profile.baseline_step_s * 1000:.1f} ms/step")
     for k, option in enumerate(profile.options):
@@ -72,8 +69,7 @@ def main():
             with open(paths[-1], "w", encoding="utf-8") as f:
                 f.write(plan.to_yaml())
         # baseline and every planned config trained side by side, interleaved step by step
-        batches = [synthetic_batch(a.batch, a.seq, spec.vocab, seed=k) for k in range(4)]
-        measured = measure_configs(spec.build_model, batches, [None] + paths, steps=a.train_steps)
+        measured = measure_configs(spec.build, [None] + paths, steps=a.train_steps)
     base_s = measured[0][0]
     print()
     print("| budget | plan | predicted peak | measured peak | within budget | predicted step | "

@@ -19,7 +19,7 @@ import mindspore as ms
 from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.tensors import MiB
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
-from mindformers_ac.harness.train import add_model_arguments
+from mindformers_ac.harness.train import add_model_arguments, spec_from_args
 from mindformers_ac import recompute as rc
 
 
@@ -35,8 +35,7 @@ def parse_args():
 
 
 def make_model(a):
-    m = build_gpt(num_layers=a.layers, hidden_size=a.hidden, num_heads=a.heads, seq_length=a.seq,
-                  vocab_size=a.vocab, dropout=a.dropout, seed=0)
+    m = build_gpt(spec_from_args(a).gpt, seed=0)
     return use_nn_dropout(m) if a.nn_dropout else m
 
 
@@ -107,9 +106,11 @@ def cell_recompute(model):
 
 def main():
     a = parse_args()
+    spec = spec_from_args(a)
+    g = spec.gpt
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
-    batch = synthetic_batch(a.batch, a.seq, a.vocab, seed=0)
-    layer_in = a.batch * a.seq * a.hidden * 4
+    batch = synthetic_batch(spec.batch, g.seq_length, g.vocab_size, seed=0)
+    layer_in = spec.batch * g.seq_length * g.hidden_size * 4
     cases = [
         Case(a, "baseline", lambda m: None, batch),
         Case(a, "baseline + 1 forward", lambda m: None, batch, extra_forward=True),
@@ -121,8 +122,8 @@ def main():
     ]
     run_interleaved(a, cases)
     base = statistics.median(cases[0].times)
-    print(f"model: {a.layers} layers, hidden {a.hidden}, heads {a.heads}, seq {a.seq}, batch {a.batch}, "
-          f"dropout {a.dropout}; median of {a.steps} interleaved steps; "
+    print(f"model: {g.num_layers} layers, hidden {g.hidden_size}, heads {g.num_heads}, seq {g.seq_length}, "
+          f"batch {spec.batch}, dropout {g.dropout}; median of {a.steps} interleaved steps; "
           f"layer input {layer_in / MiB:.2f} MiB per layer")
     print(f"{'config':<24}{'step s':>8}{'x base':>8}{'x Cell.rc':>10}{'kept MiB':>10}{'ops rerun':>10}")
     cell_rc = statistics.median(cases[2].times)
@@ -132,7 +133,7 @@ def main():
         print(f"{case.name:<24}{t:>8.3f}{t / base:>8.2f}{t / cell_rc:>10.2f}{kept / MiB:>10.2f}{rerun:>10}")
     full = cases[3]
     per_layer_kept = [s.peak_kept_bytes for s in full.stats]
-    inputs = layer_in + a.seq * a.seq * 4   # hidden states and the additive attention mask
+    inputs = layer_in + g.seq_length * g.seq_length * 4   # hidden states and the additive attention mask
     print(f"full: kept per layer {[round(b / inputs, 3) for b in per_layer_kept]} x the layer's inputs "
           f"({inputs / MiB:.4f} MiB: hidden states + attention mask; with --nn-dropout also the "
           f"dropout masks at 1 bit per element)")

@@ -13,8 +13,8 @@ import time
 import mindspore as ms
 from mindspore import nn
 
-from mindformers_ac.harness.models import build_gpt, synthetic_batch
-from mindformers_ac.harness.train import add_model_arguments
+from mindformers_ac.harness.models import build_gpt
+from mindformers_ac.harness.train import add_model_arguments, spec_from_args
 from mindformers_ac.swap import install_layer_swap
 
 MiB = 2 ** 20
@@ -23,14 +23,13 @@ MiB = 2 ** 20
 class Runner:
     """One model + optimizer, optionally with layer swap; ``step()`` times one training step."""
 
-    def __init__(self, args, prefetch):
-        self.model = build_gpt(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                               seq_length=args.seq, vocab_size=args.vocab, dropout=args.dropout, seed=0)
+    def __init__(self, spec, prefetch):
+        self.model = build_gpt(spec.gpt, seed=0)
         self.inst = None
         if prefetch is not None:
-            self.inst = install_layer_swap(self.model.decoder.layers, range(args.layers - 1), prefetch=prefetch,
-                                           model=self.model)
-        self.batch = synthetic_batch(args.batch, args.seq, args.vocab, seed=1)
+            self.inst = install_layer_swap(self.model.decoder.layers, range(spec.gpt.num_layers - 1),
+                                           prefetch=prefetch, model=self.model)
+        self.batch = spec.synthetic_batches()(1)
         self.grad_fn = ms.value_and_grad(self.model, None, self.model.trainable_params())
         self.opt = nn.SGD(self.model.trainable_params(), learning_rate=0.01)
         self.times, self.snap = [], None
@@ -57,12 +56,14 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefetch", type=int, default=1)
     args = p.parse_args()
+    spec = spec_from_args(args)
+    g = spec.gpt
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
 
     rows = [("baseline", None), (f"layer swap, prefetch={args.prefetch}", args.prefetch),
             ("layer swap, on demand", 0)]
     ms.set_seed(1)
-    runners = [Runner(args, pf) for _, pf in rows]
+    runners = [Runner(spec, pf) for _, pf in rows]
     # Round-robin steps so drift in machine load (2 shared cores) hits every configuration alike.
     for step in range(args.warmup + args.steps):
         for r in runners:
@@ -71,8 +72,8 @@ def main():
     for r in runners:
         r.close()
     base = results[0][1]
-    print(f"{args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}, dropout {args.dropout}; "
-          f"swapped layers 0..{args.layers - 2}; median of {args.steps} interleaved steps after {args.warmup} warmup")
+    print(f"{g.num_layers} layers, hidden {g.hidden_size}, seq {g.seq_length}, batch {spec.batch}, "
+          f"dropout {g.dropout}; swapped layers 0..{g.num_layers - 2}; median of {args.steps} interleaved steps after {args.warmup} warmup")
     hdr = f"{'config':<26}{'step s':>9}{'ratio':>8}{'offload MiB':>13}{'in time MiB':>13}" \
           f"{'late MiB':>10}{'on demand MiB':>15}{'resident MiB':>14}"
     print(hdr)

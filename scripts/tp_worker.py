@@ -108,9 +108,10 @@ def main(argv=None):
         raise RuntimeError(f"--fail-rank {rank}: failing on purpose after communication init")
     os.makedirs(args.out, exist_ok=True)
 
-    dims = (args.layers, args.hidden, args.heads, args.seq, args.vocab, args.dropout, args.seed)
-    full = build_gpt(*dims)
-    model = T.build_tp_gpt(args.tp, rank, *dims, sequence_parallel=not args.no_sequence_parallel,
+    dims = dict(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, seq_length=args.seq,
+                vocab_size=args.vocab, dropout=args.dropout, seed=args.seed)
+    full = build_gpt(**dims)
+    model = T.build_tp_gpt(args.tp, rank, **dims, sequence_parallel=not args.no_sequence_parallel,
                            full_model=full)
     maybe_apply_ac(model, args.config)
     params = model.trainable_params()

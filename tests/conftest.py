@@ -27,4 +27,4 @@ def model_fingerprint(model):
 @pytest.fixture(scope="module")
 def gpt8():
     from mindformers_ac.harness.models import build_gpt
-    return build_gpt(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64)
+    return build_gpt(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64, dropout=0.0)

@@ -74,7 +74,8 @@ def test_explain_on_a_factory(capsys):
 
 def test_explain_bad_factory(capsys):
     assert main(["explain", "--model", "no_such_module:make"]) == 2
-    assert "--model: cannot load" in capsys.readouterr().err
+    assert "--model: cannot import module 'no_such_module': not found in the current directory" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.slow

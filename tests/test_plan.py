@@ -65,7 +65,7 @@ MODEL_ERRORS = [
 
 
 def _fresh_model():
-    return build_gpt(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64)
+    return build_gpt(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64, dropout=0.0)
 
 
 ALL_ERRORS = [(data, 1, field, "") for data, field in STRUCTURAL_ERRORS] + MODEL_ERRORS
@@ -218,7 +218,7 @@ def test_info_log_per_planned_layer(gpt8, caplog):
 
 
 def test_two_models_are_planned_independently(gpt8):
-    other = build_gpt(num_layers=3, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64)
+    other = build_gpt(num_layers=3, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64, dropout=0.0)
     other.decoder.layers[1].mlp.extra_op = lambda x: x
     cfg = select({r"mlp\.extra_op": ["0-2"]})
     a = mac.plan_ac(other, config=cfg)
@@ -234,7 +234,7 @@ class _Stage(nn.Cell):
 
     def __init__(self):
         super().__init__()
-        self.config = GPTConfig(num_layers=8, hidden_size=32, num_heads=2, seq_length=16)
+        self.config = GPTConfig(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, dropout=0.0)
         self.layer_start, self.layer_end = 4, 8
         self.layers = nn.CellList([TransformerLayer(self.config, i) for i in range(4, 8)])
 
@@ -255,7 +255,7 @@ def test_pipeline_stage_plans_only_its_layers(caplog):
 class _Blocks(nn.Cell):
     def __init__(self, name):
         super().__init__()
-        cfg = GPTConfig(num_layers=2, hidden_size=32, num_heads=2, seq_length=16)
+        cfg = GPTConfig(num_layers=2, hidden_size=32, num_heads=2, seq_length=16, dropout=0.0)
         setattr(self, name, nn.CellList([TransformerLayer(cfg, i) for i in range(2)]))
 
 
@@ -267,7 +267,7 @@ def test_layer_list_found_under_common_names(name):
 
 def test_layer_list_named_by_caller_and_error_when_missing():
     holder = nn.Cell()
-    holder.stack = nn.CellList([TransformerLayer(GPTConfig(hidden_size=32, num_heads=2), 0)])
+    holder.stack = nn.CellList([TransformerLayer(GPTConfig(hidden_size=32, num_heads=2, dropout=0.0), 0)])
     assert mac.plan_ac(holder, config=full([0]), layers="stack").layer_path == "stack"
     with pytest.raises(ConfigError) as info:
         mac.plan_ac(holder, config=full([0]))

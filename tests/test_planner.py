@@ -12,6 +12,8 @@ from mindformers_ac.apply import apply_ac, remove_ac
 from mindformers_ac.plan import check_layer_ids
 from mindformers_ac.planner.solver import (FULL, NONE, SELECT, SWAP, BudgetPlan, Option, Profile, minimum_peak,
                                     option_sections, parse_budget, plan_budget, solve)
+from mindformers_ac.harness.models import GPTConfig
+from mindformers_ac.harness.train import TrainSpec
 from mindformers_ac.planner.profile import candidate_options, profile_reference
 
 MiB = 2 ** 20
@@ -213,12 +215,12 @@ def test_candidate_options_of_the_reference_layer(gpt8):
 
 # --- end to end on a tiny reference model ---------------------------------------------------------------
 
-TINY = dict(layers=3, hidden=32, heads=2, seq=16, batch=2, dropout=0.1)
+TINY = TrainSpec(gpt=GPTConfig(num_layers=3, hidden_size=32, num_heads=2, seq_length=16, dropout=0.1), batch=2)
 
 
 @pytest.fixture(scope="module")
 def tiny_profile():
-    return profile_reference(**TINY, steps=3, warmup=1)
+    return profile_reference(TINY, steps=3, warmup=1)
 
 
 def test_profile_measures_memory_per_option(tiny_profile):

@@ -400,7 +400,7 @@ def test_inplace_modification_in_forward_raises_subprocess():
     proc = _run_script("""
         from mindformers_ac.harness.models import build_gpt, synthetic_batch
         from mindformers_ac.swap import install_layer_swap
-        m = build_gpt(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=64)
+        m = build_gpt(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=64, dropout=0.0)
         mlp = m.decoder.layers[0].mlp
         def construct(x):
             h = mlp.linear_fc1(x)

@@ -187,7 +187,8 @@ def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_pat
     assert res.returncode == 0, _tail(res)
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     s = report["summary"]
-    assert s["losses_match_bitwise"] and s["grads_match_bitwise"]
+    assert s["losses_match_bitwise"] and s["grads_match_bitwise"] and s["params_match_bitwise"]
+    assert s["verdict"] == "equal"
     collectives = s["collectives_per_step"]
     # AC never changes what forward and backward communicate, only what backward runs again
     assert collectives["ac"]["forward"] == collectives["baseline"]["forward"]

@@ -35,11 +35,17 @@ def test_train_matches_losses_and_saves_memory(tmp_path, name, text):
     out = tmp_path / "report"
     proc = run_train(tmp_path, text, "--report", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "losses and gradients bitwise equal in every step: yes" in proc.stdout
+    assert "losses, gradients and all parameters bitwise equal in every step: yes" in proc.stdout
     assert "peak activation memory" in proc.stdout and "ops re-run" in proc.stdout
     report = json.loads((out / "report.json").read_text())
     s = report["summary"]
-    assert s["losses_match_bitwise"] and s["grads_match_bitwise"]
+    assert s["losses_match_bitwise"] and s["grads_match_bitwise"] and s["params_match_bitwise"]
+    assert s["verdict"] == "equal" and s["first_difference"] is None and not s["baseline_rerun"]
+    assert "baseline_again" not in report   # no third run when the two runs agree
+    # every parameter of the model, digested after each step
+    names = report["baseline"]["param_names"]
+    assert "decoder.layers.0.input_layernorm.gamma" in names and len(names) == len(set(names))
+    assert [len(d) for d in report["ac"]["param_digests"]] == [len(names)] * 3
     assert s["ac_peak_activation_bytes"] < 0.75 * s["baseline_peak_activation_bytes"]
     assert 0 < s["activation_saving_pct"] < 100 and s["step_time_ratio"] > 0
     assert s["baseline_vm_hwm_bytes"] > 0 and s["ac_vm_hwm_bytes"] > 0
@@ -64,3 +70,42 @@ def test_bad_config_exits_non_zero_with_the_field_path(tmp_path):
     assert proc.returncode == 2
     assert "swap.layer_swap[0].layers: layer 3 + default_prefetch 1 must be < num_layers 4" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --- one vocabulary for the reference GPT's dimensions ---------------------------------------------------
+
+
+def _parse(*argv, **defaults):
+    import argparse
+    from mindformers_ac.harness.train import add_model_arguments
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser, **defaults)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_set_gpt_config_fields_and_defaults_come_from_gpt_config():
+    from mindformers_ac.harness.models import GPTConfig
+    from mindformers_ac.harness.train import GPT_FLAGS, TrainSpec, spec_from_args
+    spec = spec_from_args(_parse("--layers", "3", "--hidden", "48", "--dropout", "0.25", "--batch", "5"), steps=7)
+    assert spec.gpt == GPTConfig(num_layers=3, hidden_size=48, dropout=0.25)   # the rest: GPTConfig's defaults
+    assert (spec.batch, spec.steps, spec.seed, spec.factory) == (5, 7, TrainSpec().seed, None)
+    assert spec_from_args(_parse()) == TrainSpec()
+    assert spec_from_args(_parse(layers=4, seq=128)).gpt == GPTConfig(num_layers=4, seq_length=128)
+    assert {field for _, field in GPT_FLAGS} | {"ffn_ratio"} == set(GPTConfig.__dataclass_fields__)
+
+
+def test_a_spec_travels_to_a_worker_as_json():
+    import dataclasses
+    from mindformers_ac.harness.models import GPTConfig
+    from mindformers_ac.harness.train import TrainSpec
+    spec = TrainSpec(gpt=GPTConfig(num_layers=2, vocab_size=64), batch=3, factory="m:f", layer_list="model.stack",
+                     data_flags=("seq",))
+    assert TrainSpec.from_dict(json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
+
+
+def test_the_reference_model_is_gpt_config_defaults():
+    from mindformers_ac.harness.models import GPTConfig, reference_model
+    model = reference_model()
+    cfg = GPTConfig()
+    assert model.config == cfg and len(model.decoder.layers) == cfg.num_layers
+    assert model.embedding.word_embeddings.embedding_table.shape == (cfg.vocab_size, cfg.hidden_size)

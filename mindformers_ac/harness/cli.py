@@ -1,40 +1,37 @@
 """``mindformers-ac``: train with AC side by side, check a config, show what it would do.
 
     mindformers-ac train [CONFIG] [--steps N] [--layers L --hidden H --seq S --batch B --dropout P] [--report DIR]
+    mindformers-ac train CONFIG --model MODULE:FUNCTION [--layers PATH] [--steps N] [--report DIR]
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
-    mindformers-ac explain [CONFIG] [--model module:factory] [--layers PATH] [--pp P]
-    mindformers-ac plan --budget SIZE [CONFIG] [--model module:factory | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
+    mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layers PATH] [--pp P]
+    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layers PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
 
-A rejected config exits with status 2 and the ``ConfigError`` message (which
-names the field) on stderr, without a traceback.
+``--model MODULE:FUNCTION`` is the user's model: ``FUNCTION()`` returns
+``(model, make_inputs)`` and ``model(*make_inputs(step))`` is the step's loss
+(``user_model`` has the whole contract). A rejected config, model or flag
+exits with status 2 and the message (which names the field or flag) on
+stderr, without a traceback. ``train`` exits 0 when the runs without and with
+AC are bitwise equal, 1 when AC changed them, 3 when the model is not
+reproducible by itself.
 """
 import argparse
-import importlib
 import logging
 import sys
 from importlib import resources
 
 from ..config import AcConfig
 from ..errors import ConfigError, quote
+from .train import RunFailed
 
 DEFAULT_MODEL = "mindformers_ac.harness.models:reference_model"
+MODEL_HELP = ("your model: FUNCTION() returns (model, make_inputs), model(*make_inputs(step)) is the step's loss, "
+              "same weights on every call (a model alone is fed the synthetic (tokens, labels)); MODULE is "
+              "imported from the current directory")
 
 
 def default_config_path():
     """The shipped default config (a mix of recompute and swap for the 8-layer reference model)."""
     return str(resources.files("mindformers_ac.harness") / "default_configs" / "default.yaml")
-
-
-def load_factory(spec):
-    """``package.module:function`` -> the model that function returns."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError("--model", f"expected 'module:factory', got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("--model", f"cannot load {spec!r}: {exc}") from None
-    return factory()
 
 
 def _summary(config):
@@ -79,8 +76,10 @@ def cmd_validate(args):
 
 def cmd_explain(args):
     from ..plan import plan_ac
+    from .train import TrainSpec
     config = AcConfig.from_yaml(args.config or default_config_path())
-    model = load_factory(args.model)
+    user = TrainSpec(factory=args.model, layer_list=args.layers).user_model()
+    model, _ = user.build()   # no step is run: explain only plans
     plan = plan_ac(model, config=config, pp=args.pp, layers=args.layers)
     print(plan.explain())
     return 0
@@ -88,9 +87,13 @@ def cmd_explain(args):
 
 def cmd_train(args):
     from .report import layer_table, summary_text, write_report
-    from .train import TrainSpec, train_and_compare
-    spec = TrainSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch,
-                     vocab=args.vocab, dropout=args.dropout, steps=args.steps, seed=args.seed, tp=args.tp)
+    from .train import exit_status, spec_from_args, train_and_compare
+    if args.model is not None and args.tp > 1:
+        raise ConfigError("--tp", "tensor parallel trains the reference GPT only; it can't be combined with --model")
+    if args.model is not None and args.config is None:
+        raise ConfigError("CONFIG", "train --model needs the YAML config to apply: the shipped default config "
+                                    "targets the reference GPT's 8 layers")
+    spec = spec_from_args(args, steps=args.steps, tp=args.tp)
     config = args.config or default_config_path()
     AcConfig.from_yaml(config)   # structural errors first, before any model is built
     if spec.tp > 1:
@@ -106,26 +109,29 @@ def cmd_train(args):
         if args.report:
             for path in write_report(result, args.report):
                 print(f"wrote {path}")
-    s = result["summary"]
-    return 0 if s["losses_match_bitwise"] and s["grads_match_bitwise"] else 1
+    return exit_status(result)
 
 
 def cmd_plan(args):
-    from .models import synthetic_batch
     from ..planner.solver import parse_budget, plan_budget
-    from ..planner.profile import profile_model, profile_reference
+    from ..planner.profile import profile_model
+    from .train import spec_from_args
+    from .user_model import describe_exception
     prefetch = args.prefetch
     if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
         prefetch = AcConfig.from_yaml(args.config).swap.default_prefetch if args.config else 1
     parse_budget(args.budget, 1)   # a malformed --budget fails before minutes of profiling
-    if args.model:
-        batches = [synthetic_batch(args.batch, args.seq, args.vocab, seed=args.seed + k) for k in range(4)]
-        profile = profile_model(lambda: load_factory(args.model), batches, prefetch=prefetch,
-                                steps=args.profile_steps, description=args.model)
-    else:
-        profile = profile_reference(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                                    batch=args.batch, vocab=args.vocab, dropout=args.dropout, seed=args.seed,
-                                    prefetch=prefetch, steps=args.profile_steps)
+    spec = spec_from_args(args)
+    user = spec.user_model()
+    try:   # a --model factory is checked when the profile builds it and on its very first step
+        profile = profile_model(spec.build, layers=spec.layer_list, prefetch=prefetch, steps=args.profile_steps,
+                                description=spec.describe(), check_loss=user.check_loss_value if user else None)
+    except ConfigError:
+        raise
+    except Exception as exc:   # the user's model failed in a step: one line, as train reports a failed run
+        if user is None:
+            raise
+        raise RunFailed(f"profiling {spec.describe()} failed: {describe_exception(exc)}") from None
     plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak), pp=args.pp)
     print(f"profiled {profile.description}")
     print(plan.report())
@@ -142,11 +148,14 @@ def build_parser():
     from .train import add_model_arguments, positive_int
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train the reference GPT without and with a config, compare")
+    train = sub.add_parser("train", help="train a model (the reference GPT or --model) without and with a "
+                                         "config, compare")
     train.add_argument("config", nargs="?", default=None,
                        help="YAML config (default: the shipped default config, a mix of recompute and swap)")
+    train.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                       help=MODEL_HELP + "; default: the reference GPT built from --layers/--hidden/...")
     train.add_argument("--steps", type=positive_int, default=20)
-    add_model_arguments(train)
+    add_model_arguments(train, with_model=True)
     train.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size; > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
@@ -160,22 +169,20 @@ def build_parser():
     explain = sub.add_parser("explain", help="print the plan a config gives on a model")
     explain.add_argument("config", nargs="?", default=None,
                          help="YAML config (default: the shipped default config)")
-    explain.add_argument("--model", default=DEFAULT_MODEL,
-                         help=f"model factory as module:function (default {DEFAULT_MODEL})")
+    explain.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:FUNCTION",
+                         help=f"{MODEL_HELP} (default {DEFAULT_MODEL})")
     explain.add_argument("--layers", default=None, help="path of the layer list, if not found automatically")
     explain.add_argument("--pp", type=int, default=1)
     explain.set_defaults(func=cmd_explain)
-    plan = sub.add_parser("plan", help="profile the reference GPT, choose recompute/swap per layer for a "
-                                       "memory budget, write the YAML")
+    plan = sub.add_parser("plan", help="profile a model (the reference GPT or --model), choose recompute/swap "
+                                       "per layer for a memory budget, write the YAML")
     plan.add_argument("config", nargs="?", default=None,
                       help="YAML config whose swap.default_prefetch to plan with (its other sections are ignored)")
     plan.add_argument("--budget", required=True,
                       help="peak activation memory: 3GiB, 512MiB, bytes, or a fraction of the baseline (0.4x)")
-    plan.add_argument("--model", default=None,
-                      help="model factory as module:function returning a fresh model (same weights each call) "
-                           "called as model(tokens, labels) -> loss; default: the reference GPT built from "
-                           "--layers/--hidden/--heads/--dropout")
-    add_model_arguments(plan)
+    plan.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                      help=MODEL_HELP + "; default: the reference GPT built from --layers/--hidden/...")
+    add_model_arguments(plan, with_model=True)
     plan.add_argument("--prefetch", type=int, default=None, help="swap.default_prefetch (default: CONFIG's, else 1)")
     plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size; > 1 rules out swap")
     plan.add_argument("--profile-steps", type=positive_int, default=12, help="timed steps per option")
@@ -189,7 +196,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, RunFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -22,6 +22,7 @@ Only kernels that exist in the CPU build are used (``nn.LayerNorm``,
 ``nn.Dropout``, ``nn.Embedding``, ``mint.nn.Linear``, ``ops.gelu``,
 ``ops.BatchMatMul``, ``mint.nn.functional.softmax``).
 """
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,13 +32,20 @@ from mindspore import Tensor, mint, nn, ops
 
 @dataclass
 class GPTConfig:
-    num_layers: int = 4
-    hidden_size: int = 64
+    """The reference GPT's dimensions: the one place they are named and defaulted.
+
+    The defaults are the model ``mindformers-ac train`` trains and the shipped
+    configs target. The command-line flags that set these fields
+    (``--layers --hidden ...``) are mapped to them in ``train.GPT_FLAGS``.
+    """
+
+    num_layers: int = 8
+    hidden_size: int = 128
     num_heads: int = 4
-    seq_length: int = 32
+    seq_length: int = 64
     vocab_size: int = 256
     ffn_ratio: int = 4
-    dropout: float = 0.0
+    dropout: float = 0.1
 
 
 class DropoutSeeds:
@@ -201,18 +209,23 @@ class GPTModel(nn.Cell):
         return self.loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def build_gpt(num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256,
-              dropout=0.0, seed=0):
+def gpt_config(config=None, **dims):
+    """``config`` (default ``GPTConfig()``) with the ``GPTConfig`` fields in ``dims`` replaced."""
+    return dataclasses.replace(config if config is not None else GPTConfig(), **dims)
+
+
+def build_gpt(config=None, seed=0, **dims):
     """Build a ``GPTModel`` with deterministic weights for ``seed``, in training mode.
 
-    Training mode matters: ``nn.Dropout`` is the identity in a cell that is not
-    ``set_train(True)``, and this model exists to be trained.
+    The dimensions are ``config`` (default ``GPTConfig()``, the reference
+    GPT) with any ``GPTConfig`` field given in ``dims`` replaced, e.g.
+    ``build_gpt(num_layers=2, hidden_size=32)``; an unknown name is a
+    ``TypeError``. Training mode matters: ``nn.Dropout`` is the identity in a
+    cell that is not ``set_train(True)``, and this model exists to be trained.
     """
     ms.set_seed(seed)
     np.random.seed(seed)
-    config = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                       seq_length=seq_length, vocab_size=vocab_size, dropout=dropout)
-    model = GPTModel(config, seed)
+    model = GPTModel(gpt_config(config, **dims), seed)
     model.set_train(True)
     return model
 
@@ -242,6 +255,24 @@ def synthetic_batch(batch_size, seq_length, vocab_size, seed=0):
     return Tensor(tokens[:, :-1]), Tensor(tokens[:, 1:])
 
 
+@dataclass(frozen=True)
+class SyntheticBatches:
+    """``make_inputs`` of the reference synthetic data: step ``k`` -> ``(tokens, labels)`` drawn with seed ``seed + k``.
+
+    What the reference GPT trains on, and what feeds a ``--model`` factory that
+    returns a model only (called as ``model(tokens, labels)``).
+    """
+
+    batch: int
+    seq_length: int
+    vocab_size: int
+    seed: int = 0
+
+    def __call__(self, step):
+        return synthetic_batch(self.batch, self.seq_length, self.vocab_size, seed=self.seed + step)
+
+
 def reference_model():
-    """Factory used by the CLI's default ``--model``: the 8-layer model the shipped configs target."""
-    return build_gpt(num_layers=8)
+    """Factory used by the CLI's default ``--model``: the reference GPT (``GPTConfig()``), which the
+    shipped configs target."""
+    return build_gpt()

@@ -24,8 +24,9 @@ def layer_table(result):
 
 
 def summary_text(result):
+    """Memory, time, RSS and the exactness verdict (``exactness.verdict_line``), one line each."""
+    from .exactness import verdict_line
     s = result["summary"]
-    match = "yes" if s["losses_match_bitwise"] and s["grads_match_bitwise"] else "NO"
     return "\n".join([
         f"peak activation memory: {_mib(s['baseline_peak_activation_bytes'])} MiB without AC, "
         f"{_mib(s['ac_peak_activation_bytes'])} MiB with AC "
@@ -35,7 +36,7 @@ def summary_text(result):
         f"(ratio {s['step_time_ratio']:.2f}x, median)",
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
-        f"losses and gradients bitwise equal in every step: {match}",
+        verdict_line(s),
     ] + _collectives_lines(s.get("collectives_per_step")))
 
 

@@ -59,7 +59,7 @@ import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
 from ..recompute import is_in_recompute
-from .models import MLP, GPTConfig, GPTModel, SelfAttention, TransformerBlock, TransformerLayer, build_gpt
+from .models import MLP, GPTModel, SelfAttention, TransformerBlock, TransformerLayer, build_gpt, gpt_config
 
 __all__ = [
     "ColumnParallelLinear", "CopyToTP", "GatherFromTP", "ReduceFromTP", "ReduceScatterToTP",
@@ -438,19 +438,18 @@ def unshard_param(tp_model, name, shards):
     return shards[0]
 
 
-def build_tp_gpt(tp, rank, num_layers=4, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256,
-                 dropout=0.0, seed=0, *, sequence_parallel=True, group=None, full_model=None):
-    """A ``TPGPTModel`` for ``rank`` of ``tp``, weights sliced from ``models.build_gpt(..., seed)``.
+def build_tp_gpt(tp, rank, config=None, seed=0, *, sequence_parallel=True, group=None, full_model=None, **dims):
+    """A ``TPGPTModel`` for ``rank`` of ``tp``, weights sliced from ``models.build_gpt(config, seed, **dims)``.
 
+    ``config`` and ``dims`` give the dimensions as in ``build_gpt``.
     ``full_model``: an already built ``build_gpt`` model with the same arguments
     (saves building it twice; it is read, not changed). After building, the
     same ``seed`` is set on every rank so dropout on replicated activations
     draws identical masks on all ranks.
     """
+    config = gpt_config(config, **dims)
     if full_model is None:
-        full_model = build_gpt(num_layers, hidden_size, num_heads, seq_length, vocab_size, dropout, seed)
-    config = GPTConfig(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
-                       seq_length=seq_length, vocab_size=vocab_size, dropout=dropout)
+        full_model = build_gpt(config, seed)
     model = TPGPTModel(config, tp_rank=rank, tp_size=tp, sequence_parallel=sequence_parallel, group=group,
                        seed=seed)
     shard_full_params(model, full_model)

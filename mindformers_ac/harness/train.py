@@ -1,16 +1,18 @@
-"""``mindformers-ac train``: the reference GPT trained twice, without and with AC, side by side.
+"""``mindformers-ac train``: a model trained twice, without and with AC, side by side.
 
-Each run happens in a fresh subprocess (same seed, same synthetic tokens), so
-the process peak RSS (VmHWM) of each is a clean sanity figure beside the
-saved-tensor accounting. The parent checks the config against the model
-before starting anything, then compares the two runs: per-step loss and every
-gradient bitwise (SHA-1 of the bytes), activation memory per layer
+The model is the reference GPT on synthetic tokens, or the user's
+(``--model MODULE:FUNCTION``, see ``user_model``). Each run happens in a fresh
+subprocess (same weights, same inputs), so the process peak RSS (VmHWM) of
+each is a clean sanity figure beside the saved-tensor accounting. The parent
+checks the config against the model before starting anything, then compares
+the two runs: per step the loss, every gradient and every parameter bitwise
+(``exactness``; a third run without AC when they differ tells AC from the
+model's own nondeterminism), activation memory per layer
 (``accounting.StepMeter``) and median step time.
 """
 import argparse
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import statistics
@@ -18,46 +20,152 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import ConfigError
+from .models import GPTConfig, SyntheticBatches
 
 from ..tensors import MiB
 
 
+# The reference GPT's command-line flags and the ``GPTConfig`` field each one sets: the one mapping
+# between the short flag names and the model's (MindFormers') field names.
+GPT_FLAGS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_heads"),
+             ("seq", "seq_length"), ("vocab", "vocab_size"), ("dropout", "dropout"))
+# Flags that shape only the reference synthetic batch and the weights' seed: with ``--model`` they
+# still feed a factory that returns a model only (called as ``model(tokens, labels)``).
+DATA_FLAGS = ("batch", "seq", "vocab", "seed")
+
+
 @dataclass
 class TrainSpec:
-    """Model, data and schedule of one comparison; the same for both runs."""
+    """Model, data and schedule of one comparison; the same for every run.
 
-    layers: int = 8
-    hidden: int = 128
-    heads: int = 4
-    seq: int = 64
+    Without ``factory``: the reference GPT ``gpt`` trained on ``SyntheticBatches``
+    of ``batch`` x ``gpt.seq_length`` tokens. With ``factory``
+    (``"module:function"``): the user's model and its ``make_inputs``, its layer
+    list at ``layer_list`` (None: found automatically); ``gpt``, ``batch`` and
+    ``seed`` then only shape the synthetic batch of a factory that returns a
+    model alone, and ``data_flags`` names the data flags the user gave
+    (an error for a factory that returns its own ``make_inputs``).
+    """
+
+    gpt: GPTConfig = field(default_factory=GPTConfig)
     batch: int = 4
-    vocab: int = 256
-    dropout: float = 0.1
     steps: int = 20
     seed: int = 0
     lr: float = 0.05
     tp: int = 1
+    factory: Optional[str] = None
+    layer_list: Optional[str] = None
+    data_flags: tuple = ()
 
-    def build_model(self, rank=0):
-        """The reference GPT, or this rank's tensor-parallel slice of it when ``tp > 1``."""
-        dims = dict(num_layers=self.layers, hidden_size=self.hidden, num_heads=self.heads,
-                    seq_length=self.seq, vocab_size=self.vocab, dropout=self.dropout, seed=self.seed)
+    @classmethod
+    def from_dict(cls, values):
+        """The inverse of ``dataclasses.asdict`` (how a spec travels to a worker process as JSON)."""
+        values = dict(values)
+        return cls(gpt=GPTConfig(**values.pop("gpt")), data_flags=tuple(values.pop("data_flags", ())), **values)
+
+    def synthetic_batches(self):
+        """``make_inputs`` of the reference synthetic data for this spec."""
+        return SyntheticBatches(self.batch, self.gpt.seq_length, self.gpt.vocab_size, self.seed)
+
+    def user_model(self):
+        """The ``UserModel`` of ``factory`` (None without one)."""
+        if self.factory is None:
+            return None
+        from .user_model import UserModel
+        return UserModel(self.factory, self.layer_list, self.synthetic_batches(), self.data_flags)
+
+    def build(self, rank=0):
+        """``(model, make_inputs)``: the user's (``factory``), else the reference GPT, or this rank's
+        tensor-parallel slice of it when ``tp > 1``, with ``synthetic_batches()``.
+
+        Raises ``ConfigError`` for a factory that breaks the ``--model`` contract (see ``user_model``).
+        """
+        if self.factory is not None:
+            return self.user_model().build()
         if self.tp == 1:
             from .models import build_gpt
-            return build_gpt(**dims)
+            return build_gpt(self.gpt, self.seed), self.synthetic_batches()
         from .tp import build_tp_gpt
-        return build_tp_gpt(self.tp, rank, **dims)
+        return build_tp_gpt(self.tp, rank, self.gpt, self.seed), self.synthetic_batches()
+
+    def describe(self):
+        """One line naming the model and data."""
+        if self.factory is not None:
+            return f"--model {self.factory}"
+        g = self.gpt
+        return (f"reference GPT: {g.num_layers} layers, hidden {g.hidden_size}, heads {g.num_heads}, "
+                f"seq {g.seq_length}, batch {self.batch}")
 
 
-def add_model_arguments(parser, **defaults):
-    """Add ``--layers --hidden --heads --seq --batch --vocab --dropout --seed`` (the reference GPT
-    and its synthetic data) to an argparse ``parser``; defaults are ``TrainSpec``'s unless given."""
-    spec = dataclasses.replace(TrainSpec(), **defaults)
-    for name in ("layers", "hidden", "heads", "seq", "batch", "vocab"):
-        parser.add_argument(f"--{name}", type=positive_int, default=getattr(spec, name))
-    parser.add_argument("--dropout", type=_probability, default=spec.dropout)
-    parser.add_argument("--seed", type=int, default=spec.seed)
+def add_model_arguments(parser, *, with_model=False, **defaults):
+    """Add the reference GPT's flags (``--layers --hidden --heads --seq --vocab --dropout``, see
+    ``GPT_FLAGS``) and its data's ``--batch --seed`` to an argparse ``parser``.
+
+    Every flag defaults to None, so ``spec_from_args`` can tell the flags given
+    from the defaults: ``TrainSpec``'s, overridden by ``defaults`` (flag names,
+    e.g. ``layers=4``), which are kept on the parser. ``with_model``: the
+    command also has ``--model``, with which ``--layers`` names the layer-list
+    path and the other flags do not apply.
+    """
+    base = _reference_values(defaults)
+    suffix = " (reference GPT only)" if with_model else ""
+    for flag, name in GPT_FLAGS:
+        kind = {"layers": str, "dropout": _probability}.get(flag, positive_int)
+        parser.add_argument(f"--{flag}", type=kind, default=None, metavar=flag.upper(),
+                            help=f"{name} (default {base[flag]}){suffix}"
+                                 + ("; with --model: path of the model's layer list, if not found automatically"
+                                    if with_model and flag == "layers" else ""))
+    parser.add_argument("--batch", type=positive_int, default=None, help=f"batch size (default {base['batch']})")
+    parser.add_argument("--seed", type=int, default=None, help=f"weights and data seed (default {base['seed']})")
+    parser.set_defaults(model_defaults=dict(defaults))
+
+
+def _reference_values(defaults):
+    """Flag name -> value of the reference model and data: ``TrainSpec()``'s, then ``defaults``."""
+    spec = TrainSpec()
+    values = {flag: getattr(spec.gpt, name) for flag, name in GPT_FLAGS}
+    values.update(batch=spec.batch, seed=spec.seed)
+    values.update(defaults)
+    return values
+
+
+def spec_from_args(args, **fields):
+    """The ``TrainSpec`` that ``add_model_arguments``' flags (and ``--model``, if the parser has it) give.
+
+    ``fields`` sets other ``TrainSpec`` fields (``steps``, ``tp`` ...). Raises
+    ``ConfigError`` naming the flag for ``--layers`` that is not a positive
+    integer without ``--model``, and for ``--hidden``/``--heads``/``--dropout``
+    with ``--model`` (the factory builds the model).
+    """
+    factory = getattr(args, "model", None)
+    flags = [flag for flag, _ in GPT_FLAGS] + ["batch", "seed"]
+    given = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
+    layer_list = None
+    if factory is not None:
+        for flag in given:
+            if flag not in DATA_FLAGS and flag != "layers":
+                raise ConfigError(f"--{flag}", f"applies to the reference GPT only; with --model {factory} "
+                                               f"the factory builds the model")
+        layer_list = given.pop("layers", None)
+    values = {**_reference_values(args.model_defaults), **given}
+    values["layers"] = _layer_count(values["layers"])
+    gpt = GPTConfig(**{name: values[flag] for flag, name in GPT_FLAGS})
+    return TrainSpec(gpt=gpt, batch=values["batch"], seed=values["seed"], factory=factory, layer_list=layer_list,
+                     data_flags=tuple(f for f in DATA_FLAGS if f in given) if factory else (), **fields)
+
+
+def _layer_count(value):
+    if isinstance(value, int):
+        return value
+    try:
+        return positive_int(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise ConfigError("--layers", f"expected the reference GPT's number of layers (a positive integer), got "
+                                      f"{value[:80]!r}; a layer-list path goes with --model") from None
 
 
 def positive_int(text):
@@ -73,13 +181,6 @@ def _probability(text):
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got {text}")
     return value
-
-
-def _digest(tensors):
-    h = hashlib.sha1()
-    for t in tensors:
-        h.update(t.asnumpy().tobytes())
-    return h.hexdigest()
 
 
 class Progress:
@@ -122,64 +223,73 @@ class TrainingRun:
     """One model stepped with plain SGD and measured: what ``train`` and the planner's profile share.
 
     ``config`` (an ``AcConfig``, dict or YAML path) is applied with ``apply_ac``
-    when given; ``plan`` is what it executed, else None.
+    when given; ``plan`` is what it executed, else None. ``layers`` names the
+    model's layer list when it is not found automatically (``find_layer_stack``).
     """
 
-    def __init__(self, model, config=None, lr=0.05):
+    def __init__(self, model, config=None, lr=0.05, layers=None):
         import mindspore as ms
         from mindspore import nn
         from ..accounting import StepMeter
         from ..apply import apply_ac
         self.model = model
-        self.plan = apply_ac(model, config=config) if config else None
+        self.plan = apply_ac(model, config=config, layers=layers) if config else None
         self.optimizer = nn.SGD(model.trainable_params(), learning_rate=lr)
         self.grad_fn = ms.value_and_grad(model, None, self.optimizer.parameters)
-        self.meter = StepMeter(model)
+        self.meter = StepMeter(model, layers)
 
-    def step(self, tokens, labels, sync_grads=None):
-        """One training step; returns ``(loss, grads, StepMemory, seconds)``.
+    def step(self, inputs, sync_grads=None):
+        """One training step on ``model(*inputs)``; returns ``(loss, grads, StepMemory, seconds)``.
 
         ``sync_grads(params, grads) -> grads`` runs before the update (tensor
         parallel: the partial gradients of replicated parameters); it is timed.
         """
         start = time.perf_counter()
         with self.meter.step() as memory:
-            loss, grads = self.grad_fn(tokens, labels)
+            loss, grads = self.grad_fn(*inputs)
         if sync_grads is not None:
             grads = sync_grads(self.optimizer.parameters, grads)
         self.optimizer(grads)
         return loss, grads, memory, time.perf_counter() - start
 
 
+class RunFailed(RuntimeError):
+    """A training run (a worker process) failed after the config and model were checked."""
+
+
 def run_variant(spec, config_path, label, rank=0, show_progress=True):
-    """Train ``spec`` (with ``config_path`` applied, unless None) and return every figure as a dict."""
+    """Train ``spec`` (with ``config_path`` applied, unless None) and return every figure as a dict.
+
+    Besides the figures, the record holds the digests ``exactness.judge``
+    compares: loss, every gradient and every parameter (trainable or not) after
+    each step, and the parameters as built.
+    """
     import mindspore as ms
 
     from ..apply import ac_state
+    from .exactness import record_initial_state, record_step
     from .process_memory import reset_hwm, vm_hwm
-    from .models import synthetic_batch
 
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
-    model = spec.build_model(rank)
-    run = TrainingRun(model, config_path, spec.lr)
+    model, make_inputs = spec.build(rank)
+    run = TrainingRun(model, config_path, spec.lr, layers=spec.layer_list)
     progress = Progress(label, spec.steps) if show_progress else None
-    record = {"losses": [], "loss_digests": [], "grad_digests": [], "step_times": [], "memory": [],
-              "collectives": []}
+    record = {"losses": [], "step_times": [], "memory": [], "collectives": []}
+    record_initial_state(record, model, [p.name for p in run.optimizer.parameters])
     sync_grads = None
     if spec.tp > 1:
         from .tp import reset_comm_counters, sync_sequence_parallel_grads
         sync_grads = functools.partial(sync_sequence_parallel_grads, model)
     reset_hwm()
     for step in range(spec.steps):
-        tokens, labels = synthetic_batch(spec.batch, spec.seq, spec.vocab, seed=spec.seed + step)
+        inputs = make_inputs(step)
         if spec.tp > 1:
             reset_comm_counters(model)
-        loss, grads, memory, seconds = run.step(tokens, labels, sync_grads)
+        loss, grads, memory, seconds = run.step(inputs, sync_grads)
         if spec.tp > 1:
             record["collectives"].append(_collectives(model, ac_state(model)))
         record["losses"].append(float(loss.asnumpy()))
-        record["loss_digests"].append(_digest([loss]))
-        record["grad_digests"].append(_digest(grads))
+        record_step(record, model, loss, grads)
         record["step_times"].append(seconds)
         record["memory"].append(memory.as_dict())
         if progress is not None:
@@ -190,22 +300,38 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
 
 
 def _run_in_subprocess(spec, config_path, label, workdir):
-    out = os.path.join(workdir, f"{label}.json")
+    """``run_variant`` in a fresh process (progress on this stderr); raises ``RunFailed`` with its error."""
+    out = os.path.join(workdir, f"{label.replace(' ', '_')}.json")
     cmd = [sys.executable, "-m", "mindformers_ac.harness.train", "--worker", json.dumps(dataclasses.asdict(spec)),
            config_path or "", label, out]
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"the {label} training run failed (exit {proc.returncode}); see its output above")
+        error = _read_text(out + ".error") or "see its output above"
+        raise RunFailed(f"the {label} training run failed (exit {proc.returncode}): {error}")
     with open(out, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _read_text(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _peak_step(record):
     return max(record["memory"], key=lambda m: m["kept_bytes"])
 
 
-def compare(spec, config_path, baseline, ac):
-    """The comparison both runs feed: summary figures and a per-layer table (as dicts)."""
+def compare(spec, config_path, baseline, ac, rerun_baseline=None):
+    """Summary figures, the exactness verdict and a per-layer table (as dicts) of the two runs.
+
+    ``rerun_baseline()`` makes a second run without AC; ``exactness.judge``
+    calls it only when the run with AC differs, to tell AC from the model's own
+    nondeterminism (its record is kept as ``baseline_again``).
+    """
+    from .exactness import judge
     base_mem, ac_mem = _peak_step(baseline), _peak_step(ac)
     warm = slice(min(2, spec.steps - 1), None)  # the first steps include kernel compilation
     base_time = statistics.median(baseline["step_times"][warm])
@@ -214,7 +340,8 @@ def compare(spec, config_path, baseline, ac):
     for key, figures in ac_mem["layers"].items():
         layers.append({**figures, "layer": key, "applied": ac["plan"].get(key, []),
                        "baseline_kept_bytes": base_mem["layers"][key]["kept_bytes"]})
-    return {
+    exactness, again = judge(baseline, ac, rerun_baseline)
+    result = {
         "spec": dataclasses.asdict(spec),
         "config": config_path,
         "summary": {
@@ -226,8 +353,7 @@ def compare(spec, config_path, baseline, ac):
             "baseline_step_time_s": base_time,
             "ac_step_time_s": ac_time,
             "step_time_ratio": ac_time / base_time,
-            "losses_match_bitwise": baseline["loss_digests"] == ac["loss_digests"],
-            "grads_match_bitwise": baseline["grad_digests"] == ac["grad_digests"],
+            **exactness,
             "baseline_vm_hwm_bytes": baseline["vm_hwm_bytes"],
             "ac_vm_hwm_bytes": ac["vm_hwm_bytes"],
         },
@@ -235,24 +361,45 @@ def compare(spec, config_path, baseline, ac):
         "baseline": baseline,
         "ac": ac,
     }
+    if again is not None:
+        result["baseline_again"] = again
+    return result
+
+
+def exit_status(result):
+    """``train``'s exit status: 0 bitwise equal, 1 AC changed the run (or not re-checked), 3 undecided
+    because the model is not reproducible by itself."""
+    return {"equal": 0, "model": 3}.get(result["summary"]["verdict"], 1)
 
 
 def check_config(spec, config_path, rank=0):
-    """Validate the config against the model ``spec`` builds (raises ``ConfigError``)."""
+    """Build the model ``spec`` describes and validate the config against it; returns the ``AcPlan``.
+
+    For a ``--model`` factory the contract is checked too, one forward of
+    ``make_inputs(0)`` included (its loss must be a scalar). Raises ``ConfigError``.
+    """
     import mindspore as ms
     from ..plan import plan_ac
     ms.set_context(mode=ms.PYNATIVE_MODE)
-    return plan_ac(spec.build_model(rank), config=config_path)
+    model, make_inputs = spec.build(rank)
+    if spec.factory is not None:
+        spec.user_model().check_loss(model, make_inputs)
+    return plan_ac(model, config=config_path, layers=spec.layer_list)
 
 
 def train_and_compare(spec, config_path):
-    """Both runs, each in a subprocess, and their comparison."""
+    """Both runs, each in a subprocess, and their comparison (a third run, without AC, if they differ)."""
     plan = check_config(spec, config_path)
     print(plan)
     with tempfile.TemporaryDirectory(prefix="mindformers-ac-") as workdir:
         baseline = _run_in_subprocess(spec, None, "baseline", workdir)
         ac = _run_in_subprocess(spec, config_path, "with AC", workdir)
-    return compare(spec, config_path, baseline, ac)
+
+        def rerun_baseline():
+            print("the run with AC differs from the run without; running without AC again to tell AC from "
+                  "the model's own nondeterminism", file=sys.stderr)
+            return _run_in_subprocess(spec, None, "no AC #2", workdir)
+        return compare(spec, config_path, baseline, ac, rerun_baseline)
 
 
 def train_and_compare_tp(spec, config_path):
@@ -260,7 +407,9 @@ def train_and_compare_tp(spec, config_path):
 
     Both runs share the process (the communication group can be set up only
     once), so the per-run VmHWM figures are not independent; the saved-tensor
-    accounting is. Returns ``(rank, comparison)``; rank 0 prints.
+    accounting is. No second run without AC is made when they differ (each rank
+    would decide alone, and collectives need every rank). Returns
+    ``(rank, comparison)``; rank 0 prints.
     """
     from .tp import init_tp
     rank, world = init_tp()
@@ -279,8 +428,16 @@ def train_and_compare_tp(spec, config_path):
 
 
 def _worker(argv):
+    """Run one variant and write its record to ``out``; on failure write the error, one line, to
+    ``out.error`` (the parent shows it) and exit 1."""
     spec_json, config_path, label, out = argv
-    record = run_variant(TrainSpec(**json.loads(spec_json)), config_path or None, label)
+    try:
+        record = run_variant(TrainSpec.from_dict(json.loads(spec_json)), config_path or None, label)
+    except Exception as exc:   # the parent reports it as an error, without a traceback
+        from .user_model import describe_exception
+        with open(out + ".error", "w", encoding="utf-8") as f:
+            f.write(describe_exception(exc))
+        sys.exit(1)
     with open(out, "w", encoding="utf-8") as f:
         json.dump(record, f)
 

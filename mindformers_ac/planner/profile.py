@@ -1,7 +1,8 @@
 """Measure what each per-layer AC option costs on a model: the planner's input.
 
 ``profile_model(factory, ...)`` builds one fresh model per candidate option
-with the same factory, applies that option to every layer where it is allowed
+with the same factory (``factory() -> (model, make_inputs)``, the contract of
+``--model``: ``model(*make_inputs(step))`` is the loss), applies that option to every layer where it is allowed
 (``apply_ac``), and runs training steps exactly like ``train.run_variant``
 (``value_and_grad`` + SGD, ``StepMeter`` around the step). The models are
 stepped round-robin, so slow phases of a shared machine hit every option
@@ -89,17 +90,19 @@ def host_copy_bandwidth(nbytes=32 * 2 ** 20, repeats=7):
 class OptionRun:
     """One fresh model with one option applied, stepped like ``train.run_variant``."""
 
-    def __init__(self, factory, option, config, batches, lr):
+    def __init__(self, factory, option, config, lr, layers=None, check_loss=None):
         from ..harness.train import TrainingRun
         self.option = option
-        self.training = TrainingRun(factory(), config, lr)
-        self.model = self.training.model
-        self.batches = batches
+        model, self.make_inputs = factory()
+        self.training = TrainingRun(model, config, lr, layers=layers)
+        self.model = model
+        self.check_loss = check_loss
         self.times, self.memory = [], None   # memory: the recorded step with the most kept bytes
 
     def step(self, k, record=True):
-        tokens, labels = self.batches[k % len(self.batches)]
-        _, _, memory, seconds = self.training.step(tokens, labels)
+        loss, _, memory, seconds = self.training.step(self.make_inputs(k))
+        if k == 0 and self.check_loss is not None:
+            self.check_loss(loss)
         if record:
             self.times.append(seconds)
             # train reports its peak step, so the profile keeps the same one
@@ -120,24 +123,27 @@ def _applied_layers(option, num_layers, prefetch):
     return list(range(num_layers))
 
 
-def profile_model(factory, batches, *, prefetch=1, steps=12, warmup=2, lr=0.05, options=None,
-                  description=""):
+def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.05, options=None,
+                  description="", check_loss=None):
     """Profile every option of ``candidate_options`` (or ``options``) on models from ``factory``.
 
-    ``factory()`` must return a fresh model with the same weights each call;
-    ``batches`` is a list of ``(tokens, labels)`` the model's ``construct``
-    takes, cycled over the steps. ``steps`` timed steps per option after
-    ``warmup`` untimed ones. Returns a ``Profile``. Raises ``ConfigError``
-    for a ``prefetch`` outside ``[1, num_layers - 1]`` or if ``plan_ac``
-    rejects an option on this model (e.g. a layer list it can't find: build
-    the model so ``find_layer_stack`` sees it).
+    ``factory()`` must return ``(model, make_inputs)``: a fresh model with the
+    same weights each call, and ``make_inputs(step)`` the tuple the model is
+    called with in step ``step`` (``model(*make_inputs(step))`` is the loss).
+    ``layers`` names the layer list when ``find_layer_stack`` can't find it.
+    ``check_loss(loss)`` (optional) sees the loss of each model's first step,
+    the very first step of the profile included, and may raise to stop it.
+    ``steps`` timed steps per option after ``warmup`` untimed ones. Returns a
+    ``Profile``. Raises ``ConfigError`` for a ``prefetch`` outside
+    ``[1, num_layers - 1]`` or if ``plan_ac`` rejects an option on this model
+    (e.g. a layer list it can't find).
     """
     import mindspore as ms
     from ..layers import find_layer_stack
     from .solver import option_sections
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
-    probe = factory()
-    stack = find_layer_stack(probe, None)
+    probe, _ = factory()
+    stack = find_layer_stack(probe, layers)
     num_layers = stack.num_layers
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 1 <= prefetch <= max(1, num_layers - 1):
         raise ConfigError("swap.default_prefetch", f"must be in [1, {max(1, num_layers - 1)}] for a model with "
@@ -151,7 +157,7 @@ def profile_model(factory, batches, *, prefetch=1, steps=12, warmup=2, lr=0.05, 
         for option in options:
             applied = _applied_layers(option, num_layers, prefetch)
             config = option_sections({i: option for i in applied}, prefetch) if applied else None
-            runs.append(OptionRun(factory, option, config, batches, lr))
+            runs.append(OptionRun(factory, option, config, lr, layers, check_loss))
         _step_interleaved(runs, warmup, steps)
         return _profile_from_runs(runs, num_layers, prefetch, description)
     finally:
@@ -167,15 +173,16 @@ def _step_interleaved(runs, warmup, steps):
             run.step(k, record=k >= warmup)
 
 
-def measure_configs(factory, batches, configs, *, steps=12, warmup=2, lr=0.05):
+def measure_configs(factory, configs, *, layers=None, steps=12, warmup=2, lr=0.05):
     """Train one fresh model per config (``None``: no AC) side by side, interleaved step by step.
 
-    Returns ``[(median step seconds, peak kept bytes)]`` in ``configs`` order:
-    the measurement ``plan``'s predictions are checked against.
+    ``factory`` and ``layers`` as in ``profile_model``. Returns
+    ``[(median step seconds, peak kept bytes)]`` in ``configs`` order: the
+    measurement ``plan``'s predictions are checked against.
     """
     import mindspore as ms
     ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
-    runs = [OptionRun(factory, None, config, batches, lr) for config in configs]
+    runs = [OptionRun(factory, None, config, lr, layers) for config in configs]
     try:
         _step_interleaved(runs, warmup, steps)
         return [(statistics.median(run.times), run.memory.kept_bytes) for run in runs]
@@ -218,14 +225,10 @@ def _profile_from_runs(runs, num_layers, prefetch, description):
                    description=description)
 
 
-def profile_reference(layers=8, hidden=128, heads=4, seq=64, batch=4, vocab=256, dropout=0.1, seed=0,
-                      prefetch=1, steps=12, warmup=2):
-    """``profile_model`` on the reference GPT with ``train``'s synthetic batches (same seeds)."""
-    from ..harness.models import synthetic_batch
+def profile_reference(spec=None, prefetch=1, steps=12, warmup=2):
+    """``profile_model`` on the model of a ``train.TrainSpec`` (default: the reference GPT) with
+    ``train``'s inputs (the same synthetic batches, step by step)."""
     from ..harness.train import TrainSpec
-    spec = TrainSpec(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch, vocab=vocab,
-                     dropout=dropout, seed=seed)
-    batches = [synthetic_batch(batch, seq, vocab, seed=seed + k) for k in range(4)]
-    desc = f"reference GPT: {layers} layers, hidden {hidden}, heads {heads}, seq {seq}, batch {batch}"
-    return profile_model(spec.build_model, batches, prefetch=prefetch, steps=steps, warmup=warmup,
-                         description=desc)
+    spec = spec if spec is not None else TrainSpec()
+    return profile_model(spec.build, layers=spec.layer_list, prefetch=prefetch, steps=steps, warmup=warmup,
+                         description=spec.describe())
