@@ -124,7 +124,8 @@ def test_prefetch_issued_at_expected_backward(p):
     model = make_model(layers=4)
     layers = model.decoder.layers
     report = SwapReport()
-    # the test's hooks are registered first, so they run before the engine's prefetch hook
+    # the test's backward pre-hooks mark where each layer's backward starts; the engine's prefetch
+    # fires on the gradient of layer i+p's output inside the cell, right after that mark
     marks = [layers[i].register_backward_pre_hook(
         lambda c, g, i=i: report.events.append(("backward", i, None))) for i in range(4)]
     swapped = [i for i in range(4) if i + p < 4]
