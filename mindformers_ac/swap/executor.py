@@ -6,8 +6,8 @@
     tensor = executor.load(handle)        # a device tensor with the same values
 
 The scheduler (``scheduler.py``) uses the split form (``start_offload`` in pack,
-``finish_offload`` at the end of the layer's forward, ``prefetch`` from a
-backward pre-hook, ``load`` in unpack) so copies overlap compute.
+``finish_offload`` at the end of the layer's forward, ``prefetch`` when the
+trigger layer's backward starts, ``load`` in unpack) so copies overlap compute.
 """
 import collections
 import logging

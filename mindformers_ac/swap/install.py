@@ -4,8 +4,8 @@
 ``install_op_swap(layer, sub_cell_paths, ...)`` only what chosen sub-cells of
 one layer save. Both return a ``SwapInstallation`` whose ``remove()`` restores
 the model. Each call of a swapped cell is one swap group of the scheduler;
-the backward pre-hook of the layer ``prefetch`` places later starts loading
-the group back.
+when the backward of the layer ``prefetch`` places later starts (a hook on the
+gradient of its output), the group starts coming back.
 
 Gradients are bitwise equal to training without swap: the host copy is an
 exact byte copy and the loaded tensor replaces the saved one. Parameters,
@@ -142,7 +142,7 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
         layers: the model's layer list (global ids index it).
         layer_ids: global ids of the layers to swap.
         prefetch: p >= 1: when ``layers[i + p]`` starts its backward, layer i's tensors are
-            loaded on the copy worker; p = 0: no prefetch, every tensor is loaded on demand.
+            loaded back (by the backend: inline on CPU, on the H2D stream on a device); p = 0: no prefetch, every tensor is loaded on demand.
             Every swapped id needs ``i + p < len(layers)`` (else ValueError, nothing installed).
         executor: a shared ``SwapExecutor`` (not closed by ``remove()``); default: a new one.
         report: a ``SwapReport`` for a new executor (with ``executor``, pass it there).
