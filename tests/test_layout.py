@@ -145,3 +145,16 @@ def test_checkpoint_and_swap_wrappers_refuse_each_other_alike(first):
     assert "checkpoint_wrapper and swap_wrapper can't wrap the same cell" in str(err.value)
     (mac.unwrap if first == "checkpoint" else mac.remove_swap_wrapper)(cell)
     assert "construct" not in cell.__dict__
+
+
+def test_too_old_mindspore_fails_at_import_naming_the_version(monkeypatch):
+    import mindspore.utils
+    from mindformers_ac.mindspore_version import MIN_MINDSPORE, require_mindspore
+
+    require_mindspore()   # the installed one is recent enough
+    monkeypatch.delattr(mindspore.utils, "MsDispatchMode")   # as in MindSpore 2.8
+    with pytest.raises(ImportError) as err:
+        require_mindspore()
+    assert MIN_MINDSPORE == "2.9.0"
+    assert f"needs MindSpore >= {MIN_MINDSPORE}" in str(err.value)
+    assert f"pip install 'mindspore>={MIN_MINDSPORE}'" in str(err.value)
