@@ -160,7 +160,7 @@ def build_parser():
                        help="tensor-parallel size; > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
     train.add_argument("--report", default=None, metavar="DIR", help="write report.json and memory.png here")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(func=cmd_train, times_steps=True)
     validate = sub.add_parser("validate", help="check a YAML config")
     validate.add_argument("config")
     validate.add_argument("--num-layers", type=_int_argument, default=None)
@@ -187,7 +187,7 @@ def build_parser():
     plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size; > 1 rules out swap")
     plan.add_argument("--profile-steps", type=positive_int, default=12, help="timed steps per option")
     plan.add_argument("--out", default=None, help="write the YAML here (default: print it)")
-    plan.set_defaults(func=cmd_plan)
+    plan.set_defaults(func=cmd_plan, times_steps=True)
     return parser
 
 
@@ -196,9 +196,11 @@ def main(argv=None):
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Process-wide settings belong to the entry point, not to the functions it calls: synchronous
-    # PyNative, since asynchronous step times on CPU are bimodal (useless for train's and plan's figures).
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    # Process-wide settings belong to the entry point, not to the functions it calls. The commands that
+    # time steps run synchronous PyNative: asynchronous step times on CPU are bimodal (useless for
+    # train's and plan's figures). validate and explain leave MindSpore alone (and its stderr quiet).
+    if getattr(args, "times_steps", False):
+        ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     try:
         return args.func(args)
     except (ConfigError, RunFailed) as exc:
