@@ -202,10 +202,10 @@ class _LightRun:
 class _DropoutPack:
     """What a light forward leaves for a tensor saved inside an ``nn.Dropout`` kernel call."""
 
-    __slots__ = ("tensor", "drop", "index")
+    __slots__ = ("region", "tensor", "drop", "index")
 
-    def __init__(self, tensor):
-        self.tensor, self.drop, self.index = tensor, None, 0
+    def __init__(self, region, tensor):
+        self.region, self.tensor, self.drop, self.index = region, tensor, None, 0
 
 
 class _LightDropout:
@@ -235,6 +235,16 @@ def _keep(obj):
     return obj
 
 
+def _unpack(obj):
+    """Unpack hook of light forwards: ``(region, position)`` or a ``_DropoutPack``."""
+    if obj.__class__ is tuple:
+        return obj[0].take(obj[1])
+    if obj.tensor is not None:   # a _DropoutPack whose tensor was kept
+        return obj.tensor
+    obj.region.ensure_recomputed()
+    return obj.drop.rebuilt[obj.index]
+
+
 class LightRegion:
     """One call on the light path: saved tensors are numbered in forward and refilled by position."""
 
@@ -257,32 +267,30 @@ class LightRegion:
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
+        # What is left in the graph holds the region until backward used it (not the hook functions:
+        # MindSpore keeps those as long as the graph, which outlives the backward).
         pending = self._pending
         if pending is not None:
-            p = _DropoutPack(t)
+            p = _DropoutPack(self, t)
             pending.append(p)
             return p
         sig = self.sig
         sig.append((t.shape, t.dtype))
-        return len(sig) - 1
+        return self, len(sig) - 1
 
-    def _unpack(self, obj):
-        if obj.__class__ is int:
-            if not self.done:
-                self.ensure_recomputed()
-            recomputed = self.recomputed
-            t = recomputed[obj]
-            if t is None:
-                raise RuntimeError(
-                    f"mindformers_ac: saved tensor #{obj} of a checkpointed region was already used: its "
-                    "recompute regenerated it once and an earlier backward took it. Was the graph "
-                    "backpropagated twice? Run backward once per forward.")
-            recomputed[obj] = None
-            return t
-        if obj.tensor is not None:   # a _DropoutPack whose tensor was kept
-            return obj.tensor
-        self.ensure_recomputed()
-        return obj.drop.rebuilt[obj.index]
+    def take(self, i):
+        """The tensor the recompute saved at position ``i`` (single use)."""
+        if not self.done:
+            self.ensure_recomputed()
+        recomputed = self.recomputed
+        t = recomputed[i]
+        if t is None:
+            raise RuntimeError(
+                f"mindformers_ac: saved tensor #{i} of a checkpointed region was already used: its "
+                "recompute regenerated it once and an earlier backward took it. Was the graph "
+                "backpropagated twice? Run backward once per forward.")
+        recomputed[i] = None
+        return t
 
     def _save_input(self, a):
         if not isinstance(a, Tensor) or isinstance(a, Parameter):
@@ -309,7 +317,7 @@ class LightRegion:
         try:
             self.inputs = (tuple(self._save_input(a) for a in args),
                            {k: self._save_input(v) for k, v in kwargs.items()})
-            with self._contexts(FORWARD), ms.saved_tensors_hooks(self._pack, self._unpack):
+            with self._contexts(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
