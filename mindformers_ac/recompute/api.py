@@ -142,12 +142,20 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
     cell is returned: parameter names, the cell tree and other instances are
-    unchanged; ``unwrap(cell)`` restores it. Forward hooks that track
-    ``ctx.cell_path`` stay on the sub-cells until ``unwrap``. For a function a
-    new callable is returned. Wrapping twice raises ValueError, and so does a
-    cell that ``swap_wrapper`` wraps (in either order: recompute or swap a
-    cell, not both). Keyword arguments are those of ``checkpoint``; ``stats``
-    defaults to a new ``RecomputeStats`` (see ``get_checkpoint_stats``).
+    unchanged; ``unwrap(cell)`` restores it. With a ``policy_fn``, forward
+    hooks that track ``ctx.cell_path`` stay on the sub-cells until ``unwrap``
+    (without one nothing is installed on them but a ``DropoutProxy`` on each
+    ``nn.Dropout``). For a function a new callable is returned. Wrapping twice
+    raises ValueError, and so does a cell that ``swap_wrapper`` wraps (in
+    either order: recompute or swap a cell, not both). Keyword arguments are
+    those of ``checkpoint``; ``stats`` defaults to a new ``RecomputeStats``
+    (see ``get_checkpoint_stats``).
+
+    ``light_path`` (default True): without ``policy_fn`` and ``swap_inputs``,
+    the first call per call signature runs the op-intercepting path and
+    profiles the region; later calls the profile shows safe run with
+    saved-tensor hooks only (see ``light``): same results, bitwise, and the
+    same errors on a diverging recompute, without Python per op.
     """
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
