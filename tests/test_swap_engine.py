@@ -18,7 +18,7 @@ from mindformers_ac.recompute.policy import CheckpointPolicy
 from mindformers_ac import swap   # the swap engine package, callable as HyperParallel's swap(fn, *args)
 from mindformers_ac.swap import (SwapExecutor, SwapManager, SwapReport, async_save_on_cpu, install_layer_swap,
                                  install_op_swap, remove_swap_wrapper, swap_tensor_wrapper, swap_wrapper)
-from mindformers_ac.swap.backends import DeviceCopyBackend, HostBufferPool
+from mindformers_ac.swap.backends import DeviceCopyBackend, HostBufferPool, HostCopyBackend
 
 ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
 
@@ -124,7 +124,8 @@ def test_prefetch_issued_at_expected_backward(p):
     model = make_model(layers=4)
     layers = model.decoder.layers
     report = SwapReport()
-    # the test's hooks are registered first, so they run before the engine's prefetch hook
+    # the test's backward pre-hooks mark where each layer's backward starts; the engine's prefetch
+    # fires on the gradient of layer i+p's output inside the cell, right after that mark
     marks = [layers[i].register_backward_pre_hook(
         lambda c, g, i=i: report.events.append(("backward", i, None))) for i in range(4)]
     swapped = [i for i in range(4) if i + p < 4]
@@ -334,7 +335,10 @@ def test_host_loads_alias_the_pool_buffer():
 
 
 @pytest.mark.slow
-def test_hundred_steps_flat_and_no_leaks():
+def test_hundred_steps_flat_and_no_leaks(monkeypatch):
+    # Every copy through the worker thread (this model's tensors are all small enough to be copied
+    # inline otherwise), so the thread checks below see the worker start and stop.
+    monkeypatch.setattr(HostCopyBackend, "SYNC_BYTES", 0)
     threads = threading.active_count()
     model = build_gpt(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=64, dropout=0.1)
     inst = install_layer_swap(model.decoder.layers, [0], prefetch=1, model=model)
@@ -377,13 +381,29 @@ def test_executor_roundtrip_and_over_budget():
     ex.close()
 
 
-def test_inplace_modification_after_offload_raises_at_load():
+@pytest.mark.parametrize("n", [1024, 64 * 1024], ids=["copied_inline", "copied_on_worker"])
+@pytest.mark.parametrize("dtype_known", [False, True], ids=["first_of_dtype", "raw_bytes"])
+def test_inplace_modification_after_offload_raises_at_load(n, dtype_known):
     ex = SwapExecutor()
-    t = Tensor(np.ones(1024, np.float32))
+    if dtype_known:   # later tensors of a dtype are read through their address, not asnumpy()
+        ex.load(ex.offload(Tensor(np.zeros(4, np.float32))))
+    t = Tensor(np.ones(n, np.float32))
     h = ex.offload(t)
-    t[0] = 5.0
+    t[n - 1] = 5.0
     with pytest.raises(RuntimeError, match="modified in place"):
         ex.load(h)
+    ex.close()
+
+
+def test_offload_of_non_contiguous_and_other_dtypes_round_trips():
+    ex = SwapExecutor()
+    base = Tensor(np.arange(48 * 64, dtype=np.float32).reshape(48, 64))
+    for t in (base, base.transpose(1, 0), base[8:40], Tensor(np.arange(3000, dtype=np.int32)),
+              Tensor(np.arange(3000, dtype=np.float16).reshape(30, 100)).transpose(1, 0)):
+        for _ in range(2):   # the first of a dtype through asnumpy(), then through the address
+            loaded = ex.load(ex.offload(t))
+            assert loaded.shape == t.shape and loaded.dtype == t.dtype
+            assert np.array_equal(loaded.asnumpy(), t.asnumpy())
     ex.close()
 
 

@@ -192,8 +192,13 @@ def build_parser():
 
 
 def main(argv=None):
+    import mindspore as ms
+
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Process-wide settings belong to the entry point, not to the functions it calls: synchronous
+    # PyNative, since asynchronous step times on CPU are bimodal (useless for train's and plan's figures).
+    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     try:
         return args.func(args)
     except (ConfigError, RunFailed) as exc:

@@ -19,8 +19,17 @@ The layout is the one ``select_module`` patterns are written against::
       output_layer
 
 Only kernels that exist in the CPU build are used (``nn.LayerNorm``,
-``nn.Dropout``, ``nn.Embedding``, ``mint.nn.Linear``, ``ops.gelu``,
-``ops.BatchMatMul``, ``mint.nn.functional.softmax``).
+``ops.Dropout``, ``nn.Embedding``, ``mint.nn.Linear``, ``ops.gelu``,
+``ops.BatchMatMul``, ``mint.nn.functional.softmax``). The dropouts are
+``SeededDropout``: a fresh ``ops.Dropout`` primitive per call, seeded by
+(site, step), so two runs draw the same masks in every step and the recompute
+engine may draw them again (the primitive is marked ``mac_replayable``).
+MindSpore's ``nn.Dropout`` draws from kernel state instead (on CPU its masks
+differ between processes from its 6th call); ``use_nn_dropout`` swaps it in
+to test that path.
+
+``build_gpt`` seeds MindSpore's and NumPy's global RNGs before building, as a
+user's factory would, so that every call builds the same weights.
 """
 import dataclasses
 from dataclasses import dataclass

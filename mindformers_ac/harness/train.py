@@ -264,13 +264,10 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
     compares: loss, every gradient and every parameter (trainable or not) after
     each step, and the parameters as built.
     """
-    import mindspore as ms
-
     from ..apply import ac_state
     from .exactness import record_initial_state, record_step
     from .process_memory import reset_hwm, vm_hwm
 
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     model, make_inputs = spec.build(rank)
     run = TrainingRun(model, config_path, spec.lr, layers=spec.layer_list)
     progress = Progress(label, spec.steps) if show_progress else None
@@ -378,9 +375,7 @@ def check_config(spec, config_path, rank=0):
     For a ``--model`` factory the contract is checked too, one forward of
     ``make_inputs(0)`` included (its loss must be a scalar). Raises ``ConfigError``.
     """
-    import mindspore as ms
     from ..plan import plan_ac
-    ms.set_context(mode=ms.PYNATIVE_MODE)
     model, make_inputs = spec.build(rank)
     if spec.factory is not None:
         spec.user_model().check_loss(model, make_inputs)
@@ -430,7 +425,10 @@ def train_and_compare_tp(spec, config_path):
 def _worker(argv):
     """Run one variant and write its record to ``out``; on failure write the error, one line, to
     ``out.error`` (the parent shows it) and exit 1."""
+    import mindspore as ms
+
     spec_json, config_path, label, out = argv
+    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)   # this process's entry point
     try:
         record = run_variant(TrainSpec.from_dict(json.loads(spec_json)), config_path or None, label)
     except Exception as exc:   # the parent reports it as an error, without a traceback

@@ -23,8 +23,10 @@ the copy time hidden behind compute (``swap_overlap``), reported for the user.
 The swap cost itself is the measured step-time difference, shared among the
 swapped layers in proportion to their offloaded bytes.
 
-Side effect: sets MindSpore to synchronous PyNative mode, like ``train``
-(asynchronous step times on CPU are bimodal, useless for a cost model).
+Run it in synchronous PyNative mode (``ms.set_context(mode=ms.PYNATIVE_MODE,
+pynative_synchronize=True)``, as ``mindformers-ac plan`` does): asynchronous
+step times on CPU are bimodal, useless for a cost model. Like every function
+of the package, it leaves MindSpore's context to its caller.
 """
 import statistics
 import time
@@ -138,10 +140,8 @@ def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.
     ``[1, num_layers - 1]`` or if ``plan_ac`` rejects an option on this model
     (e.g. a layer list it can't find).
     """
-    import mindspore as ms
     from ..layers import find_layer_stack
     from .solver import option_sections
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     probe, _ = factory()
     stack = find_layer_stack(probe, layers)
     num_layers = stack.num_layers
@@ -180,8 +180,6 @@ def measure_configs(factory, configs, *, layers=None, steps=12, warmup=2, lr=0.0
     ``[(median step seconds, peak kept bytes)]`` in ``configs`` order: the
     measurement ``plan``'s predictions are checked against.
     """
-    import mindspore as ms
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
     runs = [OptionRun(factory, None, config, lr, layers) for config in configs]
     try:
         _step_interleaved(runs, warmup, steps)

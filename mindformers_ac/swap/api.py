@@ -19,7 +19,7 @@ from mindspore import Parameter, nn
 from ..construct_patch import ConstructPatch, find_patch
 from ..logs import OnceLogger
 from ..tensors import root_cell_of, tensor_storage_ptrs
-from .install import bracket_swap_group, prefetch_hook
+from .install import bracket_swap_group, prefetch_trigger
 from .scheduler import SwapScheduler
 
 __all__ = ["SwapManager", "swap", "swap_wrapper", "remove_swap_wrapper", "swap_tensor_wrapper", "async_save_on_cpu"]
@@ -75,9 +75,9 @@ class SwapManager:
         sched = self.scheduler
         sched.add_params(layer.get_parameters())
         key = f"{type(layer).__name__}[{getattr(layer, 'layer_number', '?')}]@{id(layer):x}"
+        trigger = self.key_of(prefetch_layer) or type(prefetch_layer).__name__
         hooks = [bracket_swap_group(layer, sched, key, mode="marked"),
-                 prefetch_layer.register_backward_pre_hook(prefetch_hook(sched, key, self.key_of(prefetch_layer)
-                                                                          or type(prefetch_layer).__name__))]
+                 prefetch_trigger(prefetch_layer, sched, key, trigger)]
         sched.mark_prefetchable(key)
         self._links[id(layer)] = (key, hooks)
         return key

@@ -11,9 +11,9 @@ Two backends share one small interface, used only by ``SwapExecutor``:
 ``load_now(ticket)``              copy back synchronously (an on-demand load)
 ``close()``                       stop worker threads; idempotent
 
-* ``HostCopyBackend`` (CPU build): a single worker thread does the copies with
-  numpy. ``Tensor.asnumpy()`` aliases the tensor's memory on CPU, so every
-  offload is a real ``np.copyto`` into a pool buffer. A load is
+* ``HostCopyBackend`` (CPU build): numpy copies of the tensor's bytes (CPU
+  device memory is host memory) into a pool buffer; small ones on the
+  caller's thread, large ones on one worker thread. A load is
   ``Tensor.from_numpy`` of that buffer: on CPU host memory is the device's, so
   copying back would only cost time. The buffer goes back to the pool when its
   handle dies and is reused only after a fence (the PyNative executor's sync),
@@ -26,6 +26,7 @@ Two backends share one small interface, used only by ``SwapExecutor``:
 
 ``select_backend()`` picks one from ``ms.get_context("device_target")``.
 """
+import ctypes
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -83,7 +84,8 @@ class HostBufferPool:
 
     def acquire(self, nbytes):
         """A buffer of exactly ``nbytes`` bytes, or ``None`` when the bound forbids it."""
-        self._recycle_deferred()
+        if self._deferred:
+            self._recycle_deferred()
         with self._lock:
             bucket = self._free.get(nbytes)
             if bucket:
@@ -100,7 +102,8 @@ class HostBufferPool:
                 self.total_bytes += nbytes
                 self.peak_total_bytes = max(self.peak_total_bytes, self.total_bytes)
             self.in_use_bytes += nbytes
-            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
+            if self.in_use_bytes > self.peak_in_use_bytes:
+                self.peak_in_use_bytes = self.in_use_bytes
             return buf
 
     def release_later(self, buf, nbytes):
@@ -112,6 +115,8 @@ class HostBufferPool:
             self._deferred.append((buf, nbytes))
 
     def _recycle_deferred(self):
+        if not self._deferred:   # unlocked peek: a buffer given back meanwhile waits for the next acquire
+            return
         with self._lock:
             deferred, self._deferred = self._deferred, []
         if not deferred:
@@ -146,11 +151,35 @@ class HostBufferPool:
 
 
 class _HostTicket:
-    __slots__ = ("host", "future")
+    """One host copy: ``host`` (the buffer's bytes), the dtype and shape to load it back as, the copy's
+    future (None: copied on the caller's thread), and, until the offload is verified, ``src``: the
+    device bytes it was copied from (an alias, valid only while the device tensor is held) at ``ptr``."""
 
-    def __init__(self, host, future):
-        self.host = host
-        self.future = future
+    __slots__ = ("host", "dtype", "shape", "future", "src", "ptr")
+
+    def __init__(self, host, dtype, shape, future, src, ptr):
+        self.host, self.dtype, self.shape = host, dtype, shape
+        self.future, self.src, self.ptr = future, src, ptr
+
+    def typed(self):
+        """The host copy as an array of the tensor's dtype and shape (a view of the buffer)."""
+        return self.host.view(self.dtype).reshape(self.shape)
+
+
+class _DoneLoad:
+    """A load that finished when it was issued (the part of a future ``SwapExecutor`` reads)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    @staticmethod
+    def done():
+        return True
+
+    def result(self):
+        return self.tensor
 
 
 def _same_bytes(a, b):
@@ -159,30 +188,43 @@ def _same_bytes(a, b):
     a, b = a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)
     if a.nbytes != b.nbytes:
         return False
-    for word in (np.uint64, np.uint32, np.uint16):
-        if a.nbytes % np.dtype(word).itemsize == 0:
-            return np.array_equal(a.view(word), b.view(word))
-    return np.array_equal(a, b)
+    for word, size in _WORDS:
+        if a.nbytes % size == 0:
+            return bool((a.view(word) == b.view(word)).all())
+    return bool((a == b).all())
+
+
+_WORDS = ((np.uint64, 8), (np.uint32, 4), (np.uint16, 2))
 
 
 class HostCopyBackend:
-    """CPU backend: numpy copies on one worker thread (streams do not exist on CPU).
+    """CPU backend: numpy copies, on the caller's thread or one worker thread (no streams on CPU).
 
-    Offload: the tensor is viewed with ``asnumpy()`` on the caller's thread
-    (the only MindSpore call, so the worker never touches the runtime while
-    the main thread computes) and ``np.copyto`` runs on the worker. Load:
-    ``Tensor.from_numpy`` of the host buffer (no copy), on the worker (prefetch)
-    or on the caller (on demand).
+    Offload: the tensor's bytes are read in place (CPU device memory is host
+    memory) and copied into a pool buffer. A contiguous tensor of a dtype seen
+    before is read through its ``data_ptr`` as raw bytes; otherwise, and the
+    first time a dtype comes, through ``Tensor.asnumpy()`` (~8 us: numpy parses
+    a PEP 3118 format string each call). Copies under ``sync_bytes`` run on the
+    caller's thread (a few KiB copy in about a microsecond; a worker round trip
+    costs tens); larger ones on the worker, overlapping compute. Load:
+    ``Tensor.from_numpy`` of the host buffer (no copy), on the caller's thread.
+    Only MindSpore's own thread calls MindSpore: the worker only runs
+    ``np.copyto``.
     """
 
     name = "host"
     # Loads alias the host buffer (Tensor.from_numpy): on CPU host memory is the device's, so a
     # copy back would only cost time. The buffer is then recycled only after a fence.
     loads_alias_host = True
+    SYNC_BYTES = 128 << 10
 
-    def __init__(self):
+    def __init__(self, sync_bytes=None):
+        self.sync_bytes = self.SYNC_BYTES if sync_bytes is None else sync_bytes
+        # Started on its first copy: a model whose tensors are all small never starts it.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mac-swap")
         self._closed = False
+        self._np_dtypes = {}      # MindSpore dtype -> numpy dtype, learnt from asnumpy()
+        self._raw_types = {}      # nbytes -> ctypes array type
 
     @staticmethod
     def fence():
@@ -205,35 +247,69 @@ class HostCopyBackend:
         except (TypeError, RuntimeError, ValueError) as err:
             raise UnsupportedTensorError(f"cannot view dtype {tensor.dtype} as numpy: {err}") from err
 
+    def _device_bytes(self, tensor):
+        """(the bytes of ``tensor`` as a uint8 array, its numpy dtype, the tensor's address if the
+        array aliases its memory, else None). A contiguous tensor of a known dtype is read through its address
+        (``data_ptr`` waits for the op that writes it): valid only while the caller holds it."""
+        np_dtype = self._np_dtypes.get(tensor.dtype)
+        if np_dtype is not None and tensor.is_contiguous():
+            nbytes = tensor.nbytes
+            raw = self._raw_types.get(nbytes)
+            if raw is None:
+                raw = self._raw_types[nbytes] = ctypes.c_uint8 * nbytes
+            ptr = tensor.data_ptr()
+            return np.frombuffer(raw.from_address(ptr), np.uint8), np_dtype, ptr
+        view = self.host_view(tensor)
+        self._np_dtypes[tensor.dtype] = view.dtype
+        return view.reshape(-1).view(np.uint8), view.dtype, tensor.data_ptr() if tensor.is_contiguous() else None
+
     def _check_open(self):
         if self._closed:
             raise RuntimeError("swap backend is closed; create a new SwapExecutor (or SwapManager().reset())")
 
     def start_d2h(self, tensor, buffer):
-        self._check_open()
-        src = self.host_view(tensor)
-        dst = buffer[:src.nbytes].view(src.dtype).reshape(src.shape)
-        return _HostTicket(dst, self._worker.submit(np.copyto, dst, src))
+        if self._closed:
+            self._check_open()
+        src, np_dtype, ptr = self._device_bytes(tensor)
+        dst = buffer[:src.nbytes]
+        if src.nbytes < self.sync_bytes:
+            np.copyto(dst, src)
+            future = None
+        else:
+            future = self._worker.submit(np.copyto, dst, src)
+        # The alias is kept for the check at the end of forward (the tensor is held until then).
+        return _HostTicket(dst, np_dtype, tuple(tensor.shape), future, None if ptr is None else src, ptr)
 
     @staticmethod
     def wait_d2h(ticket):
-        ticket.future.result()
+        if ticket.future is not None:
+            ticket.future.result()
+            ticket.future = None
+
+    @staticmethod
+    def drop_source(ticket):
+        """The offload is verified and the device tensor may go: forget the alias of its memory."""
+        ticket.src = None
 
     def matches(self, ticket, tensor):
-        # A fresh view: an in-place op may have given the tensor new storage since the copy started.
-        try:
-            now = self.host_view(tensor)
-        except UnsupportedTensorError:
-            return None
-        return _same_bytes(ticket.host, now)
+        # The alias taken at offload still shows the tensor's memory while its address is unchanged;
+        # otherwise (an op gave it new storage, or the check comes at load) read it afresh.
+        src = ticket.src
+        if src is None or tensor.data_ptr() != ticket.ptr:
+            try:
+                src = self._device_bytes(tensor)[0]
+            except UnsupportedTensorError:
+                return None
+        return _same_bytes(ticket.host, src)
 
     def start_h2d(self, ticket):
+        # Tensor.from_numpy (a microsecond, no copy): handing it to the worker would only cost time.
         self._check_open()
-        return self._worker.submit(Tensor.from_numpy, ticket.host)
+        return _DoneLoad(Tensor.from_numpy(ticket.typed()))
 
     @staticmethod
     def load_now(ticket):
-        return Tensor.from_numpy(ticket.host)
+        return Tensor.from_numpy(ticket.typed())
 
     @staticmethod
     def reusable(load):

@@ -5,9 +5,9 @@
     handle = executor.offload(tensor)     # tensor copied to host; device memory may be dropped
     tensor = executor.load(handle)        # a device tensor with the same values
 
-The scheduler in ``swap.py`` uses the split form (``start_offload`` in pack,
-``finish_offload`` at the end of the layer's forward, ``prefetch`` from a
-backward pre-hook, ``load`` in unpack) so copies overlap compute.
+The scheduler (``scheduler.py``) uses the split form (``start_offload`` in pack,
+``finish_offload`` at the end of the layer's forward, ``prefetch`` when the
+trigger layer's backward starts, ``load`` in unpack) so copies overlap compute.
 """
 import collections
 import logging
@@ -81,6 +81,15 @@ class SwapReport:
         else:
             ent[0] += 1
 
+    def hold(self, nbytes):
+        """Count device bytes held for an offload until its copy is verified (no dedup: one per handle)."""
+        self.live_resident_bytes += nbytes
+        if self.live_resident_bytes > self.peak_resident_bytes:
+            self.peak_resident_bytes = self.live_resident_bytes
+
+    def release(self, nbytes):
+        self.live_resident_bytes -= nbytes
+
     def drop_resident(self, ptr):
         ent = self._resident.get(ptr)
         if ent is None:
@@ -112,20 +121,20 @@ class SwapReport:
 class SwapHandle:
     """One offloaded tensor. Returned by ``SwapExecutor.offload``; pass it to ``load``.
 
-    Holds the host copy (a pool buffer, released after the load or, when the
+    Holds the host copy (a pool buffer, given back after the load or, when the
     backend's loads alias it, when the handle dies), the device tensor until ``finish_offload``, and a weak
     reference to it for the late in-place check at load time.
     """
 
-    __slots__ = ("key", "tag", "nbytes", "owner", "refs", "_ticket", "_buf", "_device", "_probe",
-                 "_load", "_loaded", "_finalizer", "__weakref__")
+    __slots__ = ("key", "tag", "nbytes", "owner", "refs", "_ticket", "_buf", "_give_back", "_device", "_probe",
+                 "_load", "_loaded", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
         self.owner = None          # the scheduler group, if any
         self.refs = 1              # packs sharing this handle (dedup); the cached load is dropped at 0
-        self._ticket = self._buf = self._device = self._probe = None
-        self._load = self._loaded = self._finalizer = None
+        self._ticket = self._buf = self._give_back = self._device = self._probe = None
+        self._load = self._loaded = None
 
     @property
     def on_device(self):
@@ -135,12 +144,16 @@ class SwapHandle:
     def prefetched(self):
         return self._load is not None or self._loaded is not None
 
+    def _release(self):
+        # Once: after the load, or when the handle dies (always, when loads alias the buffer).
+        buf, self._buf = self._buf, None
+        if buf is not None:
+            self._give_back(buf, self.nbytes)
 
-def _release_buffer(pool, cell, nbytes, aliased):
-    # Called once: after the load, or by the handle's finalizer (always, when loads alias the buffer).
-    buf = cell.pop() if cell else None
-    if buf is not None:
-        (pool.release_later if aliased else pool.release)(buf, nbytes)
+    def __del__(self):
+        # Cheaper than a weakref.finalize per handle; a handle is freed by reference counting
+        # as soon as autograd drops it.
+        self._release()
 
 
 class SwapExecutor:
@@ -166,6 +179,8 @@ class SwapExecutor:
         self.verify = verify
         self.report = report if report is not None else SwapReport()
         self.report.pool_stats = self.pool.stats
+        self._give_back = self.pool.release_later if self._aliased else self.pool.release
+        self._drop_source = getattr(self.backend, "drop_source", None)
         self._closer = weakref.finalize(self, self.backend.close)
 
     # --- offload -------------------------------------------------------------------------
@@ -183,10 +198,7 @@ class SwapExecutor:
             logger.debug("keeping tensor on device: %s", err)
             return None
         h = SwapHandle(key, tag, nbytes)
-        h._ticket, h._device = ticket, tensor
-        cell = [buf]
-        h._buf = cell
-        h._finalizer = weakref.finalize(h, _release_buffer, self.pool, cell, nbytes, self._aliased)
+        h._ticket, h._device, h._buf, h._give_back = ticket, tensor, buf, self._give_back
         return h
 
     def finish_offload(self, handle):
@@ -197,6 +209,9 @@ class SwapExecutor:
         self.backend.wait_d2h(handle._ticket)
         if self.verify:
             self._check_unchanged(handle, tensor, "before its layer's forward ended")
+        if self._drop_source is not None:
+            self._drop_source(handle._ticket)
+        if self.verify:
             try:
                 handle._probe = weakref.ref(tensor)
             except TypeError:  # tensor kinds without weakref support: only the forward-time check applies
@@ -237,7 +252,7 @@ class SwapExecutor:
         """The device tensor for ``handle``: waits for its own prefetch only, or loads on demand."""
         if handle._loaded is not None:
             return handle._loaded
-        if not handle._buf:
+        if handle._buf is None:
             raise RuntimeError("swap handle loaded after its host copy was released (unpacked more often "
                                "than packed?); this is a bug in the caller of SwapExecutor.load")
         stats = self.report.layers[handle.key]
@@ -260,7 +275,7 @@ class SwapExecutor:
         if probe is not None:
             self._check_unchanged(handle, probe, "after its layer's forward")
         if not self._aliased:
-            handle._finalizer()    # the data is in `tensor` now: the host buffer can serve the next offload
+            handle._release()      # the data is in `tensor` now: the host buffer can serve the next offload
         handle._loaded = tensor
         return tensor
 

@@ -34,15 +34,19 @@ DEFAULT_MIN_BYTES = 1024
 class _Kept:
     """Packed form of a tensor left on the device; its death releases the resident count."""
 
-    __slots__ = ("tensor", "group", "__weakref__")
+    __slots__ = ("tensor", "group", "_report", "_sptr")
 
-    def __init__(self, tensor, group):
-        self.tensor, self.group = tensor, group
+    def __init__(self, tensor, group, report, sptr):
+        self.tensor, self.group, self._report, self._sptr = tensor, group, report, sptr
+
+    def __del__(self):
+        # Cheaper than a weakref.finalize per kept tensor; autograd drops it in backward.
+        self._report.drop_resident(self._sptr)
 
 
 class _Group:
     __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "kept", "pending",
-                 "handles", "marked", "hooks", "on_first_unpack", "unpacked")
+                 "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats")
 
     def __init__(self, key, gen, mode, policy_fn, check_fn, exclude, on_first_unpack):
         self.key, self.gen, self.mode = key, gen, mode
@@ -54,6 +58,7 @@ class _Group:
         self.handles = []       # weakrefs to every handle of this group, for prefetch
         self.marked = {}        # storage ptr -> (tensor, tag) from swap_tensor_wrapper
         self.hooks = None
+        self.stats = None       # the report's LayerSwapStats of this key, on the first pack
 
     def mark(self, tensor, tag):
         # The tensor is held until the group closes so its address stays unique meanwhile.
@@ -150,7 +155,7 @@ class SwapScheduler:
                 self.executor.finish_offload(h)
             except RuntimeError as err:
                 error = error or err
-            self.report.drop_resident(("offload", id(h)))
+            self.report.release(h.nbytes)
         g.pending.clear()
         g.seen.clear()
         g.marked.clear()
@@ -206,7 +211,9 @@ class SwapScheduler:
         sptr = storage_ptr(t)
         if sptr in self.param_ptrs:
             return t
-        stats = self.report.layers[g.key]
+        stats = g.stats
+        if stats is None:
+            stats = g.stats = self.report.layers[g.key]
         view = (ptr, tuple(t.shape), t.dtype)
         prev = g.seen.get(view)
         if prev is not None:
@@ -224,7 +231,7 @@ class SwapScheduler:
                 g.handles.append(weakref.ref(h))
                 stats.offloaded_bytes += h.nbytes
                 stats.num_offloaded += 1
-                self.report.add_resident(("offload", id(h)), h.nbytes)
+                self.report.hold(h.nbytes)
                 return h
             reason = "over_budget"
         return self._keep(g, t, sptr, reason, stats)
@@ -238,10 +245,8 @@ class SwapScheduler:
             stats.kept_reasons[reason] += 1
             if reason == "over_budget":
                 stats.over_budget_bytes += nbytes
-        holder = _Kept(t, g)
         self.report.add_resident(sptr, nbytes)
-        weakref.finalize(holder, self.report.drop_resident, sptr)
-        return holder
+        return _Kept(t, g, self.report, sptr)
 
     def _unpack(self, packed):
         if isinstance(packed, _Kept):
