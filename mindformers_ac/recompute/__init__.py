@@ -4,6 +4,7 @@
   ``is_in_recompute`` (HyperParallel's checkpoint API);
 * ``policy``: ``CheckpointPolicy``, the per-op decision;
 * ``region``: one checkpointed call, from its forward to its recompute;
+* ``light``: the light path of a wrapped cell (saved-tensor hooks only, no per-op interception);
 * ``dispatch``: op numbering and decisions inside a region run;
 * ``tracking``: the cell path and op attribute a policy sees;
 * ``saved``: what a region leaves in the autograd graph instead of a tensor;

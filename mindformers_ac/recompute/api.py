@@ -48,6 +48,7 @@ from mindspore import nn
 
 from ..construct_patch import ConstructPatch, find_patch
 from ..tensors import root_cell_of
+from .light import LightProfiles, install_dropout_proxies, run_checkpoint
 from .policy import CheckpointPolicy
 from .region import run_region
 from .state import ENGINE
@@ -93,17 +94,23 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     root = root_cell_of(fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
                    swap_executor=swap_executor, swap_inputs=swap_inputs, context_fn=context_fn,
-                   tracker=PathTracker(root) if root is not None else None)
+                   tracker=_tracker_for(root, policy_fn))
     return run_region(fn, args, kwargs, **options)
+
+
+def _tracker_for(root, policy_fn):
+    # Cell paths and op attributes are for the policy; without one, no hooks on every sub-cell.
+    return PathTracker(root) if root is not None and policy_fn is not None else None
 
 
 class _WrapInfo:
     """What ``checkpoint_wrapper`` set up for a cell or function, to report and undo it."""
 
-    __slots__ = ("original", "tracker", "stats", "options")
+    __slots__ = ("original", "tracker", "stats", "options", "profiles", "remove_proxies")
 
-    def __init__(self, original, tracker, stats, options):
+    def __init__(self, original, tracker, stats, options, profiles=None, remove_proxies=None):
         self.original, self.tracker, self.stats, self.options = original, tracker, stats, options
+        self.profiles, self.remove_proxies = profiles, remove_proxies
 
 
 _WRAP_ATTR = "__mac_checkpoint__"
@@ -130,17 +137,25 @@ def get_checkpoint_stats(cell_or_fn):
 
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
-                       swap_executor=None):
+                       swap_executor=None, light_path=True):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
     cell is returned: parameter names, the cell tree and other instances are
-    unchanged; ``unwrap(cell)`` restores it. Forward hooks that track
-    ``ctx.cell_path`` stay on the sub-cells until ``unwrap``. For a function a
-    new callable is returned. Wrapping twice raises ValueError, and so does a
-    cell that ``swap_wrapper`` wraps (in either order: recompute or swap a
-    cell, not both). Keyword arguments are those of ``checkpoint``; ``stats``
-    defaults to a new ``RecomputeStats`` (see ``get_checkpoint_stats``).
+    unchanged; ``unwrap(cell)`` restores it. With a ``policy_fn``, forward
+    hooks that track ``ctx.cell_path`` stay on the sub-cells until ``unwrap``
+    (without one nothing is installed on them but a ``DropoutProxy`` on each
+    ``nn.Dropout``). For a function a new callable is returned. Wrapping twice
+    raises ValueError, and so does a cell that ``swap_wrapper`` wraps (in
+    either order: recompute or swap a cell, not both). Keyword arguments are
+    those of ``checkpoint``; ``stats`` defaults to a new ``RecomputeStats``
+    (see ``get_checkpoint_stats``).
+
+    ``light_path`` (default True): without ``policy_fn`` and ``swap_inputs``,
+    the first call per call signature runs the op-intercepting path and
+    profiles the region; later calls the profile shows safe run with
+    saved-tensor hooks only (see ``light``): same results, bitwise, and the
+    same errors on a diverging recompute, without Python per op.
     """
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
@@ -148,32 +163,37 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
                    swap_inputs=swap_inputs, context_fn=context_fn)
+    light = light_path and policy_fn is None and not swap_inputs
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
         root = root_cell_of(cell_or_fn)
-        tracker = PathTracker(root) if root is not None else None
+        tracker = _tracker_for(root, policy_fn)
+        profiles = LightProfiles() if light else None
 
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
-            return run_region(cell_or_fn, args, kwargs, tracker=tracker, **options)
-        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options))
+            return run_checkpoint(cell_or_fn, args, kwargs, profiles, root, tracker=tracker, **options)
+        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, profiles))
         return wrapped_fn
-    return _wrap_cell(cell_or_fn, options)
+    return _wrap_cell(cell_or_fn, options, light)
 
 
-def _wrap_cell(cell, options):
+def _wrap_cell(cell, options, light):
     if getattr(cell, "_recompute_cell", None) is not None:
         raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
                          "the two recompute mechanisms can't be combined on one cell")
-    tracker = PathTracker(cell)
+    tracker = _tracker_for(cell, options["policy_fn"])
+    profiles = LightProfiles() if light else None
 
     def around(inner, *args, **kwargs):
-        return run_region(inner, args, kwargs, tracker=tracker, **options)
+        return run_checkpoint(inner, args, kwargs, profiles, cell, tracker=tracker, **options)
 
     patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
-    patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options)
-    tracker.install()
+    patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options, profiles,
+                           install_dropout_proxies(cell) if light else None)
+    if tracker is not None:
+        tracker.install()
     return cell
 
 
@@ -183,7 +203,11 @@ def unwrap(cell_or_fn):
         patch = find_patch(cell_or_fn, _KIND)
         if patch is None:
             raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-        patch.info.tracker.remove()
+        info = patch.info
+        if info.tracker is not None:
+            info.tracker.remove()
+        if info.remove_proxies is not None:
+            info.remove_proxies()
         patch.remove()
         return cell_or_fn
     info = _wrap_info(cell_or_fn)

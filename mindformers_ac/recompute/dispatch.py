@@ -56,6 +56,21 @@ class RegionRun:
         self.pending = []      # (token, tensor) packed inside a Dropout call, resolved when it returns
         self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
 
+    def dropout_call(self, prim, x):
+        """A ``DropoutProxy`` call (an ``nn.Dropout`` cell's kernel): run it, note it for the light path.
+
+        The Dropout op itself goes through the dispatch as usual; a Dropout
+        the region rebuilds from its mask and that was the only op of this
+        call can be handled by the light path's proxy in later calls.
+        """
+        if self.mode != FORWARD or self.in_hook:
+            return prim(x)
+        start = self.op_idx
+        out = prim(x)
+        if self.op_idx == start + 1 and self.region.decisions.get(self.op_idx) == REBUILD:
+            self.region.cell_dropouts.add(self.op_idx)
+        return out
+
     def cell_path(self):
         return self.path[-1][0] if self.path else ""
 
@@ -79,10 +94,12 @@ class RegionRun:
         if self.in_hook:
             return t
         key = self.next_key()   # first: the recompute numbers every pack, weights included
+        decision = region.decisions.get(key[0]) if key is not None else SAVE
+        if region.profile is not None and decision != REBUILD:   # a light run numbers Dropout packs apart
+            region.profile.note_forward(t, key)
         ptr = t.data_ptr()
         if ptr in region.param_ptrs:
             return t
-        decision = region.decisions.get(key[0]) if key is not None else SAVE
         if decision == SAVE or (ptr in region.input_ptrs and not region.swap_inputs):
             region.account_kept(t)
             return t
@@ -103,6 +120,8 @@ class RegionRun:
         if self.in_hook:
             return None
         key = self.next_key()
+        if self.region.profile is not None and (key is None or self.region.decisions.get(key[0]) != REBUILD):
+            self.region.profile.note_recompute(t)   # as in forward: a light run numbers Dropout packs apart
         if key is not None and key in self.region.token_meta:
             self.region.recomputed[key] = t
         return None
@@ -144,6 +163,7 @@ class RegionDispatch(MsDispatchMode):
         region.stats.ops_forward += 1
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
+            region.may_write_seen = True
             decision = region.guard_writes(run, idx, name, args, decision)
         if decision is not None:
             region.decisions[idx] = decision   # before the call: legacy ops pack inside it

@@ -82,7 +82,7 @@ def dropout_formula(x, mask, keep_prob):
     mask = mask.asnumpy() if isinstance(mask, Tensor) else mask
     dt = mask.dtype
     scaled = mask * (dt.type(1.0) / dt.type(keep_prob))
-    return ops.mul(x, Tensor(scaled))
+    return ops.mul(x, Tensor.from_numpy(scaled))   # a fresh array of ours: no copy needed
 
 
 class DropoutRecord:
@@ -104,7 +104,7 @@ class DropoutRecord:
     def rebuild(self, x):
         n = int(np.prod(self.shape))
         mask = np.unpackbits(self.bits, count=n).reshape(self.shape).astype(self.dtype)
-        return dropout_formula(x, mask, self.keep_prob), Tensor(mask)
+        return dropout_formula(x, mask, self.keep_prob), Tensor.from_numpy(mask)
 
 
 def dropout_input(args):

@@ -65,7 +65,8 @@ def _describe_meta(meta):
 class Region:
     """State of one checkpointed call, from its forward to the end of its backward."""
 
-    def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker):
+    def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
+                 profile=None):
         self.fn = fn
         self.policy_fn = policy_fn
         self.stats = stats
@@ -73,7 +74,9 @@ class Region:
         self.swap_inputs = swap_inputs
         self.context_fn = context_fn
         self.tracker = tracker
-        self.root = tracker.root if tracker is not None else root_cell_of(fn)
+        if root is None:
+            root = tracker.root if tracker is not None else root_cell_of(fn)
+        self.root = root
         self.param_ptrs = param_ptrs(self.root.get_parameters()) if self.root is not None else set()
         self.input_ptrs = set()
         self.inputs = None
@@ -88,6 +91,13 @@ class Region:
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.children = []        # regions nested in this one's forward, in call order
+        # Profiling for the light path (see light.py): filled only when ``profile`` is given.
+        self.profile = profile    # a LightProfile noting every save of forward and recompute
+        if profile is not None:
+            profile.attach(self)
+        self.may_write_seen = False   # an op that may write tensors ran in forward
+        self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
+        self.totals = None        # (kept, dropped, swapped) bytes of the forward
         self.done = False
         self._running = False
         self._recompute_ctx = None
@@ -121,6 +131,7 @@ class Region:
         swapped = sum(n for p, n in self._swapped.items() if p not in self._kept)
         # Only the totals are needed from now on.
         self._kept = self._dropped = self._swapped = self._swap_holders = self._producer = None
+        self.totals = (kept, dropped, swapped)
         self.stats.open_region(self, kept, dropped, swapped)
 
     # -- inputs -----------------------------------------------------------------
@@ -426,6 +437,9 @@ class Region:
             self._running = False
         self.done = True
         self.stats.recompute_calls += 1
+        if self.profile is not None:   # this call profiled its signature for the light path
+            profile, self.profile = self.profile, None
+            profile.validate(self)
 
     def _recompute(self):
         run = RegionRun(self, RECOMPUTE)
