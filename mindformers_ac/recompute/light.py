@@ -32,7 +32,7 @@ rebuild's ops save nothing for the region) and the Dropout's saves take the
 rebuilt output and mask.
 
 A light recompute re-tracks the inputs exactly as the full path
-(``region._recompute_input``) and checks that it saved as many tensors, of the
+(``rerun.recompute_input``) and checks that it saved as many tensors, of the
 same shapes and dtypes, as its forward, and ran every Dropout of the forward;
 if not it raises the same "recompute diverged from forward" error, naming the
 op (from the profiling call) and what differed.
@@ -55,7 +55,8 @@ from mindspore.ops import Primitive
 from ..tensors import is_tracked, storage_info
 from .dispatch import REBUILD
 from .random_ops import DropoutRecord
-from .region import _SavedInput, _recompute_input, run_region
+from .region import run_region
+from .rerun import SavedInput, recompute_graph, recompute_input
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
@@ -298,7 +299,7 @@ class LightRegion:
         if a.data_ptr() not in self.profile.param_ptrs:
             ptr, nbytes = storage_info(a)
             self._kept[ptr] = nbytes
-        return _SavedInput(ms.ops.stop_gradient(a), is_tracked(a))
+        return SavedInput(ms.ops.stop_gradient(a), is_tracked(a))
 
     def _contexts(self, mode):
         if self.context_fn is None:
@@ -423,26 +424,11 @@ class LightRegion:
     def _recompute(self):
         run = _LightRun(self, RECOMPUTE)
         args, kwargs = self.inputs
-        args = tuple(_recompute_input(a) for a in args)
-        kwargs = {k: _recompute_input(v) for k, v in kwargs.items()}
+        args = tuple(recompute_input(a) for a in args)
+        kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
         collector = self._collector = _Collector()
-        grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
-        ENGINE.enter_recompute()
-        ENGINE.push(run)
-        try:
-            _executor.set_grad_flag(True)
-            _executor.set_enable_grad(True)
-            _executor.new_empty_graph()
-            try:
-                with self._contexts(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
-                    self.fn(*args, **kwargs)
-            finally:
-                _executor.end_empty_graph()
-        finally:
-            _executor.set_grad_flag(grad_flag)
-            _executor.set_enable_grad(enable_grad)
-            ENGINE.pop(run)
-            ENGINE.exit_recompute()
+        with recompute_graph(run), self._contexts(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+            self.fn(*args, **kwargs)
             saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
             self._collector = None
         self._check(saved, run)

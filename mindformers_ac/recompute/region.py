@@ -17,40 +17,11 @@ from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, stor
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
 from .policy import CheckpointPolicy
 from .random_ops import DropoutRecord, dropout_input, is_unreplayable_random_op
+from .rerun import SavedInput, recompute_graph, recompute_input
 from .saved import SwappedTensor, drop_saved, keep_saved, unpack_saved
 from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
 from .tracking import OpContext
-
-
-class _SavedInput:
-    """A region input kept for the recompute, and whether autograd tracked it in forward."""
-
-    __slots__ = ("value", "tracked")
-
-    def __init__(self, value, tracked):
-        self.value, self.tracked = value, tracked
-
-
-def _recompute_input(a):
-    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward.
-
-    Ops save for backward only what their *tracked* inputs' gradients need (and
-    record nothing when no input is tracked), whatever the dtype: int position
-    ids or a bool mask passed to the grad function are tracked, a float
-    constant is not. An input tracked in only one of the two runs makes its
-    consumers save a different number of tensors, and the forward's tokens
-    would take the wrong ones (or none).
-    """
-    if not isinstance(a, _SavedInput):
-        return a   # not a tensor, or a Parameter: passed as is
-    tracked, a = a.tracked, a.value
-    if isinstance(a, SwappedTensor):
-        a = a.load()
-    a = ops.stop_gradient(a)
-    if tracked:
-        a.requires_grad_()
-    return a
 
 
 def _meta(t):
@@ -143,9 +114,9 @@ class Region:
         tracked = is_tracked(a)
         detached = ops.stop_gradient(a)
         if self.swap_inputs and self.swap_executor is not None:
-            return _SavedInput(self.offload(run, detached, key=("input", ptr)), tracked)
+            return SavedInput(self.offload(run, detached, key=("input", ptr)), tracked)
         self.account_kept(a)
-        return _SavedInput(detached, tracked)
+        return SavedInput(detached, tracked)
 
     def save_inputs(self, run, args, kwargs):
         if self.swap_inputs and self.swap_executor is None:
@@ -157,7 +128,7 @@ class Region:
     def _load_inputs(self):
         """Inputs for the recompute: loaded if swapped, tracked by autograd exactly as in forward."""
         args, kwargs = self.inputs
-        return tuple(_recompute_input(a) for a in args), {k: _recompute_input(v) for k, v in kwargs.items()}
+        return tuple(recompute_input(a) for a in args), {k: recompute_input(v) for k, v in kwargs.items()}
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -450,25 +421,10 @@ class Region:
             r = wrun()
             return r.pack_recompute(t) if r is not None else None
 
-        grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
-        ENGINE.enter_recompute()
-        ENGINE.push(run)
-        try:
-            _executor.set_grad_flag(True)
-            _executor.set_enable_grad(True)
-            _executor.new_empty_graph()
-            try:
-                with self._contexts(RECOMPUTE), self._tracking(), RegionDispatch(run), \
-                        ms.saved_tensors_hooks(pack, keep_saved):
-                    self.fn(*args, **kwargs)
-            finally:
-                _executor.end_empty_graph()
-            self.check_recompute(run)
-        finally:
-            _executor.set_grad_flag(grad_flag)
-            _executor.set_enable_grad(enable_grad)
-            ENGINE.pop(run)
-            ENGINE.exit_recompute()
+        with recompute_graph(run), self._contexts(RECOMPUTE), self._tracking(), RegionDispatch(run), \
+                ms.saved_tensors_hooks(pack, keep_saved):
+            self.fn(*args, **kwargs)
+        self.check_recompute(run)
 
 
 def run_region(fn, args, kwargs, **options):

@@ -1,0 +1,66 @@
+"""Running a region's function again in backward: its inputs as they were, in a throw-away graph.
+
+Both the op-intercepting region and the light path re-run the same way: the
+saved inputs are detached and tracked exactly as in forward
+(``recompute_input``), and the function runs with gradient recording on, in a
+new graph that is never backpropagated (``recompute_graph``), so that its ops
+save what they saved in forward and the hooks can collect it.
+"""
+import contextlib
+
+from mindspore import ops
+from mindspore.graph.api import _pynative_executor as _executor
+
+from .saved import SwappedTensor
+from .state import ENGINE
+
+
+class SavedInput:
+    """A region input kept for the recompute, and whether autograd tracked it in forward."""
+
+    __slots__ = ("value", "tracked")
+
+    def __init__(self, value, tracked):
+        self.value, self.tracked = value, tracked
+
+
+def recompute_input(a):
+    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward.
+
+    Ops save for backward only what their *tracked* inputs' gradients need (and
+    record nothing when no input is tracked), whatever the dtype: int position
+    ids or a bool mask passed to the grad function are tracked, a float
+    constant is not. An input tracked in only one of the two runs makes its
+    consumers save a different number of tensors, and the forward's tokens
+    would take the wrong ones (or none).
+    """
+    if not isinstance(a, SavedInput):
+        return a   # not a tensor, or a Parameter: passed as is
+    tracked, a = a.tracked, a.value
+    if isinstance(a, SwappedTensor):
+        a = a.load()
+    a = ops.stop_gradient(a)
+    if tracked:
+        a.requires_grad_()
+    return a
+
+
+@contextlib.contextmanager
+def recompute_graph(run):
+    """Run a region's function again as ``run``: recording on, in a new graph, restored on every exit path."""
+    grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
+    ENGINE.enter_recompute()
+    ENGINE.push(run)
+    try:
+        _executor.set_grad_flag(True)
+        _executor.set_enable_grad(True)
+        _executor.new_empty_graph()
+        try:
+            yield
+        finally:
+            _executor.end_empty_graph()
+    finally:
+        _executor.set_grad_flag(grad_flag)
+        _executor.set_enable_grad(enable_grad)
+        ENGINE.pop(run)
+        ENGINE.exit_recompute()
