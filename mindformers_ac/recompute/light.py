@@ -56,7 +56,7 @@ from ..tensors import is_tracked, storage_info
 from .dispatch import REBUILD
 from .random_ops import DropoutRecord
 from .region import run_region
-from .rerun import SavedInput, recompute_graph, recompute_input
+from .rerun import RerunOnce, SavedInput, recompute_graph, recompute_input
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
@@ -246,24 +246,22 @@ def _unpack(obj):
     return obj.drop.rebuilt[obj.index]
 
 
-class LightRegion:
+class LightRegion(RerunOnce):
     """One call on the light path: saved tensors are numbered in forward and refilled by position."""
 
     tracker = None   # path tracking is for policies, and a light region has none
 
     def __init__(self, fn, profile, profiles, key, stats, context_fn):
+        super().__init__()   # children: regions nested in the forward (none when the profile held)
         self.fn, self.profile, self.stats, self.context_fn = fn, profile, stats, context_fn
         self._profiles, self._key = profiles, key
         self.inputs = None
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
         self.dropouts = []        # _LightDropout per nn.Dropout kernel call, in order
-        self.children = []        # regions nested in the forward (none when the profile held)
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
-        self.done = False
         self._pending = None      # _DropoutPacks made inside a Dropout kernel call in progress
         self._collector = None
         self._kept = {}
-        self._running = False
         self._recompute_ctx = None
 
     # -- forward ------------------------------------------------------------------
@@ -395,26 +393,12 @@ class LightRegion:
             self._kept[ptr] = nbytes
 
     # -- nested regions (none when the profile held; kept for a changed code path) -----
-    def next_child(self, run):
-        if run.child_idx >= len(self.children):
-            raise RuntimeError("mindformers_ac: a checkpointed region called more nested checkpoints in its "
-                               "recompute than in its forward; its code path must not change when re-run")
-        child = self.children[run.child_idx]
-        run.child_idx += 1
-        return child
 
     # -- recompute ------------------------------------------------------------------
     def ensure_recomputed(self):
         if self.done:
             return
-        if self._running:
-            raise RuntimeError("mindformers_ac: a region's recompute asked for its own saved tensors")
-        self._running = True
-        try:
-            ndrop = self._recompute()
-        finally:
-            self._running = False
-        self.done = True
+        ndrop = self.recompute_once()
         stats = self.stats
         stats.recompute_calls += 1
         stats.ops_rerun += self.profile.n_rerun

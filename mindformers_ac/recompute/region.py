@@ -17,7 +17,7 @@ from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, stor
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
 from .policy import CheckpointPolicy
 from .random_ops import DropoutRecord, dropout_input, is_unreplayable_random_op
-from .rerun import SavedInput, recompute_graph, recompute_input
+from .rerun import RerunOnce, SavedInput, recompute_graph, recompute_input
 from .saved import SwappedTensor, drop_saved, keep_saved, unpack_saved
 from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
@@ -33,11 +33,12 @@ def _describe_meta(meta):
     return f"{meta[0]} {meta[1]}"
 
 
-class Region:
+class Region(RerunOnce):
     """State of one checkpointed call, from its forward to the end of its backward."""
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
                  profile=None):
+        super().__init__()   # children: regions nested in this one's forward, in call order
         self.fn = fn
         self.policy_fn = policy_fn
         self.stats = stats
@@ -61,7 +62,6 @@ class Region:
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
-        self.children = []        # regions nested in this one's forward, in call order
         # Profiling for the light path (see light.py): filled only when ``profile`` is given.
         self.profile = profile    # a LightProfile noting every save of forward and recompute
         if profile is not None:
@@ -69,8 +69,6 @@ class Region:
         self.may_write_seen = False   # an op that may write tensors ran in forward
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
         self.totals = None        # (kept, dropped, swapped) bytes of the forward
-        self.done = False
-        self._running = False
         self._recompute_ctx = None
         self._kept, self._swapped = {}, {}   # storage ptr -> bytes, during forward
         self._dropped = {}    # (storage ptr, producing op index) -> bytes, during forward
@@ -377,14 +375,6 @@ class Region:
         self._finish_accounting()
         return out
 
-    def next_child(self, run):
-        if run.child_idx >= len(self.children):
-            raise RuntimeError("mindformers_ac: a checkpointed region called more nested checkpoints in its "
-                               "recompute than in its forward; its code path must not change when re-run")
-        child = self.children[run.child_idx]
-        run.child_idx += 1
-        return child
-
     def replay(self, args, kwargs):
         """Run again inside a parent's recompute, with this region's kept outputs and masks."""
         run = RegionRun(self, REPLAY)
@@ -399,14 +389,7 @@ class Region:
     def ensure_recomputed(self):
         if self.done:
             return
-        if self._running:
-            raise RuntimeError("mindformers_ac: a region's recompute asked for its own saved tensors")
-        self._running = True
-        try:
-            self._recompute()
-        finally:
-            self._running = False
-        self.done = True
+        self.recompute_once()
         self.stats.recompute_calls += 1
         if self.profile is not None:   # this call profiled its signature for the light path
             profile, self.profile = self.profile, None

@@ -64,3 +64,39 @@ def recompute_graph(run):
         _executor.set_enable_grad(enable_grad)
         ENGINE.pop(run)
         ENGINE.exit_recompute()
+
+
+class RerunOnce:
+    """What both region kinds share: nested regions replayed in call order, one guarded recompute.
+
+    A subclass keeps ``children`` (regions met in its forward) and defines
+    ``_recompute()``; ``recompute_once()`` runs it on the first unpack only
+    and returns its result (None when it already ran).
+    """
+
+    def __init__(self):
+        self.children = []
+        self.done = False
+        self._running = False
+
+    def next_child(self, run):
+        """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""
+        if run.child_idx >= len(self.children):
+            raise RuntimeError("mindformers_ac: a checkpointed region called more nested checkpoints in its "
+                               "recompute than in its forward; its code path must not change when re-run")
+        child = self.children[run.child_idx]
+        run.child_idx += 1
+        return child
+
+    def recompute_once(self):
+        if self.done:
+            return None
+        if self._running:
+            raise RuntimeError("mindformers_ac: a region's recompute asked for its own saved tensors")
+        self._running = True
+        try:
+            result = self._recompute()
+        finally:
+            self._running = False
+        self.done = True
+        return result
