@@ -44,7 +44,6 @@ from the profile's (its code path changed) drops the profile so that the next
 call profiles again.
 """
 import collections
-import contextlib
 import weakref
 
 import mindspore as ms
@@ -262,7 +261,6 @@ class LightRegion(RerunOnce):
         self._pending = None      # _DropoutPacks made inside a Dropout kernel call in progress
         self._collector = None
         self._kept = {}
-        self._recompute_ctx = None
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -299,24 +297,13 @@ class LightRegion(RerunOnce):
             self._kept[ptr] = nbytes
         return SavedInput(ms.ops.stop_gradient(a), is_tracked(a))
 
-    def _contexts(self, mode):
-        if self.context_fn is None:
-            return contextlib.nullcontext()
-        if mode == FORWARD:
-            fwd, self._recompute_ctx = self.context_fn()
-            return fwd
-        if self._recompute_ctx is not None:
-            ctx, self._recompute_ctx = self._recompute_ctx, None
-            return ctx
-        return self.context_fn()[1]
-
     def run_forward(self, args, kwargs):
         run = _LightRun(self, FORWARD)
         ENGINE.push(run)
         try:
             self.inputs = (tuple(self._save_input(a) for a in args),
                            {k: self._save_input(v) for k, v in kwargs.items()})
-            with self._contexts(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
+            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
@@ -411,7 +398,7 @@ class LightRegion(RerunOnce):
         args = tuple(recompute_input(a) for a in args)
         kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
         collector = self._collector = _Collector()
-        with recompute_graph(run), self._contexts(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+        with recompute_graph(run), self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
             self.fn(*args, **kwargs)
             saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
             self._collector = None

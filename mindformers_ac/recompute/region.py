@@ -69,7 +69,6 @@ class Region(RerunOnce):
         self.may_write_seen = False   # an op that may write tensors ran in forward
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
         self.totals = None        # (kept, dropped, swapped) bytes of the forward
-        self._recompute_ctx = None
         self._kept, self._swapped = {}, {}   # storage ptr -> bytes, during forward
         self._dropped = {}    # (storage ptr, producing op index) -> bytes, during forward
         self._producer = {}   # storage ptr -> index of the latest op whose output lives there
@@ -347,16 +346,6 @@ class Region(RerunOnce):
         return out
 
     # -- runs -------------------------------------------------------------------
-    def _contexts(self, mode):
-        if self.context_fn is None:
-            return contextlib.nullcontext()
-        if mode == FORWARD:
-            fwd, self._recompute_ctx = self.context_fn()
-            return fwd
-        if mode == RECOMPUTE and self._recompute_ctx is not None:
-            ctx, self._recompute_ctx = self._recompute_ctx, None
-            return ctx
-        return self.context_fn()[1]
 
     def _tracking(self):
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
@@ -366,7 +355,7 @@ class Region(RerunOnce):
         ENGINE.push(run)
         try:
             self.save_inputs(run, args, kwargs)
-            with self._contexts(FORWARD), self._tracking(), RegionDispatch(run), \
+            with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(run.pack_forward, unpack_saved):
                 out = self.fn(*args, **kwargs)
         finally:
@@ -380,7 +369,7 @@ class Region(RerunOnce):
         run = RegionRun(self, REPLAY)
         ENGINE.push(run)
         try:
-            with self._contexts(REPLAY), self._tracking(), RegionDispatch(run), \
+            with self.run_context(REPLAY), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(drop_saved, keep_saved):
                 return self.fn(*args, **kwargs)
         finally:
@@ -404,7 +393,7 @@ class Region(RerunOnce):
             r = wrun()
             return r.pack_recompute(t) if r is not None else None
 
-        with recompute_graph(run), self._contexts(RECOMPUTE), self._tracking(), RegionDispatch(run), \
+        with recompute_graph(run), self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             self.fn(*args, **kwargs)
         self.check_recompute(run)

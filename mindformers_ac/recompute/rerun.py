@@ -12,7 +12,7 @@ from mindspore import ops
 from mindspore.graph.api import _pynative_executor as _executor
 
 from .saved import SwappedTensor
-from .state import ENGINE
+from .state import ENGINE, FORWARD, RECOMPUTE
 
 
 class SavedInput:
@@ -69,15 +69,29 @@ def recompute_graph(run):
 class RerunOnce:
     """What both region kinds share: nested regions replayed in call order, one guarded recompute.
 
-    A subclass keeps ``children`` (regions met in its forward) and defines
-    ``_recompute()``; ``recompute_once()`` runs it on the first unpack only
-    and returns its result (None when it already ran).
+    A subclass keeps ``children`` (regions met in its forward), sets
+    ``context_fn`` (``checkpoint``'s: ``() -> (forward_ctx, recompute_ctx)``, or
+    None) and defines ``_recompute()``; ``recompute_once()`` runs it on the
+    first unpack only and returns its result (None when it already ran).
     """
 
     def __init__(self):
         self.children = []
         self.done = False
         self._running = False
+        self._recompute_ctx = None   # the recompute context made with this call's forward context
+
+    def run_context(self, mode):
+        """The user's context for a run in ``mode``: the forward's, or the recompute's made with it."""
+        if self.context_fn is None:
+            return contextlib.nullcontext()
+        if mode == FORWARD:
+            fwd, self._recompute_ctx = self.context_fn()
+            return fwd
+        if mode == RECOMPUTE and self._recompute_ctx is not None:
+            ctx, self._recompute_ctx = self._recompute_ctx, None
+            return ctx
+        return self.context_fn()[1]
 
     def next_child(self, run):
         """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""
