@@ -30,14 +30,12 @@ from .state import ENGINE, FORWARD
 SAVE, SWAP, REBUILD = "save", "swap", "rebuild"
 
 
-
 def op_name_of(op):
     """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds)."""
     name = getattr(op, "name", None)
     if callable(name):
         name = name()
     return name if isinstance(name, str) else type(op).__name__
-
 
 
 class RegionRun:

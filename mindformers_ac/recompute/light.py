@@ -137,13 +137,12 @@ class LightProfiles:
     @staticmethod
     def key(root, args, kwargs):
         """The call signature, or None when an argument is unhashable (that call is not profiled)."""
+        def part(v):
+            return (v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)) if isinstance(v, Tensor) else v
+
         parts = [root.training if root is not None else None]
-        for a in args:
-            parts.append((a.shape, a.dtype, is_tracked(a), isinstance(a, Parameter)) if isinstance(a, Tensor) else a)
-        for k in sorted(kwargs):
-            v = kwargs[k]
-            parts.append((k, (v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter))
-                          if isinstance(v, Tensor) else v))
+        parts += [part(a) for a in args]
+        parts += [(k, part(kwargs[k])) for k in sorted(kwargs)]
         key = tuple(parts)
         try:
             hash(key)
@@ -292,9 +291,7 @@ class LightRegion(RerunOnce):
     def _save_input(self, a):
         if not isinstance(a, Tensor) or isinstance(a, Parameter):
             return a
-        if a.data_ptr() not in self.profile.param_ptrs:
-            ptr, nbytes = storage_info(a)
-            self._kept[ptr] = nbytes
+        self._keep_bytes(a)
         return SavedInput(ms.ops.stop_gradient(a), is_tracked(a))
 
     def run_forward(self, args, kwargs):
@@ -378,8 +375,6 @@ class LightRegion(RerunOnce):
         if t.data_ptr() not in self.profile.param_ptrs:
             ptr, nbytes = storage_info(t)
             self._kept[ptr] = nbytes
-
-    # -- nested regions (none when the profile held; kept for a changed code path) -----
 
     # -- recompute ------------------------------------------------------------------
     def ensure_recomputed(self):

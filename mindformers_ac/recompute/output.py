@@ -151,12 +151,13 @@ class _Scope:
             stats.open_region(run, kept, dropped, 0)
         for target, dropped in run.dropped_any.items():
             if not dropped:
-                ENGINE.warnings.warning(("nothing_dropped", target.name),
-                                 "output recompute of %s saves nothing: no op in its layer saved its "
-                                 "output tensor for backward (a consumer that saves a view or a copy, "
-                                 "e.g. of a non-contiguous output, keeps it); return a contiguous "
-                                 "tensor from the op or recompute its enclosing module instead",
-                                 target.name)
+                ENGINE.warnings.warning(
+                    ("nothing_dropped", target.name),
+                    "output recompute of %s saves nothing: no op in its layer saved its "
+                    "output tensor for backward (a consumer that saves a view or a copy, "
+                    "e.g. of a non-contiguous output, keeps it); return a contiguous "
+                    "tensor from the op or recompute its enclosing module instead",
+                    target.name)
 
     def record(self, target, args, kwargs, out):
         if self.run is None:
@@ -212,15 +213,17 @@ class _Target:
         """Decide, from the first recorded call, whether the op can be run again at all."""
         self.keep_output = bool(random_ops) or bool(side_effect_ops)
         if random_ops:
-            ENGINE.warnings.warning(("random_output", self.name),
-                             "output recompute of %s skipped: it runs random op(s) %s, whose output "
-                             "can't be reproduced; its output is kept", self.name, random_ops)
+            ENGINE.warnings.warning(
+                ("random_output", self.name),
+                "output recompute of %s skipped: it runs random op(s) %s, whose output "
+                "can't be reproduced; its output is kept", self.name, random_ops)
         elif side_effect_ops:
-            ENGINE.warnings.warning(("side_effect_output", self.name),
-                             "output recompute of %s skipped: it runs op(s) %s that write parameters "
-                             "(e.g. BatchNorm's moving statistics), which running it again would update "
-                             "twice; its output is kept (recompute its enclosing module instead, which "
-                             "re-runs it on copies)", self.name, side_effect_ops)
+            ENGINE.warnings.warning(
+                ("side_effect_output", self.name),
+                "output recompute of %s skipped: it runs op(s) %s that write parameters "
+                "(e.g. BatchNorm's moving statistics), which running it again would update "
+                "twice; its output is kept (recompute its enclosing module instead, which "
+                "re-runs it on copies)", self.name, side_effect_ops)
 
     def observe(self, args, kwargs, call):
         """Run ``call()`` (the op), recording its output when the scope is collecting."""

@@ -117,8 +117,9 @@ class Region(RerunOnce):
 
     def save_inputs(self, run, args, kwargs):
         if self.swap_inputs and self.swap_executor is None:
-            ENGINE.warnings.warning("swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
-                             "the region's inputs stay on the device (pass swap_executor= to offload them)")
+            ENGINE.warnings.warning(
+                "swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
+                "the region's inputs stay on the device (pass swap_executor= to offload them)")
         self.inputs = (tuple(self._save_input(run, a) for a in args),
                        {k: self._save_input(run, v) for k, v in kwargs.items()})
 
@@ -168,8 +169,9 @@ class Region(RerunOnce):
         if policy is CheckpointPolicy.MUST_SWAP:
             if self.swap_executor is not None:
                 return SWAP
-            ENGINE.warnings.warning("must_swap", "policy_fn returned MUST_SWAP but checkpoint() got no "
-                             "swap_executor: saving those ops instead (pass swap_executor= to offload)")
+            ENGINE.warnings.warning(
+                "must_swap", "policy_fn returned MUST_SWAP but checkpoint() got no "
+                "swap_executor: saving those ops instead (pass swap_executor= to offload)")
         return SAVE
 
     # -- ops that write parameters (see side_effects) -----------------------------
@@ -195,9 +197,10 @@ class Region(RerunOnce):
             self._kept[("state", idx)] = snapshot.nbytes
         elif decision is None:
             decision = SAVE
-            ENGINE.warnings.warning(("keep_side_effect", name),
-                                 "%s writes parameters larger than its other inputs: its output is kept "
-                                 "instead of copying them for the recompute", name)
+            ENGINE.warnings.warning(
+                ("keep_side_effect", name),
+                "%s writes parameters larger than its other inputs: its output is kept "
+                "instead of copying them for the recompute", name)
         for k, ptr in enumerate(slot_ptrs(args, slots)):
             self.written.setdefault(ptr, (idx, snapshot, k))
         return decision

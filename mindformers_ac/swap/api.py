@@ -179,9 +179,10 @@ def swap_tensor_wrapper(tensor, tag=None):
     mgr = SwapManager()
     group = mgr.scheduler.current_group()
     if group is None:
-        mgr.warnings.warning("swap_tensor_wrapper", "swap_tensor_wrapper called outside a swap group: tensor stays on the device. "
-                      "Link its layer with SwapManager().set_forward_prefetch_layer(layer, prefetch_layer) "
-                      "or wrap it with swap_wrapper.")
+        mgr.warnings.warning(
+            "swap_tensor_wrapper", "swap_tensor_wrapper called outside a swap group: tensor stays on the device. "
+            "Link its layer with SwapManager().set_forward_prefetch_layer(layer, prefetch_layer) "
+            "or wrap it with swap_wrapper.")
         return tensor
     group.mark(tensor, tag)
     return tensor
