@@ -38,17 +38,42 @@ class AcState:
         self._undo.append(fn)
 
     def remove(self):
-        errors = []
+        """Run every undo, newest first, whatever any of them raises; then raise the first error.
+
+        An undo that raises an ``Exception`` is dropped (running it again would
+        fail the same way). One interrupted by a KeyboardInterrupt or
+        SystemExit is run once more at once (a Ctrl-C is a single event, and
+        a half-restored model works neither with nor without AC); if that is
+        interrupted too it stays in ``pending`` for a later ``remove``. The
+        other undos run either way, and the first error is re-raised at the end.
+        """
+        first, failed = None, []
         while self._undo:
+            undo = self._undo.pop()
+            for attempt in (1, 2):
+                try:
+                    undo()
+                    break
+                except BaseException as exc:  # pylint: disable=broad-exception-caught  # re-raised below
+                    first = first if first is not None else exc
+                    if isinstance(exc, Exception):
+                        break
+                    if attempt == 2:
+                        failed.append(undo)
+        self._undo = failed[::-1]
+        if self.swap_executor is not None and not failed:
+            executor, self.swap_executor = self.swap_executor, None
             try:
-                self._undo.pop()()
-            except Exception as exc:  # keep undoing the rest; report the first failure after
-                errors.append(exc)
-        if self.swap_executor is not None:
-            self.swap_executor.close()
-            self.swap_executor = None
-        if errors:
-            raise errors[0]
+                executor.close()
+            except BaseException as exc:  # pylint: disable=broad-exception-caught  # re-raised below
+                first = first if first is not None else exc
+        if first is not None:
+            raise first
+
+    @property
+    def pending(self):
+        """Undos an interrupted ``remove`` left to run (``remove_ac`` runs them when called again)."""
+        return len(self._undo)
 
     @property
     def swap_report(self):
@@ -135,7 +160,9 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
     or untouched. Parameters keep their names (cells are patched in place, not
     wrapped in new cells), so optimizers and checkpoints keep working.
     Applying twice to one model raises ``ConfigError``; call ``remove_ac``
-    first to change the config.
+    first to change the config. All or nothing holds for every
+    ``BaseException``: a KeyboardInterrupt while installing leaves the model
+    untouched, with no state attached.
     """
     if ac_state(model) is not None:
         raise ConfigError("model", "apply_ac was already applied to this model; call "
@@ -147,8 +174,12 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
             if lp.recomputed:
                 _install_recompute(state, lp, state.layer_cells[lp.layer_id])
         _install_swap(state, plan, model)
-    except Exception:
-        state.remove()
+    except BaseException:
+        try:
+            state.remove()
+        finally:
+            if state.pending:   # interrupted twice while rolling back: let remove_ac finish the job
+                object.__setattr__(model, STATE_ATTR, state)
         raise
     object.__setattr__(model, STATE_ATTR, state)
     if not plan.active_layers():
@@ -157,10 +188,20 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
 
 
 def remove_ac(model):
-    """Undo ``apply_ac``: restore every patched cell and op and stop the swap worker."""
+    """Undo ``apply_ac``: restore every patched cell and op and stop the swap worker.
+
+    Every undo runs even if one of them raises or is interrupted (Ctrl-C
+    included, see ``AcState.remove``); the first error is re-raised after the
+    model is restored and its state detached, so ``apply_ac`` works again.
+    In the rare case that an undo could not finish (interrupted twice), the
+    state stays attached and calling ``remove_ac`` again completes it.
+    """
     state = ac_state(model)
     if state is None:
         raise ConfigError("model", "apply_ac was not applied to this model; nothing to remove")
-    object.__delattr__(model, STATE_ATTR)
-    state.remove()
+    try:
+        state.remove()
+    finally:
+        if not state.pending:
+            model.__dict__.pop(STATE_ATTR, None)
     logger.info("remove_ac: restored %d layers", len(state.plan.active_layers()))
