@@ -13,6 +13,7 @@ import logging
 
 import regex
 
+from .construct_patch import DROPPED, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
 from .plan import plan_with_layers
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
@@ -27,15 +28,19 @@ STATE_ATTR = "_mindformers_ac"
 class AcState:
     """What ``apply_ac`` installed on one model: the plan, undo handles and the engines' counters."""
 
-    def __init__(self, plan, layer_cells):
+    def __init__(self, plan, layer_cells, layers_arg=None):
         self.plan = plan
         self.layer_cells = layer_cells          # global id -> layer cell
+        self.layers_arg = layers_arg            # apply_ac's ``layers=``, to plan a deep copy the same way
         self.recompute_stats = {}               # global id -> RecomputeStats
         self.swap_executor = None
         self._undo = []                         # callables, run in reverse by remove()
 
     def add_undo(self, fn):
         self._undo.append(fn)
+
+    def __deepcopy__(self, memo):   # the copy of the model gets its own state (see _install_copy_hook)
+        return DROPPED
 
     def remove(self):
         """Run every undo, newest first, whatever any of them raises; then raise the first error.
@@ -151,6 +156,32 @@ def _install_swap(state, plan, model):
                         lp.layer_id, ", ".join(lp.op_swap), lp.prefetch_layer)
 
 
+def _install_copy_hook(state, model):
+    """``copy.deepcopy(model)`` gives a copy with its own AC, planned and installed like this one.
+
+    The copy is made without any of the original's patches (``CopyHook``), so
+    its cells run their own code; the same config is then applied to it. A
+    copy of a single layer or sub-cell is a plain cell without AC.
+    """
+    def apply_to_copy(_original, dup, memo):
+        layers = state.layers_arg
+        if layers is not None and not isinstance(layers, str):
+            copies = [memo.get(id(cell)) for cell in layers]
+            if any(c is None for c in copies):
+                raise ConfigError("layers", "copy.deepcopy of a model whose apply_ac got layers= cells that are "
+                                            "not part of the model: pass layers='path.to.layers' instead")
+            layers = copies
+        apply_ac(dup, config=state.plan.config, pp=state.plan.pp, layers=layers)
+
+    hook = hold_copy_hook(model)
+    hook.after.append(apply_to_copy)
+
+    def remove():
+        hook.after.remove(apply_to_copy)
+        release_copy_hook(model)
+    state.add_undo(remove)
+
+
 def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
     """Plan and install recompute / swap on ``model``; return the executed ``AcPlan``.
 
@@ -168,8 +199,9 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
         raise ConfigError("model", "apply_ac was already applied to this model; call "
                                    "mindformers_ac.remove_ac(model) first to apply another config")
     plan, stack = plan_with_layers(model, recompute, recompute_comm, swap, pp, config=config, layers=layers)
-    state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids})
+    state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers)
     try:
+        _install_copy_hook(state, model)
         for lp in plan.layers.values():
             if lp.recomputed:
                 _install_recompute(state, lp, state.layer_cells[lp.layer_id])

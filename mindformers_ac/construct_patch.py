@@ -7,19 +7,132 @@ that runs the wrapper around what was there before. Patches stack: each one
 records the construct it wrapped, and removing one relinks the patch above it
 (or restores the cell), so the order of removal does not matter.
 
+``copy.deepcopy`` of a patched cell (or of anything holding one) gives a
+plain copy: every patched cell carries an instance ``__deepcopy__``
+(``CopyHook``) that copies it the default way and then takes out of the copy
+what the library put into the original (patches, hooks, proxies, engine
+state), which a default copy would share with the original: closures and
+bound methods still run the original's cells. Objects of the library that
+sit in a cell's attributes copy as their plain equivalent (a proxy as the op
+it wraps) or as ``DROPPED`` (engine state), which the hook removes.
+``CopyHook.after`` callbacks then run on the copy: ``apply_ac`` uses one to
+give a copied model its own AC.
+
 Two kinds can't share a cell: a region that recomputes a cell and a swap
 group around the same cell would each see the other's saves (the innermost
 saved-tensor hook wins), so ``checkpoint_wrapper`` and ``swap_wrapper`` on one
 cell are refused in either order with the same message.
 """
 
+import copy
 import logging
+import weakref
 
 logger = logging.getLogger("mindformers_ac")
 
 _PATCH_ATTR = "mac_construct_patch"
 
 _EXCLUSIVE_KINDS = ("checkpoint_wrapper", "swap_wrapper")
+
+
+class _Dropped:
+    """What a library object that belongs to one cell becomes in a deep copy; the copy hook removes it."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self):
+        return "<dropped by mindformers_ac on copy>"
+
+
+DROPPED = _Dropped()
+
+_COPY_ATTR = "__deepcopy__"
+_DROP_MARK = "mac_drop_on_copy"
+# Cell's lazily created hook dicts; an entry of ours is removed from the main dict and its extras.
+_HOOK_DICTS = ("_lazy_forward_pre_hook", "_lazy_forward_hook", "_lazy_backward_pre_hook", "_lazy_backward_hook")
+_HOOK_EXTRAS = ("_lazy_forward_pre_hook_with_kwargs", "_lazy_forward_hook_with_kwargs",
+                "_lazy_forward_hook_always_called")
+
+
+def drop_on_copy(fn):
+    """Mark a hook function (registered on a cell) to be left out of a deep copy of that cell."""
+    setattr(fn, _DROP_MARK, True)
+    return fn
+
+
+def _is_dropped(value):
+    return value is DROPPED or getattr(value, "__self__", None) is DROPPED or getattr(value, _DROP_MARK, False) is True
+
+
+def _scrub(original, memo):
+    """Take out of the copies of ``original`` and its sub-cells what the library put into the originals."""
+    for _, cell in original.cells_and_names():
+        dup = memo.get(id(cell))
+        if dup is None or dup is cell:
+            continue
+        attrs = dup.__dict__
+        chain = patches(cell)
+        if chain and patch_of(attrs.get("construct")) is not None:
+            bottom = chain[-1]
+            if bottom.had_instance:
+                attrs["construct"] = copy.deepcopy(bottom.inner, memo)
+            else:
+                del attrs["construct"]
+        for key in [k for k, v in attrs.items() if isinstance(v, CopyHook) or _is_dropped(v)]:
+            del attrs[key]
+        for name in _HOOK_DICTS:
+            hooks = attrs.get(name)
+            if not hooks:
+                continue
+            for hid in [hid for hid, fn in hooks.items() if _is_dropped(fn)]:
+                del hooks[hid]
+                for extra in _HOOK_EXTRAS:
+                    if attrs.get(extra):
+                        attrs[extra].pop(hid, None)
+
+
+class CopyHook:
+    """The instance ``__deepcopy__`` of a cell the library changed: a plain copy, then ``after`` callbacks.
+
+    Shared by every patch of the cell (``users``); the last one out removes
+    it. ``after``: callables ``(original, copy, memo)`` run once the copy is
+    complete and clean (``apply_ac`` installs its plan on the copy there).
+    """
+
+    def __init__(self, cell):
+        self._cell = weakref.ref(cell)
+        self.users = 0
+        self.after = []
+
+    def __call__(self, memo):
+        cell = self._cell()
+        dup = copy._reconstruct(cell, memo, *cell.__reduce_ex__(4))  # pylint: disable=protected-access  # what deepcopy does
+        _scrub(cell, memo)
+        for fn in list(self.after):
+            fn(cell, dup, memo)
+        return dup
+
+    def __deepcopy__(self, memo):
+        return DROPPED
+
+
+def hold_copy_hook(cell):
+    """The cell's ``CopyHook``, installed if missing; pair with ``release_copy_hook``."""
+    hook = cell.__dict__.get(_COPY_ATTR)
+    if not isinstance(hook, CopyHook):
+        hook = CopyHook(cell)
+        object.__setattr__(cell, _COPY_ATTR, hook)   # an instance attribute: deepcopy looks it up with getattr
+    hook.users += 1
+    return hook
+
+
+def release_copy_hook(cell):
+    hook = cell.__dict__.get(_COPY_ATTR)
+    if isinstance(hook, CopyHook):
+        hook.users -= 1
+        if hook.users <= 0:
+            del cell.__dict__[_COPY_ATTR]
 
 
 def patch_of(fn):
@@ -71,6 +184,7 @@ class ConstructPatch:
         setattr(construct, _PATCH_ATTR, self)
         self.construct = construct
         above = None if outer else next((p for p in reversed(stack) if p.outer), None)
+        hold_copy_hook(cell)
         if above is None:
             self.inner = cell.construct   # the class method (bound), an instance construct, or the top patch
             self.had_instance = "construct" in cell.__dict__
@@ -94,6 +208,7 @@ class ConstructPatch:
         else:
             above = stack[i - 1]
             above.inner, above.had_instance = self.inner, self.had_instance
+        release_copy_hook(cell)
 
 
 def bracket_calls(cell, kind, enter, leave, unique=True):

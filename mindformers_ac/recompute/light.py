@@ -44,6 +44,7 @@ from the profile's (its code path changed) drops the profile so that the next
 call profiles again.
 """
 import collections
+import copy
 import weakref
 
 import mindspore as ms
@@ -452,6 +453,9 @@ class DropoutProxy:
 
     def __getattr__(self, name):   # keep Primitive attributes (name, keep_prob ...) reachable
         return getattr(self.__dict__["mac_inner"], name)
+
+    def __deepcopy__(self, memo):   # a copied cell gets the plain primitive (see construct_patch)
+        return copy.deepcopy(self.mac_inner, memo)
 
 
 def install_dropout_proxies(root):

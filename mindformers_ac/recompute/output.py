@@ -17,6 +17,7 @@ random kernel, or one that writes (a ``side_effect_mem`` primitive such as
 BatchNorm in training, an ``Inplace*`` op), on its first call is kept, with a
 warning: re-running it would draw other numbers or write twice.
 """
+import copy
 import logging
 import weakref
 
@@ -25,7 +26,7 @@ from mindspore import Tensor, nn
 from mindspore.graph.api import _pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
-from ..construct_patch import ConstructPatch, bracket_calls, find_patch
+from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
 from ..tensors import output_tensors, storage_nbytes
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
@@ -113,6 +114,9 @@ class _Scope:
         self.run = None
         self._ctx = None
         self._bracket = None
+
+    def __deepcopy__(self, memo):   # the scope of the original cell: a copy has none (see construct_patch)
+        return DROPPED
 
     def attach(self, target):
         if not self.targets:
@@ -256,6 +260,9 @@ class _FunctionProxy:
 
     def __getattr__(self, name):   # keep Primitive attributes (name, attrs) reachable
         return getattr(self.__dict__["_mac_target"].op, name)
+
+    def __deepcopy__(self, memo):   # a copied cell gets the plain op (see construct_patch)
+        return copy.deepcopy(self._mac_target.op, memo)
 
 
 class OpOutputHandle:

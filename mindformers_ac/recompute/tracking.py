@@ -6,12 +6,14 @@ innermost running region on this thread; ``OpContext`` is what the policy is
 handed per op.
 """
 import contextlib
+import copy
 import functools
 import types
 
 import mindspore as ms
 from mindspore.ops import Primitive
 
+from ..construct_patch import drop_on_copy
 from .state import ENGINE
 
 
@@ -99,6 +101,9 @@ class AttrProxy:
     def __getattr__(self, name):   # keep Primitive attributes (name, attrs ...) reachable
         return getattr(self.__dict__["mac_inner"], name)
 
+    def __deepcopy__(self, memo):   # a copied cell gets the plain op (see construct_patch)
+        return copy.deepcopy(self.mac_inner, memo)
+
 
 
 class PathTracker:
@@ -127,7 +132,7 @@ class PathTracker:
             if cell is not self.root and name:
                 self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
                 # No always_call: a call that raises ends its region run, and the path dies with it.
-                self._handles.append(cell.register_forward_hook(self._exit))
+                self._handles.append(cell.register_forward_hook(self._make_exit()))
             for attr, value in list(vars(cell).items()):
                 if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
                     continue
@@ -156,15 +161,20 @@ class PathTracker:
         finally:
             self.remove()
 
+    # Plain functions marked drop_on_copy: a deep copy of a sub-cell must not keep our hooks.
     def _make_enter(self, name):
+        @drop_on_copy
         def enter(cell, _args):
             run = ENGINE.top()
             if run is not None and run.region.tracker is self:
                 run.path.append((name, cell))
         return enter
 
-    def _exit(self, cell, _args, _output):
-        run = ENGINE.top()
-        if run is not None and run.region.tracker is self and run.path and run.path[-1][1] is cell:
-            run.path.pop()
+    def _make_exit(self):
+        @drop_on_copy
+        def leave(cell, _args, _output):
+            run = ENGINE.top()
+            if run is not None and run.region.tracker is self and run.path and run.path[-1][1] is cell:
+                run.path.pop()
+        return leave
 

@@ -1,0 +1,123 @@
+"""What a training script does around apply_ac: deep copies (EMA, teacher) and checkpoint reloads.
+
+Each test trains against the same script without AC and compares the loss,
+every gradient and every parameter bitwise at every step (``run_steps`` of
+the model-pattern matrix), and counts that AC acted where it should, and only
+there.
+"""
+import copy
+
+import mindspore as ms
+import pytest
+
+import mindformers_ac as mac
+from mindformers_ac.construct_patch import patches
+
+from conftest import model_fingerprint
+from model_patterns import PATTERNS, RECOMPUTE_MODES, SWAP_MODES, mode_config
+from test_model_patterns import first_difference, run_steps
+
+PATTERN = PATTERNS["llama"]
+CONFIG_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
+
+
+@pytest.fixture(autouse=True)
+def fresh_swap_manager():
+    mac.SwapManager().reset()
+    yield
+    mac.SwapManager().reset()
+
+
+def _work(model):
+    """(ops re-run, tensors offloaded) counted by the model's own AC state."""
+    state = mac.ac_state(model)
+    rerun = sum(s.ops_rerun for s in state.recompute_stats.values())
+    report = state.swap_report
+    offloaded = sum(s.num_offloaded for s in report.layers.values()) if report is not None else 0
+    return rerun, offloaded
+
+
+def _assert_acted(mode, before, after):
+    if mode in RECOMPUTE_MODES:
+        assert after[0] > before[0]
+    if mode in SWAP_MODES:
+        assert after[1] > before[1]
+
+
+def _library_leftovers(model):
+    """Paths of cells that still carry a patch or a copy hook of the library."""
+    return [path for path, cell in model.cells_and_names()
+            if patches(cell) or "__deepcopy__" in cell.__dict__]
+
+
+# -- copy.deepcopy ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def copy_baseline():
+    """Without AC: one step, a deep copy, then three more steps of the copy and of the original."""
+    model = PATTERN.build()
+    first = run_steps(model, PATTERN.batch, steps=1)
+    dup = copy.deepcopy(model)
+    return first, run_steps(dup, PATTERN.batch), run_steps(model, PATTERN.batch)
+
+
+@pytest.mark.parametrize("mode", CONFIG_MODES)
+def test_deepcopy_trains_with_its_own_ac_and_leaves_the_original_alone(copy_baseline, mode):
+    base_first, base_copy, base_original = copy_baseline
+    model = PATTERN.build()
+    mac.apply_ac(model, config=mode_config(mode, PATTERN), layers=PATTERN.layers)
+    assert first_difference(base_first, run_steps(model, PATTERN.batch, steps=1)) is None
+    dup = copy.deepcopy(model)
+    state, dup_state = mac.ac_state(model), mac.ac_state(dup)
+    assert dup_state is not None and dup_state is not state
+    assert str(dup_state.plan) == str(state.plan)
+    assert all(dup_state.layer_cells[i] is not cell for i, cell in state.layer_cells.items())
+
+    original_work = _work(model)
+    assert first_difference(base_copy, run_steps(dup, PATTERN.batch)) is None
+    assert _work(model) == original_work                 # the copy never ran the original's layers
+    _assert_acted(mode, (0, 0), _work(dup))
+
+    fingerprint = model_fingerprint(model)
+    mac.remove_ac(dup)                                   # touches the copy only
+    assert model_fingerprint(model) == fingerprint and mac.ac_state(model) is state
+    assert _library_leftovers(dup) == [] and mac.ac_state(dup) is None
+
+    assert first_difference(base_original, run_steps(model, PATTERN.batch)) is None
+    _assert_acted(mode, original_work, _work(model))
+    mac.remove_ac(model)
+    assert _library_leftovers(model) == []
+
+
+def test_deepcopy_of_a_copy_and_of_a_wrapper_holding_the_model(copy_baseline):
+    _, base_copy, _ = copy_baseline
+    model = PATTERN.build()
+    mac.apply_ac(model, config=mode_config("mixed", PATTERN), layers=PATTERN.layers)
+    run_steps(model, PATTERN.batch, steps=1)
+    holder = {"student": model, "note": "EMA teacher below"}
+    teacher = copy.deepcopy(copy.deepcopy(holder))["student"]
+    assert mac.ac_state(teacher) is not None
+    assert first_difference(base_copy, run_steps(teacher, PATTERN.batch)) is None
+    assert _work(teacher)[0] > 0 and _work(teacher)[1] > 0
+
+
+@pytest.mark.parametrize("mode", ("full", "exclude_op", "select_op", "recompute_comm", "op_swap"))
+def test_deepcopy_of_one_layer_is_a_plain_layer(mode):
+    """A copied layer (or sub-cell) runs its own code, without AC: AC belongs to the model it was applied to."""
+    plain = PATTERN.build()
+    model = PATTERN.build()
+    mac.apply_ac(model, config=mode_config(mode, PATTERN), layers=PATTERN.layers)
+    layer = model.model.layers[1]
+    for original in (layer, layer.feed_forward):
+        dup = copy.deepcopy(original)
+        assert _library_leftovers(dup) == []
+        assert not any(hasattr(v, "mac_inner") or hasattr(v, "_mac_target")
+                       for _, cell in dup.cells_and_names() for v in vars(cell).values())
+    dup = copy.deepcopy(layer)
+    x, _, pos, mask = PATTERN.batch(0)
+    h = plain.model.tok_embeddings(x)
+    work = _work(model)
+    grad = ms.grad(lambda h: dup(h, pos, mask).sum())(h)
+    expected = ms.grad(lambda h: plain.model.layers[1](h, pos, mask).sum())(h)
+    assert grad.asnumpy().tobytes() == expected.asnumpy().tobytes()
+    assert _work(model) == work
