@@ -121,3 +121,36 @@ def test_deepcopy_of_one_layer_is_a_plain_layer(mode):
     expected = ms.grad(lambda h: plain.model.layers[1](h, pos, mask).sum())(h)
     assert grad.asnumpy().tobytes() == expected.asnumpy().tobytes()
     assert _work(model) == work
+
+
+# -- checkpoint reloads -----------------------------------------------------------------------------
+
+def _train_with_reload(model, path, steps_before=2, steps_after=2):
+    """Steps, a save + load_checkpoint + load_param_into_net, more steps; per step: the history and
+    the number of tensors swap offloaded (None without AC)."""
+    history, offloaded = [], []
+    report = mac.ac_state(model).swap_report if mac.ac_state(model) is not None else None
+    for phase, steps in (("before", steps_before), ("after", steps_after)):
+        if phase == "after":
+            ms.save_checkpoint(model, path)
+            ms.load_param_into_net(model, ms.load_checkpoint(path))
+        for _ in range(steps):
+            history += run_steps(model, lambda _step, n=len(history): PATTERN.batch(n), steps=1)
+            if report is not None:
+                offloaded.append(report.end_step()["num_offloaded"])
+    return history, offloaded
+
+
+@pytest.mark.parametrize("mode", SWAP_MODES)
+def test_weights_are_never_offloaded_after_a_checkpoint_reload(tmp_path, mode):
+    model = PATTERN.build()
+    pointers = [p.data_ptr() for p in model.get_parameters()]
+    base, _ = _train_with_reload(model, str(tmp_path / "plain.ckpt"))
+    assert [p.data_ptr() for p in model.get_parameters()] != pointers   # the reload gave new storage
+
+    model = PATTERN.build()
+    mac.apply_ac(model, config=mode_config(mode, PATTERN), layers=PATTERN.layers)
+    history, offloaded = _train_with_reload(model, str(tmp_path / "ac.ckpt"))
+    assert first_difference(base, history) is None
+    assert offloaded[0] > 0 and len(set(offloaded)) == 1, offloaded   # no weight joins the offloads
+    mac.remove_ac(model)

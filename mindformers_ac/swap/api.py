@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import threading
+import weakref
 
 from mindspore import Parameter, nn
 
@@ -27,13 +28,35 @@ __all__ = ["SwapManager", "swap", "swap_wrapper", "remove_swap_wrapper", "swap_t
 _KIND = "swap_wrapper"
 
 
+class _Link:
+    """One ``set_forward_prefetch_layer`` link, held weakly: a dropped model is freed with its links.
+
+    The patches live as long as their cells (each cell's construct holds its
+    patch); the manager only needs to find them again to undo them.
+    """
+
+    __slots__ = ("key", "layer", "patches")
+
+    def __init__(self, key, layer, patches, on_death):
+        self.key = key
+        self.layer = weakref.ref(layer, on_death)
+        self.patches = [weakref.ref(p) for p in patches]
+
+    def remove(self):
+        for ref in self.patches:
+            patch = ref()
+            if patch is not None:
+                patch.remove()
+
 
 class SwapManager:
     """Process-wide swap state (HyperParallel's singleton): ``SwapManager() is SwapManager()``.
 
     Holds one scheduler (created on first use, with its executor and report)
-    and the layer links made by ``set_forward_prefetch_layer``. ``reset()``
-    removes every link, stops the worker and forgets everything.
+    and the layer links made by ``set_forward_prefetch_layer``. Linked layers
+    and their parameters are held weakly: a model dropped without ``reset()``
+    or ``unlink`` is freed (its links go with it). ``reset()`` removes every
+    link, stops the worker and forgets everything.
     """
 
     _instance = None
@@ -44,7 +67,7 @@ class SwapManager:
             if cls._instance is None:
                 inst = super().__new__(cls)
                 inst._scheduler = None
-                inst._links = {}          # id(layer) -> (key, [hook handles])
+                inst._links = {}          # id(layer) -> _Link
                 inst.warnings = OnceLogger(logging.getLogger("mindformers_ac.swap"))
                 cls._instance = inst
         return cls._instance
@@ -62,7 +85,7 @@ class SwapManager:
     def key_of(self, cell):
         """Report/prefetch key of a linked layer, or None."""
         link = self._links.get(id(cell))
-        return link[0] if link else None
+        return link.key if link is not None and link.layer() is cell else None
 
     def set_forward_prefetch_layer(self, layer, prefetch_layer):
         """When ``prefetch_layer`` starts its backward, bring ``layer``'s swapped activations back.
@@ -79,21 +102,32 @@ class SwapManager:
         hooks = [bracket_swap_group(layer, sched, key, mode="marked"),
                  prefetch_trigger(prefetch_layer, sched, key, trigger)]
         sched.mark_prefetchable(key)
-        self._links[id(layer)] = (key, hooks)
+        lid, links = id(layer), self._links
+
+        def forget(ref):   # the layer died: drop its entry (unless the id was linked again since)
+            link = links.get(lid)
+            if link is not None and link.layer is ref:
+                del links[lid]
+                sched.forget(key)
+        self._links[lid] = _Link(key, layer, hooks, forget)
         return key
 
     def unlink(self, layer):
-        key, hooks = self._links.pop(id(layer), (None, ()))
-        for h in hooks:
-            h.remove()
-        return key
-
+        link = self._links.get(id(layer))
+        if link is None or link.layer() is not layer:
+            return None
+        del self._links[id(layer)]
+        link.remove()
+        if self._scheduler is not None:
+            self._scheduler.forget(link.key)
+        return link.key
 
     def reset(self):
         """Remove all links, stop the worker, drop the scheduler (pending handles still load on demand)."""
-        for key in list(self._links):
-            for h in self._links.pop(key)[1]:
-                h.remove()
+        for lid in list(self._links):
+            link = self._links.pop(lid, None)
+            if link is not None:
+                link.remove()
         if self._scheduler is not None:
             self._scheduler.close()
         self._scheduler = None

@@ -14,16 +14,20 @@ tensors under ``min_bytes`` and extra views of an offloaded tensor stay on the
 device. A saved tensor modified in place after its offload raises RuntimeError
 (checked when the layer's forward ends, and at load while it is still alive).
 """
+import logging
 import weakref
 
-from mindspore import Tensor, nn
+from mindspore import nn
+from mindspore.graph.api import _pynative_executor as _executor
 
 from ..construct_patch import ConstructPatch, bracket_calls
 from ..layer_specs import swappable_layers
-from ..tensors import is_tracked, output_tensors, tensor_storage_ptrs
+from ..tensors import is_tracked, tensor_leaves, tensor_storage_ptrs
 from ..whitelist import sub_cell
 from .executor import SwapExecutor
 from .scheduler import DEFAULT_MIN_BYTES, SwapScheduler
+
+logger = logging.getLogger("mindformers_ac.swap")
 
 
 class SwapInstallation:
@@ -108,8 +112,11 @@ def prefetch_trigger(cell, sched, key, trigger):
     """Start loading ``key``'s latest call back when ``cell``'s backward is about to start.
 
     Each forward call of ``cell`` registers a hook on the gradient of its
-    tracked outputs; the first gradient to arrive is the start of the cell's
-    backward. A backward pre-hook on the cell would fire at the same point,
+    tracked outputs, wherever they sit in the output (a tensor, tuples,
+    lists, dicts, nested); the first gradient to arrive is the start of the
+    cell's backward. An output with no tracked tensor to hook (or one held by
+    another kind of object) can't trigger the prefetch: that is logged once
+    per trigger, and those tensors load on demand. A backward pre-hook on the cell would fire at the same point,
     but MindSpore wraps every call of a cell with backward hooks, which cost
     about 5% of a dispatch-bound step for a stack of layers; a tensor hook
     costs nothing measurable. Returns the ``ConstructPatch``.
@@ -117,6 +124,7 @@ def prefetch_trigger(cell, sched, key, trigger):
     # Weak: the hooks live in the autograd graph, which may outlive the model; a strong reference
     # would keep the scheduler and its worker thread alive with it.
     sched_ref = weakref.ref(sched)
+    warned = []   # this trigger's one warning
 
     def fire(_grad):
         live = sched_ref()
@@ -126,9 +134,17 @@ def prefetch_trigger(cell, sched, key, trigger):
 
     def around(inner, *args, **kwargs):
         out = inner(*args, **kwargs)
-        for t in output_tensors(out):
-            if isinstance(t, Tensor) and is_tracked(t):
+        hooked = False
+        for t in tensor_leaves(out):
+            if is_tracked(t):
                 t.register_hook(fire)
+                hooked = True
+        if not hooked and not warned and _executor.requires_grad():   # no graph: nothing to prefetch
+            warned.append(True)
+            logger.warning("swap prefetch of %r can't be triggered by %s (%r): its output (%s) holds no tensor "
+                           "that autograd tracks in a tuple, list or dict, so the prefetch never starts and "
+                           "those tensors load on demand in backward. Return the hidden states as a tensor or "
+                           "in a tuple, list or dict.", key, type(cell).__name__, trigger, type(out).__name__)
         return out
 
     return ConstructPatch(cell, "swap_prefetch_trigger", around, unique=False, outer=True)

@@ -8,6 +8,8 @@ of its most recent call.
 
 Per saved tensor, in order:
 1. weights (``data_ptr`` or storage equal to a known parameter) are returned as is;
+   the pointers are checked for changes (a checkpoint reload, ``set_data``) each
+   time a swap region starts outside any other, so reloaded weights stay weights;
 2. a view already offloaded in this group shares that handle (one copy per view);
 3. kept on device, with a reason counted in the report: ``input`` (storage of a
    tensor the group, layer or model received as input), ``unmarked`` (group
@@ -24,7 +26,7 @@ import weakref
 import mindspore as ms
 
 from ..recompute.policy import CheckpointPolicy
-from ..tensors import param_ptrs, storage_nbytes, storage_ptr
+from ..tensors import WeightPointers, storage_nbytes, storage_ptr
 from .executor import SwapExecutor, SwapHandle
 
 
@@ -81,8 +83,8 @@ class SwapScheduler:
         self.executor = executor if executor is not None else SwapExecutor()
         self.report = self.executor.report
         self.min_bytes = min_bytes
-        self.param_ptrs = set()
-        self.add_params(params)
+        self.weights = WeightPointers(params)
+        self.param_ptrs = self.weights.ptrs    # the hot path's set; updated in place by ``weights``
         self.extra_exclude = set()      # storages of the top-level model call's inputs
         self._stack = []
         self._gen = {}
@@ -91,10 +93,16 @@ class SwapScheduler:
 
     def add_params(self, params):
         """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
-        self.param_ptrs |= param_ptrs(params)
+        self.weights.add(params)
 
     def mark_prefetchable(self, key):
         self._prefetchable.add(key)
+
+    def forget(self, key):
+        """Drop what is kept per ``key`` (a layer that was unlinked or died); its handles still load on demand."""
+        self._prefetchable.discard(key)
+        self._gen.pop(key, None)
+        self._waiting.pop(key, None)
 
     def current_group(self):
         return self._stack[-1] if self._stack else None
@@ -111,6 +119,8 @@ class SwapScheduler:
         ``policy_fn(tensor) -> CheckpointPolicy``), 'check' (``check_fn(tensor) -> bool``), 'marked'
         (only ``swap_tensor_wrapper`` tensors; inside another group it follows that group's rule)."""
         parent = self.current_group()
+        if parent is None:
+            self.weights.refresh()
         excl = set(exclude) | self.extra_exclude
         if parent is not None:
             excl |= parent.exclude

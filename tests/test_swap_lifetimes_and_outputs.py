@@ -1,0 +1,135 @@
+"""Swap on what users' layers return (dicts, nested lists) and on models that come and go.
+
+* prefetch fires whatever structure the trigger layer's output has; an
+  output the engine can't hook is reported once in the log, and stays exact;
+* ``SwapManager().set_forward_prefetch_layer`` holds layers weakly: a model
+  dropped without ``reset()`` is freed, and its weights leave the scheduler.
+"""
+import gc
+import logging
+import weakref
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor, mint, nn, ops
+
+import mindformers_ac as mac
+from mindformers_ac.harness.models import build_gpt, synthetic_batch
+
+from test_model_patterns import first_difference, run_steps
+
+H, B, S, N = 32, 2, 8, 3
+
+
+class Holder:
+    """An output object the engine does not search (its tensor can't be hooked)."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+def pack(kind, h):
+    if kind == "dict":
+        return {"hidden": h, "aux": h * 0.5}
+    if kind == "nested":
+        return [{"stack": (h * 0.5, [h])}]
+    return Holder(h)
+
+
+def unpack(kind, out):
+    if kind == "dict":
+        return out["hidden"] + out["aux"]
+    if kind == "nested":
+        inner = out[0]["stack"]
+        return inner[0] + inner[1][0]
+    return out.hidden
+
+
+class StructLayer(nn.Cell):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.fc1 = mint.nn.Linear(H, 4 * H)
+        self.fc2 = mint.nn.Linear(4 * H, H)
+
+    def construct(self, x):
+        return pack(self.kind, x + self.fc2(ops.tanh(self.fc1(x))))
+
+
+class StructModel(nn.Cell):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.layers = nn.CellList([StructLayer(kind) for _ in range(N)])
+        for name, p in self.parameters_and_names():
+            p.set_data(Tensor(np.random.RandomState(len(name)).uniform(-0.2, 0.2, p.shape).astype(np.float32)))
+
+    def construct(self, x, y):
+        for layer in self.layers:
+            x = unpack(self.kind, layer(x))
+        return ((x.sum(-1) - y) ** 2).mean()
+
+
+def batch(step):
+    rng = np.random.RandomState(step)
+    return Tensor(rng.randn(B, S, H).astype(np.float32)), Tensor(rng.randn(B, S).astype(np.float32))
+
+
+SWAP = {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}
+
+
+@pytest.mark.parametrize("kind", ["dict", "nested"])
+def test_prefetch_fires_on_dict_and_nested_outputs(caplog, kind):
+    base = run_steps(StructModel(kind), batch, steps=1)
+    model = StructModel(kind)
+    mac.apply_ac(model, config=SWAP)
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        assert first_difference(base, run_steps(model, batch, steps=1)) is None
+    report = mac.ac_state(model).swap_report.as_dict()
+    assert report["num_offloaded"] > 0
+    assert report["prefetched_bytes"] + report["late_bytes"] == report["offloaded_bytes"]
+    assert report["on_demand_bytes"] == 0
+    assert {e[1] for e in report["events"] if e[0] == "prefetch"} == {0, 1}
+    assert "can't be triggered" not in caplog.text
+    mac.remove_ac(model)
+
+
+def test_output_the_engine_cannot_hook_is_reported_once_and_stays_exact(caplog):
+    base = run_steps(StructModel("object"), batch)
+    model = StructModel("object")
+    mac.apply_ac(model, config=SWAP)
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        assert first_difference(base, run_steps(model, batch)) is None
+    messages = [r.getMessage() for r in caplog.records if "can't be triggered" in r.getMessage()]
+    # one per trigger (layers 1 and 2), not one per step
+    assert len(messages) == 2 and all("Holder" in m for m in messages), messages
+    report = mac.ac_state(model).swap_report.as_dict()
+    assert report["num_offloaded"] > 0 and report["on_demand_bytes"] == report["offloaded_bytes"]
+    mac.remove_ac(model)
+
+
+def test_prefetch_layer_links_do_not_keep_dropped_models():
+    mgr = mac.SwapManager()
+    mgr.reset()
+    refs = []
+    try:
+        for seed in range(4):
+            model = build_gpt(num_layers=3, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64,
+                              dropout=0.0, seed=seed)
+            layers = model.decoder.layers
+            for i in (0, 1):
+                mgr.set_forward_prefetch_layer(layers[i], layers[i + 1])
+            assert mgr.key_of(layers[0]) is not None
+            grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+            grad_fn(*synthetic_batch(2, 16, 64, seed=seed))
+            refs.append(weakref.ref(model))
+            weights = len(mgr.scheduler.param_ptrs)
+            del model, layers, grad_fn
+        gc.collect()
+        assert [r() for r in refs] == [None] * 4
+        assert len(mgr._links) == 0   # pylint: disable=protected-access
+        mgr.scheduler.weights.refresh()
+        assert len(mgr.scheduler.param_ptrs) < weights    # the dropped models' weights left the set
+    finally:
+        mgr.reset()
