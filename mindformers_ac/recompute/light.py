@@ -9,9 +9,13 @@ saves (and keeps only their shapes and dtypes), the recompute runs the
 function again on the saved inputs and collects what it saves, in order.
 
 A region goes light only after a first call through the full path, per call
-signature (the root cell's training flag, each argument's shape, dtype and
-whether autograd tracks it, other arguments' values), showed that it is safe
-(``LightProfile.validate``):
+signature, showed that it is safe (``LightProfile.validate``). The signature
+is the root cell's training flag and the structure of the arguments: tuples,
+lists and dicts (nested), each tensor's shape, dtype and whether autograd
+tracks it, and the value of each plain scalar, string or dtype. It holds no
+argument itself (a per-step rotary table passed as a tuple must die with its
+step); a call with an argument of any other kind is not profiled and takes
+the full path. The profile is checked as follows:
 
 * no policy, no swapped inputs (``checkpoint_wrapper`` without
   ``policy_fn``; ``exclude_op`` is a policy);
@@ -45,7 +49,10 @@ call profiles again.
 """
 import collections
 import copy
+import enum
 import weakref
+
+import numpy as np
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
@@ -127,6 +134,29 @@ class LightProfile:
         return f"op #{idx} {name}{f' (in {path!r})' if path else ''}, its saved tensor #{k}"
 
 
+# Arguments keyed by value: immutable, and holding no tensor.
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, np.generic, ms.dtype.Type, type)
+_MAX_DEPTH = 8
+
+
+class _NoSignature(Exception):
+    """An argument the signature can't describe without holding it."""
+
+
+def _signature(v, depth=_MAX_DEPTH):
+    """A hashable description of ``v`` that holds no tensor and no object of the caller."""
+    if isinstance(v, Tensor):
+        return Tensor, v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)
+    if isinstance(v, _VALUE_TYPES):
+        return type(v), v   # the type too: 1, 1.0 and True are equal keys otherwise
+    if depth > 0:
+        if isinstance(v, (tuple, list)):
+            return type(v), tuple(_signature(x, depth - 1) for x in v)
+        if isinstance(v, dict):
+            return type(v), tuple((_signature(k, 0), _signature(x, depth - 1)) for k, x in v.items())
+    raise _NoSignature
+
+
 class LightProfiles:
     """Per-wrapper cache: call signature -> ``LightProfile`` (bounded; beyond it calls stay on the full path)."""
 
@@ -137,19 +167,14 @@ class LightProfiles:
 
     @staticmethod
     def key(root, args, kwargs):
-        """The call signature, or None when an argument is unhashable (that call is not profiled)."""
-        def part(v):
-            return (v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)) if isinstance(v, Tensor) else v
-
-        parts = [root.training if root is not None else None]
-        parts += [part(a) for a in args]
-        parts += [(k, part(kwargs[k])) for k in sorted(kwargs)]
-        key = tuple(parts)
+        """The call signature (see the module docstring), or None when an argument can't be described
+        without holding it (that call is not profiled and takes the full path)."""
         try:
-            hash(key)
-        except TypeError:
+            return (root.training if root is not None else None,
+                    tuple(_signature(a) for a in args),
+                    tuple((k, _signature(kwargs[k])) for k in sorted(kwargs)))
+        except _NoSignature:
             return None
-        return key
 
     def lookup(self, key):
         profile = self._profiles.get(key)

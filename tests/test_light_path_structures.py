@@ -1,0 +1,117 @@
+"""The light path with per-step tensors passed in tuples, lists and dicts (LLaMA ``freqs_cis``, HF
+``position_embeddings``): it is taken from the second step, holds nothing of a finished step, and
+stays bitwise equal to training without recompute."""
+import gc
+import weakref
+
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor, mint, nn, ops
+
+import mindformers_ac as mac
+from mindformers_ac.recompute import light
+
+from test_light_path import light_calls  # noqa: F401  # pylint: disable=unused-import  # the fixture
+from test_model_patterns import first_difference, run_steps
+
+H, B, S, N, STEPS = 32, 2, 8, 3, 6
+
+
+def pack(kind, cos, sin):
+    if kind == "tuple":
+        return (cos, sin)
+    if kind == "list":
+        return [cos, sin]
+    if kind == "dict":
+        return {"cos": cos, "sin": sin}
+    return ({"tables": [cos, (sin,)]}, 2.0)   # nested, with a float
+
+
+def unpack(kind, rope):
+    if kind == "dict":
+        return rope["cos"], rope["sin"]
+    if kind == "nested":
+        tables = rope[0]["tables"]
+        return tables[0] * rope[1], tables[1][0]
+    return rope[0], rope[1]
+
+
+class RopeLayer(nn.Cell):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.q = mint.nn.Linear(H, H)
+        self.fc = mint.nn.Linear(H, H)
+
+    def construct(self, x, rope):
+        cos, sin = unpack(self.kind, rope)
+        q = self.q(x)
+        return x + self.fc(ops.tanh(q * cos + q.flip((-1,)) * sin))
+
+
+class RopeModel(nn.Cell):
+    """Rotary tables made per step from the step's positions, handed to every layer in one structure."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.layers = nn.CellList([RopeLayer(kind) for _ in range(N)])
+        self.inv = Tensor((1.0 / 10000 ** (np.arange(H) / H)).astype(np.float32))
+        self.tables = []   # weakrefs to each step's tables
+        for name, p in self.parameters_and_names():
+            p.set_data(Tensor(np.random.RandomState(len(name)).uniform(-0.3, 0.3, p.shape).astype(np.float32)))
+
+    def construct(self, x, y, pos):
+        ang = pos.astype(ms.float32).expand_dims(-1) * self.inv
+        cos, sin = ops.cos(ang), ops.sin(ang)
+        self.tables.extend([weakref.ref(cos), weakref.ref(sin)])
+        rope = pack(self.kind, cos, sin)
+        for layer in self.layers:
+            x = layer(x, rope)
+        return ((x.sum(-1) - y) ** 2).mean()
+
+
+def batch(step):
+    rng = np.random.RandomState(step)
+    pos = Tensor(np.arange(S, dtype=np.int32)[None, :] + np.array([[0], [step]], np.int32))
+    return Tensor(rng.randn(B, S, H).astype(np.float32)), Tensor(rng.randn(B, S).astype(np.float32)), pos
+
+
+FULL = {"recompute": {"mode": "full", "full_recompute_layer": [f"0-{N - 1}"]}}
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "nested"])
+def test_light_path_with_structured_per_step_tensors(light_calls, kind):  # noqa: F811
+    base = run_steps(RopeModel(kind), batch, steps=STEPS)
+    model = RopeModel(kind)
+    mac.apply_ac(model, config=FULL)
+    history = run_steps(model, batch, steps=STEPS)
+    assert first_difference(base, history) is None
+    # Every layer profiles on the first step and is light on all the others.
+    assert len(light_calls) == N * (STEPS - 1)
+    stats = mac.ac_state(model).recompute_stats.values()
+    assert sum(s.recompute_calls for s in stats) == N * STEPS
+    gc.collect()
+    assert len(model.tables) == 2 * STEPS and all(ref() is None for ref in model.tables)
+    for layer in model.layers:   # one profile per layer: the signature holds no tensor of a step
+        profiles = mac.recompute.api._wrap_info(layer).profiles   # pylint: disable=protected-access
+        assert len(profiles) == 1
+    mac.remove_ac(model)
+
+
+def test_an_argument_the_signature_cannot_describe_takes_the_full_path(light_calls):  # noqa: F811
+    """An object of the caller's own kind is neither held nor guessed at: no profile, full path, exact."""
+
+    class Tables:
+        def __init__(self, cos, sin):
+            self.cos, self.sin = cos, sin
+
+    assert light.LightProfiles.key(None, (Tables(1, 2),), {}) is None
+    key = light.LightProfiles.key(None, ((Tensor(np.ones(2, np.float32)), 1, 1.0, True, ms.float16),),
+                                  {"d": {"a": [None, "s"]}})
+    assert key == light.LightProfiles.key(None, ((Tensor(np.zeros(2, np.float32)), 1, 1.0, True, ms.float16),),
+                                          {"d": {"a": [None, "s"]}})
+    assert key != light.LightProfiles.key(None, ((Tensor(np.zeros(2, np.float32)), True, 1.0, True, ms.float16),),
+                                          {"d": {"a": [None, "s"]}})
+    assert not light_calls
