@@ -45,9 +45,9 @@ def _assert_acted(mode, before, after):
 
 
 def _library_leftovers(model):
-    """Paths of cells that still carry a patch or a copy hook of the library."""
+    """Paths of cells that still carry a patch, a forward hook (the policy's path tracker) or a copy hook."""
     return [path for path, cell in model.cells_and_names()
-            if patches(cell) or "__deepcopy__" in cell.__dict__]
+            if patches(cell) or "__deepcopy__" in cell.__dict__ or cell._forward_pre_hook or cell._forward_hook]
 
 
 # -- copy.deepcopy ------------------------------------------------------------------------------

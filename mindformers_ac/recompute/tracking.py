@@ -13,7 +13,7 @@ import types
 import mindspore as ms
 from mindspore.ops import Primitive
 
-from ..construct_patch import drop_on_copy
+from ..construct_patch import drop_on_copy, hold_copy_hook, release_copy_hook
 from .state import ENGINE
 
 
@@ -121,6 +121,7 @@ class PathTracker:
     def __init__(self, root):
         self.root = root
         self._handles = []
+        self._hooked = []       # cells carrying our hooks (and a copy hook that leaves them out of a copy)
         self._attrs = []        # (cell, attr name, proxy)
         self.installed = False
 
@@ -133,6 +134,8 @@ class PathTracker:
                 self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
                 # No always_call: a call that raises ends its region run, and the path dies with it.
                 self._handles.append(cell.register_forward_hook(self._make_exit()))
+                hold_copy_hook(cell)
+                self._hooked.append(cell)
             for attr, value in list(vars(cell).items()):
                 if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
                     continue
@@ -143,10 +146,12 @@ class PathTracker:
     def remove(self):
         for h in self._handles:
             h.remove()
+        for cell in self._hooked:
+            release_copy_hook(cell)
         for cell, attr, proxy in reversed(self._attrs):
             if cell.__dict__.get(attr) is proxy:   # someone may have replaced it since: leave theirs
                 object.__setattr__(cell, attr, proxy.mac_inner)
-        self._handles, self._attrs = [], []
+        self._handles, self._hooked, self._attrs = [], [], []
         self.installed = False
 
     @contextlib.contextmanager
