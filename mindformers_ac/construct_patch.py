@@ -62,7 +62,12 @@ def drop_on_copy(fn):
 
 
 def _is_dropped(value):
-    return value is DROPPED or getattr(value, "__self__", None) is DROPPED or getattr(value, _DROP_MARK, False) is True
+    if value is DROPPED:
+        return True
+    try:   # any attribute value of a user's cell passes here, some with odd __getattr__s
+        return getattr(value, "__self__", None) is DROPPED or getattr(value, _DROP_MARK, False) is True
+    except Exception:  # pylint: disable=broad-exception-caught  # not ours, whatever it raised
+        return False
 
 
 def _scrub(original, memo):
