@@ -2,8 +2,8 @@
 
 ``training_run_worker.py`` is the script a user would write: a LLaMA-style
 decoder with the rotary tables passed to every layer as a per-step tuple,
-int32 position ids and a bool mask; mixed precision (amp O2 in fp16 applied
-before ``apply_ac``; ``to_float(bf16)`` after it); ``nn.TrainOneStepCell`` with
+int32 position ids and a bool mask; mixed precision (amp O2 applied
+before ``apply_ac``; ``to_float(float16)`` on every layer after it); ``nn.TrainOneStepCell`` with
 a loss scale and Adam; an EMA ``copy.deepcopy`` of the model, updated every
 step; eval of both between steps; a checkpoint after step 3, then a fresh
 process that builds the model, applies AC, loads the checkpoint and resumes to
@@ -31,11 +31,11 @@ RECOMPUTE = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm",
 SWAP = ("layer_swap", "op_swap", "mixed")
 
 
-def run_phase(phase, dtype, workdir, modes):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "training_run_worker.py"), phase, dtype,
+def run_phase(phase, precision, workdir, modes):
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "training_run_worker.py"), phase, precision,
                            str(workdir), *modes], capture_output=True, text=True, timeout=900, check=False,
                           cwd=HERE)
-    assert proc.returncode == 0, f"{phase} {dtype}: {proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{phase} {precision}: {proc.stderr[-3000:]}"
 
 
 def load(workdir, mode, phase):
@@ -54,7 +54,7 @@ def first_difference(expected, got):
     return None if len(expected) == len(got) else f"{len(got)} steps instead of {len(expected)}"
 
 
-@pytest.fixture(scope="module", params=["fp16", "bf16"])
+@pytest.fixture(scope="module", params=["amp_o2", "layers_fp16"])
 def training_runs(request, tmp_path_factory):
     """Both phases of every mode, two processes per phase (the second is a fresh process)."""
     workdir = tmp_path_factory.mktemp(f"run_{request.param}")
@@ -72,14 +72,14 @@ def test_resume_without_ac_matches_uninterrupted(training_runs):
 
 @pytest.mark.parametrize("mode", AC_MODES)
 def test_training_run_bitwise(training_runs, mode):
-    dtype, workdir = training_runs
+    precision, workdir = training_runs
     reference = load(workdir, "none", "first")["history"]
     first, resumed = load(workdir, mode, "first"), load(workdir, mode, "resume")
     diff = first_difference(reference, first["history"] + resumed["history"])
-    assert diff is None, f"{mode} ({dtype}): {diff}"
+    assert diff is None, f"{mode} ({precision}): {diff}"
     for record in (first, resumed):
         assert record["ema_has_own_ac"]
         if mode in RECOMPUTE:
-            assert record["acted"]["ops_rerun"] > 0 and record["ema_acted"]["ops_rerun"] > 0, record
+            assert record["acted"]["ops_rerun"] > 0, record
         if mode in SWAP:
             assert record["acted"]["offloaded"] > 0, record

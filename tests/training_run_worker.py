@@ -2,14 +2,17 @@
 
 A LLaMA-style decoder whose layers take the rotary tables as a per-step tuple
 ``(cos, sin)``, int32 position ids and a bool mask; mixed precision (amp O2
-in fp16, or ``to_float(bf16)`` after ``apply_ac``); ``nn.TrainOneStepCell``
+applied before ``apply_ac``, or ``to_float(float16)`` on every layer after it;
+bf16 has no CPU kernels for the matmul gradients, so it is not run here); ``nn.TrainOneStepCell``
 with a static loss scale (``sens``, undone by Adam's ``loss_scale``: the
 dynamic-scale cell's overflow check has no CPU kernel); an EMA copy made with ``copy.deepcopy``
 after ``apply_ac`` and updated every step; eval of the model and of the EMA
 copy between steps (``set_train(False)``, no grad); a checkpoint at
 ``--save-at`` and, in another process, a resume from it.
 
-    python training_run_worker.py PHASE DTYPE WORKDIR MODE [MODE ...]
+    python training_run_worker.py PHASE PRECISION WORKDIR MODE [MODE ...]
+
+PRECISION is ``amp_o2`` or ``layers_fp16``.
 
 PHASE ``first`` trains steps 0..SAVE_AT-1 and saves the checkpoint (the
 baseline ``none`` also goes on to the last step uninterrupted); ``resume``
@@ -110,20 +113,19 @@ def batch(step, split="train"):
     return ids, labels, pos, causal_padding_mask()
 
 
-def build(mode, dtype):
+def build(mode, precision):
     """Model (mixed precision, AC), its EMA deepcopy and the loss-scaled train cell, as a trainer builds them."""
     model = init_weights(Llama())
     config = mode_config(mode, PATTERN) if mode != "none" else None
-    if dtype == "fp16":   # amp first, then AC (MindFormers' order)
+    if precision == "amp_o2":   # amp first, then AC (MindFormers' order)
         model = ms.amp.auto_mixed_precision(model, "O2")
         if config:
             mac.apply_ac(model, config=config)
-    else:                 # AC first, then the cast
+    else:                       # AC first, then each layer computes in fp16 (a per-layer compute dtype)
         if config:
             mac.apply_ac(model, config=config)
-        model.to_float(ms.bfloat16)
-        for norm in (c for _, c in model.cells_and_names() if isinstance(c, LlamaRMSNorm)):
-            norm.to_float(ms.float32)
+        for layer in model.layers:
+            layer.to_float(ms.float16)
     ema = copy.deepcopy(model)
     opt = nn.Adam(model.trainable_params(), learning_rate=1e-2, loss_scale=LOSS_SCALE)
     train = nn.TrainOneStepCell(model, opt, sens=LOSS_SCALE)
@@ -159,8 +161,8 @@ def acted(model):
     return {"ops_rerun": rerun, "offloaded": offloaded}
 
 
-def run(phase, dtype, workdir, mode):
-    model, ema, train = build(mode, dtype)
+def run(phase, precision, workdir, mode):
+    model, ema, train = build(mode, precision)
     ckpt, ema_ckpt = (os.path.join(workdir, f"{mode}.{name}.ckpt") for name in ("train", "ema"))
     if phase == "first":
         last = STEPS if mode == "none" else SAVE_AT
@@ -178,11 +180,11 @@ def run(phase, dtype, workdir, mode):
         ms.load_param_into_net(ema, ms.load_checkpoint(ema_ckpt))
         history = [step(model, ema, train, i) for i in range(SAVE_AT, STEPS)]
     with open(os.path.join(workdir, f"{mode}.{phase}.json"), "w", encoding="utf-8") as f:
-        json.dump({"history": history, "acted": acted(model), "ema_acted": acted(ema),
-                   "ema_has_own_ac": mac.ac_state(ema) is not mac.ac_state(model)}, f)
+        json.dump({"history": history, "acted": acted(model), 
+                   "ema_has_own_ac": mode == "none" or mac.ac_state(ema) not in (None, mac.ac_state(model))}, f)
 
 
 if __name__ == "__main__":
-    phase_arg, dtype_arg, workdir_arg, *modes = sys.argv[1:]
+    phase_arg, precision_arg, workdir_arg, *modes = sys.argv[1:]
     for m in modes:
-        run(phase_arg, dtype_arg, workdir_arg, m)
+        run(phase_arg, precision_arg, workdir_arg, m)
