@@ -30,6 +30,7 @@ from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
 from ..tensors import output_tensors, storage_nbytes
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
+from .rerun import refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
@@ -86,6 +87,7 @@ class _OutputRecord:
 
     def rerun(self):
         if self.result is None:
+            refuse_higher_order()
             ENGINE.enter_recompute()
             try:
                 with ms._no_grad():   # the backward must not record a graph for the re-run

@@ -45,6 +45,23 @@ def recompute_input(a):
     return a
 
 
+def refuse_higher_order():
+    """Raise when this backward is itself being recorded for a gradient (grad of grad).
+
+    The outer gradient differentiates the inner backward, which reads every
+    saved tensor a second time; a recomputed tensor is handed out once, and an
+    output re-run under ``no_grad`` would silently cut the second-order path.
+    Inside a recompute the engine records a throw-away graph on purpose, so
+    only the outermost re-run checks.
+    """
+    if not ENGINE.in_recompute() and _executor.requires_grad():
+        raise RuntimeError(
+            "mindformers_ac: higher-order gradients (a grad of a grad, e.g. ms.grad(ms.grad(f))) through a "
+            "recomputed region or op are not supported: the first backward is being recorded for a second "
+            "one. Leave the layers that take part out of recompute (swap is exact here), or compute the "
+            "higher-order gradient without mindformers_ac.")
+
+
 @contextlib.contextmanager
 def recompute_graph(run):
     """Run a region's function again as ``run``: recording on, in a new graph, restored on every exit path."""
@@ -107,6 +124,7 @@ class RerunOnce:
             return None
         if self._running:
             raise RuntimeError("mindformers_ac: a region's recompute asked for its own saved tensors")
+        refuse_higher_order()
         self._running = True
         try:
             result = self._recompute()
