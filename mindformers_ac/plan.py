@@ -27,7 +27,7 @@ from typing import Optional
 import regex
 import yaml
 
-from .config import AcConfig, resolve_config
+from .config import AcConfig, RecomputeMode, config_for_layers, resolve_config
 from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import LayerStack, find_layer_stack
@@ -150,50 +150,27 @@ class AcPlan:
             lines += ["", "Warnings:"] + [f"  {w}" for w in self.warnings]
         return "\n".join(lines)
 
-    def to_dict(self):
-        """The three YAML sections that reproduce this plan with exact paths."""
-        full = [lp.layer_id for lp in self.layers.values() if lp.full_recompute]
-        excluded = [lp for lp in self.layers.values() if lp.exclude]
+    def to_config(self):
+        """The ``AcConfig`` that reproduces this plan with exact paths."""
+        layers = self.layers.values()
+        excluded = [lp for lp in layers if lp.exclude]
         exclude_op = None
         if excluded:
             exclude_op = (_paths_to_layers(excluded, "exclude") if excluded[0].exclude_by_path
                           else list(excluded[0].exclude))
-        recompute = recompute_section(full, _paths_to_layers(self.layers.values(), "recompute"), exclude_op)
-        comm = _paths_to_layers(self.layers.values(), "recompute_comm")
-        layer_swap = [lp.layer_id for lp in self.layers.values() if lp.layer_swap]
-        op_swap = _paths_to_layers(self.layers.values(), "op_swap")
-        swap = {"enable": bool(layer_swap or op_swap),
-                "default_prefetch": self.config.swap.default_prefetch}
-        if layer_swap:
-            swap["layer_swap"] = [{"layers": format_layer_specs(layer_swap)}]
-        if op_swap:
-            swap["op_swap"] = [{"op_name": name, "layers": specs} for name, specs in op_swap.items()]
-        return {"recompute": recompute,
-                "recompute_comm": {"enable": True, "select_module": comm} if comm else {"enable": False},
-                "swap": swap}
+        return config_for_layers(
+            full=[lp.layer_id for lp in layers if lp.full_recompute],
+            select_module=_paths_to_layers(layers, "recompute"), exclude_op=exclude_op,
+            comm_select=_paths_to_layers(layers, "recompute_comm"),
+            layer_swap=[lp.layer_id for lp in layers if lp.layer_swap],
+            op_swap=_paths_to_layers(layers, "op_swap"), default_prefetch=self.config.swap.default_prefetch)
+
+    def to_dict(self):
+        """The three YAML sections that reproduce this plan with exact paths."""
+        return self.to_config().to_dict()
 
     def to_yaml(self):
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
-
-
-def recompute_section(full_layer_ids, select_module, exclude_op=None):
-    """The ``recompute`` YAML section for whole layers ``full_layer_ids`` plus ``select_module``.
-
-    ``mode`` follows from what is there (select if any module is selected,
-    else full if any layer is, else None); ``exclude_op`` is dropped when
-    nothing is recomputed, where it would have no effect.
-    """
-    if select_module:
-        section = {"mode": "select", "select_module": select_module}
-        if full_layer_ids:
-            section["full_recompute_layer"] = format_layer_specs(full_layer_ids)
-    elif full_layer_ids:
-        section = {"mode": "full", "full_recompute_layer": format_layer_specs(full_layer_ids)}
-    else:
-        return {"mode": "None"}
-    if exclude_op:
-        section["exclude_op"] = exclude_op
-    return section
 
 
 def _paths_to_layers(layer_plans, attr):
@@ -304,14 +281,14 @@ class _Planner:
             if rc.exclude_op:
                 self.warn("recompute.exclude_op has no effect when recompute.mode is None")
             return
-        if rc.mode == "full" and rc.select_module:
+        if rc.mode == RecomputeMode.FULL and rc.select_module:
             self.warn("recompute.select_module is ignored when recompute.mode is full")
         full = set()
         if rc.full_recompute_layer is not None:
             full = set(self.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"))
         for i in full & set(self.plans):
             self.plans[i].full_recompute = True
-        if rc.mode == "select":
+        if rc.mode == RecomputeMode.SELECT:
             chosen = {i: [] for i in self.plans}
             for pattern, specs in rc.select_module.items():
                 for i, entries in self.match(item_field("recompute.select_module", pattern), pattern,
@@ -376,7 +353,7 @@ class _Planner:
                                                        f"model with {self.num_layers} layers, got {quote(p)}")
         for k, entry in enumerate(sc.layer_swap or ()):
             field_path = f"swap.layer_swap[{k}].layers"
-            for i in self.layer_ids(entry["layers"], field_path):
+            for i in self.layer_ids(entry.layers, field_path):
                 self.check_prefetch_bound(i, field_path)
                 if i not in self.plans:
                     continue
@@ -388,9 +365,9 @@ class _Planner:
                 lp.layer_swap, lp.prefetch_layer = True, i + p
         for k, entry in enumerate(sc.op_swap or ()):
             field_path = f"swap.op_swap[{k}]"
-            for i in self.layer_ids(entry["layers"], f"{field_path}.layers"):
+            for i in self.layer_ids(entry.layers, f"{field_path}.layers"):
                 self.check_prefetch_bound(i, f"{field_path}.layers")
-            for i, entries in self.match(f"{field_path}.op_name", entry["op_name"], entry["layers"]).items():
+            for i, entries in self.match(f"{field_path}.op_name", entry.op_name, entry.layers).items():
                 self.add_op_swap(i, drop_covered(entries), field_path)
 
     def check_prefetch_bound(self, layer_id, field_path):

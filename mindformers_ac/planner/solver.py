@@ -24,6 +24,7 @@ excluded; options are exclusive per layer, so recompute and swap never share
 a layer. ``BudgetPlan.sections()`` writes the ``recompute``,
 ``recompute_comm`` and ``swap`` sections ``apply_ac`` and ``train`` take.
 """
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,10 +33,19 @@ import yaml
 
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
-from ..plan import recompute_section
+from ..config import config_for_layers
 from ..tensors import MiB
 
-NONE, SELECT, FULL, SWAP = "none", "select", "full", "swap"
+class OptionKind(str, enum.Enum):
+    """What an ``Option`` does to a layer."""
+
+    NONE = "none"
+    SELECT = "select"
+    FULL = "full"
+    SWAP = "swap"
+
+
+NONE, SELECT, FULL, SWAP = OptionKind.NONE, OptionKind.SELECT, OptionKind.FULL, OptionKind.SWAP
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ class Option:
     """
 
     name: str
-    kind: str
+    kind: OptionKind
     select: tuple = ()
     exclude: tuple = ()
 
@@ -279,27 +289,23 @@ def option_sections(options, prefetch=1):
     layers; both full and select layers give ``mode: select`` with
     ``full_recompute_layer``.
     """
-    by = {}
+    full, swapped, select, exclude = [], [], {}, {}
     for i, option in sorted(options.items()):
         if option.kind == SELECT:
             for path in option.select:
-                by.setdefault(("select", _pattern([path])), []).append(i)
+                select.setdefault(_pattern([path]), []).append(i)
         elif option.kind == FULL:
-            by.setdefault(("full", None), []).append(i)
+            full.append(i)
             if option.exclude:
-                by.setdefault(("exclude", _pattern(option.exclude)), []).append(i)
+                exclude.setdefault(_pattern(option.exclude), []).append(i)
         elif option.kind == SWAP:
-            by.setdefault(("swap", None), []).append(i)
-        elif option.kind != NONE:
-            raise ValueError(f"unknown option kind {option.kind!r}")
-    select = {key: format_layer_specs(ids) for (kind, key), ids in by.items() if kind == "select"}
-    exclude = {key: format_layer_specs(ids) for (kind, key), ids in by.items() if kind == "exclude"}
-    recompute = recompute_section(by.get(("full", None)), select, exclude)
-    swapped = by.get(("swap", None))
-    swap = {"enable": bool(swapped), "default_prefetch": prefetch}
-    if swapped:
-        swap["layer_swap"] = [{"layers": format_layer_specs(swapped)}]
-    return {"recompute": recompute, "recompute_comm": {"enable": False}, "swap": swap}
+            swapped.append(i)
+    return config_for_layers(full=full, select_module=_specs(select), exclude_op=_specs(exclude),
+                             layer_swap=swapped, default_prefetch=prefetch).to_dict()
+
+
+def _specs(ids_by_pattern):
+    return {pattern: format_layer_specs(ids) for pattern, ids in ids_by_pattern.items()}
 
 
 def minimum_peak(profile, prefetch=None, pp=1):
