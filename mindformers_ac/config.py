@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import yaml
 
-from .errors import ConfigError, child_field, item_field, quote
+from .errors import ConfigError, child_field, item_field, quote, type_name
 from .layer_specs import RangeSet, format_layer_specs, spec_ranges
 from .matching import check_pattern
 from .yaml_loading import config_path, load_yaml_file
@@ -43,13 +43,9 @@ class RecomputeMode(str, enum.Enum):
     __format__ = str.__format__
 
 
-def _type_name(value):
-    return "null" if value is None else type(value).__name__
-
-
 def check_bool(value, field_path):
     if not isinstance(value, bool):
-        raise ConfigError(field_path, f"expected true or false, got {_type_name(value)} {quote(value)}")
+        raise ConfigError(field_path, f"expected true or false, got {type_name(value)} {quote(value)}")
     return value
 
 
@@ -57,7 +53,7 @@ def check_pattern_map(value, field_path):
     """``{regex: layer specs}`` as used by select_module and the dict form of exclude_op."""
     if not isinstance(value, dict):
         raise ConfigError(field_path, f"expected a mapping of path regex to layer specs such as "
-                                      f"{{'.*mlp': [0-3]}}, got {_type_name(value)} {quote(value)}")
+                                      f"{{'.*mlp': [0-3]}}, got {type_name(value)} {quote(value)}")
     if not value:
         raise ConfigError(field_path, "expected at least one 'regex: layers' entry, got an empty mapping")
     for pattern, specs in value.items():
@@ -69,7 +65,7 @@ def check_pattern_map(value, field_path):
 def check_keys(section, allowed, field_path):
     if not isinstance(section, dict):
         raise ConfigError(field_path, f"expected a mapping with keys {', '.join(allowed)}, got "
-                                      f"{_type_name(section)} {quote(section)}")
+                                      f"{type_name(section)} {quote(section)}")
     unknown = [k for k in section if k not in allowed]
     if unknown:
         raise ConfigError(child_field(field_path, unknown[0]), f"unknown key; allowed keys are: "
@@ -189,7 +185,7 @@ class RecomputeConfig(_Section):
             self.mode = RecomputeMode.NONE
         if not isinstance(self.mode, str) or self.mode not in {m.value for m in RecomputeMode}:
             raise ConfigError("recompute.mode", f"expected one of None, full, select, got "
-                                                f"{_type_name(self.mode)} {quote(self.mode)}")
+                                                f"{type_name(self.mode)} {quote(self.mode)}")
         self.mode = RecomputeMode(self.mode)
         if self.full_recompute_layer is not None:
             spec_ranges(self.full_recompute_layer, "recompute.full_recompute_layer")
@@ -213,11 +209,11 @@ class RecomputeConfig(_Section):
         if not isinstance(self.exclude_op, (list, tuple)):
             raise ConfigError(path, f"expected a list of op names such as ['AllGather'] or a mapping "
                                     f"of op path regex to layer specs, got "
-                                    f"{_type_name(self.exclude_op)} {quote(self.exclude_op)}")
+                                    f"{type_name(self.exclude_op)} {quote(self.exclude_op)}")
         for i, name in enumerate(self.exclude_op):
             if not isinstance(name, str) or not name.strip():
                 raise ConfigError(f"{path}[{i}]", f"expected a non-empty op name string, got "
-                                                  f"{_type_name(name)} {quote(name)}")
+                                                  f"{type_name(name)} {quote(name)}")
 
     @property
     def enabled(self):
@@ -286,7 +282,7 @@ class SwapConfig(_Section):
         p = self.default_prefetch
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ConfigError("swap.default_prefetch", f"expected an integer >= 1, got "
-                                                       f"{_type_name(p)} {quote(p)}")
+                                                       f"{type_name(p)} {quote(p)}")
         self.layer_swap = self._entries("layer_swap", LayerSwapEntry)
         self.op_swap = self._entries("op_swap", OpSwapEntry)
         self._check_layer_swap_disjoint()
@@ -298,7 +294,7 @@ class SwapConfig(_Section):
         if not isinstance(entries, (list, tuple)):
             example = "{" + ", ".join(f"{k}: ..." for k in _field_names(cls)) + "}"
             raise ConfigError(path, f"expected a list of {example} entries, got "
-                                    f"{_type_name(entries)} {quote(entries)}")
+                                    f"{type_name(entries)} {quote(entries)}")
         return [swap_entry(cls, entry, f"{path}[{i}]") for i, entry in enumerate(entries)]
 
     def _check_layer_swap_disjoint(self):
@@ -355,7 +351,7 @@ class AcConfig:
         """Read the three sections of ``data``; other top-level keys are ignored."""
         if not isinstance(data, dict):
             raise ConfigError(None, f"expected a mapping with recompute / recompute_comm / swap "
-                                    f"sections at the top level, got {_type_name(data)}")
+                                    f"sections at the top level, got {type_name(data)}")
         return cls(**{name: data.get(name) for name in SECTIONS})
 
     @classmethod
@@ -419,5 +415,5 @@ def resolve_config(config=None, recompute=None, recompute_comm=None, swap=None):
         if isinstance(config, (str, os.PathLike)):
             return AcConfig.from_yaml(config)
         raise ConfigError("config", f"expected an AcConfig, a mapping or a YAML path, got "
-                                f"{_type_name(config)}")
+                                f"{type_name(config)}")
     return AcConfig(recompute=recompute, recompute_comm=recompute_comm, swap=swap)

@@ -222,7 +222,7 @@ def test_modes_and_swap_entries_are_typed():
 
 def test_plan_writers_share_the_section_dicts(gpt8):
     """plan_ac's YAML and the planner's both come from AcConfig.to_dict: every swap field is written."""
-    from mindformers_ac.planner.solver import FULL, SWAP, Option, option_sections
+    from mindformers_ac.planner.solver import Option, OptionKind, option_sections
     config = mac.AcConfig.from_dict({"swap": {"enable": True, "default_prefetch": 2,
                                               "layer_swap": [{"layers": ["0-1"]}],
                                               "op_swap": [{"op_name": r"self_attention", "layers": [4]}]}})
@@ -230,6 +230,6 @@ def test_plan_writers_share_the_section_dicts(gpt8):
     assert mac.AcConfig.from_dict(written).to_dict() == written
     assert written["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": ["0-1"]}],
                                "op_swap": [{"op_name": "self_attention", "layers": [4]}]}
-    sections = option_sections({0: Option("layer swap", SWAP), 1: Option("full", FULL)}, prefetch=2)
+    sections = option_sections({0: Option("layer swap", OptionKind.SWAP), 1: Option("full", OptionKind.FULL)}, prefetch=2)
     assert sections["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": [0]}]}
     assert sections["recompute"] == {"mode": "full", "full_recompute_layer": [1]}

@@ -1,6 +1,6 @@
 """Memory-budget planner: choose one AC option per layer so activation memory fits a budget.
 
-The input is a ``Profile`` (measured by ``planner_profile.profile_model``):
+The input is a ``Profile`` (measured by ``planner.profile.profile_model``):
 per layer ``l`` and option ``k``, ``mem[l, k]`` bytes kept for backward at the
 end of forward and ``time[l, k]`` seconds added to a training step. The cost
 model is additive:
@@ -44,8 +44,6 @@ class OptionKind(str, enum.Enum):
     FULL = "full"
     SWAP = "swap"
 
-
-NONE, SELECT, FULL, SWAP = OptionKind.NONE, OptionKind.SELECT, OptionKind.FULL, OptionKind.SWAP
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,7 @@ class Profile:
         p = self.prefetch if prefetch is None else prefetch
         ok = ~np.isnan(self.mem)
         for k, option in enumerate(self.options):
-            if option.kind == SWAP:
+            if option.kind == OptionKind.SWAP:
                 ok[:, k] &= (pp == 1) & np.isin(np.arange(self.num_layers), swappable_layers(self.num_layers, p))
         return ok
 
@@ -291,14 +289,14 @@ def option_sections(options, prefetch=1):
     """
     full, swapped, select, exclude = [], [], {}, {}
     for i, option in sorted(options.items()):
-        if option.kind == SELECT:
+        if option.kind == OptionKind.SELECT:
             for path in option.select:
                 select.setdefault(_pattern([path]), []).append(i)
-        elif option.kind == FULL:
+        elif option.kind == OptionKind.FULL:
             full.append(i)
             if option.exclude:
                 exclude.setdefault(_pattern(option.exclude), []).append(i)
-        elif option.kind == SWAP:
+        elif option.kind == OptionKind.SWAP:
             swapped.append(i)
     return config_for_layers(full=full, select_module=_specs(select), exclude_op=_specs(exclude),
                              layer_swap=swapped, default_prefetch=prefetch).to_dict()
