@@ -30,7 +30,7 @@ import yaml
 from .config import AcConfig, RecomputeMode, config_for_layers, resolve_config
 from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
-from .layers import LayerStack, find_layer_stack
+from .layers import find_layer_stack
 from .limits import MAX_LAYERS
 from .matching import MatchBudget, drop_covered, match_entries
 from .whitelist import is_under, layer_inventory, sub_cell
@@ -181,17 +181,22 @@ def _paths_to_layers(layer_plans, attr):
     return {path: format_layer_specs(ids) for path, ids in by_path.items()}
 
 
-class _Planner:
-    """One planning pass; holds per-call state only (nothing survives the call)."""
+class _PlanPass:
+    """One pass of ``plan_ac`` over a config; holds per-call state only (nothing survives the call).
 
-    def __init__(self, config, stack, pp, match_patterns=True):
+    ``stack`` is the model's ``LayerStack``; without one (``validate`` with a
+    layer count) only the rules that need no cell are checked: layer-spec and
+    prefetch bounds, full recompute vs layer swap.
+    """
+
+    def __init__(self, config, pp, num_layers, stack=None):
         self.config, self.stack, self.pp = config, stack, pp
-        self.match_patterns = match_patterns
-        self.num_layers = stack.num_layers
+        self.match_patterns = stack is not None
+        self.num_layers = num_layers
         self.inventories = {}
         self.matches, self.warnings = [], []
         self.budget = MatchBudget()
-        self.plans = {i: LayerPlan(i) for i in stack.layer_ids}
+        self.plans = {i: LayerPlan(i) for i in (stack.layer_ids if stack is not None else range(num_layers))}
 
     def warn(self, message):
         self.warnings.append(message)
@@ -210,7 +215,7 @@ class _Planner:
         layer_ids = self.layer_ids(specs, field_path)
         if not self.match_patterns:
             return {}
-        local = [i for i in layer_ids if self.stack.holds(i)]
+        local = [i for i in layer_ids if i in self.plans]
         found = {i: match_entries(pattern, self.inventory(i), field_path, self.budget) for i in local}
         self.matches.append(PatternMatch(field_path, pattern, tuple(layer_ids),
                                          {i: [e.path for e in es] for i, es in found.items()}))
@@ -431,8 +436,7 @@ def check_layer_ids(config, num_layers, pp=1):
         return {}
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
         raise ConfigError("num_layers", f"expected an integer in [1, {MAX_LAYERS}], got {quote(num_layers)}")
-    stack = LayerStack([None] * num_layers, "<count only>", None, 0, num_layers)
-    return _Planner(config, stack, pp, match_patterns=False).plan()
+    return _PlanPass(config, pp, num_layers).plan()
 
 
 def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
@@ -452,7 +456,7 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
     stack = find_layer_stack(model, layers)
-    planner = _Planner(config, stack, pp)
+    planner = _PlanPass(config, pp, stack.num_layers, stack)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,
                   layer_path=stack.path, pp=pp, matches=planner.matches, warnings=planner.warnings)
