@@ -6,31 +6,29 @@ with the sections of a MindFormers-style YAML (or ``config=AcConfig``).
 ``apply_ac`` would execute and changes nothing. ``measure_step`` reports the
 activation memory of one training step per layer.
 """
-from .mindspore_version import require_mindspore
+from .mindspore_compat import require_mindspore
 
 require_mindspore()   # before any engine import: a clear error instead of a missing attribute later
 
-from .accounting import StepMemory, StepMeter, measure_step
+from .accounting import StepMemory, measure_step
 from .apply import ac_state, apply_ac, remove_ac
 from .config import AcConfig, RecomputeCommConfig, RecomputeConfig, SwapConfig
 from .errors import ConfigError
 from .layer_specs import parse_layer_specs
-from .meter import SavedTensorMeter
 from .plan import AcPlan, LayerPlan, plan_ac
 from . import swap   # the swap engine; callable as swap(fn, *args) (HyperParallel's API)
-from .recompute import (CheckpointPolicy, RecomputeStats, checkpoint, checkpoint_wrapper, exclude_policy,
-                        is_in_recompute, unwrap, wrap_op_output)
-from .swap import (SwapExecutor, SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper,
-                   swap_tensor_wrapper, swap_wrapper)
+from .recompute import CheckpointPolicy, RecomputeStats, checkpoint, checkpoint_wrapper, is_in_recompute, unwrap
+from .swap import SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper, swap_tensor_wrapper, swap_wrapper
 from .whitelist import get_single_layer_whitelist
 
 __version__ = "0.1.0"
 
+# What trainers call (README, MindFormers' apply_ac, HyperParallel's checkpoint/swap API, MindSpeed's
+# async_save_on_cpu) and the types they get back; the engines' internals stay in their subpackages.
 __all__ = [
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig",
-    "RecomputeConfig", "RecomputeStats", "SavedTensorMeter", "StepMemory", "StepMeter", "SwapConfig",
-    "SwapExecutor", "SwapManager", "SwapReport", "ac_state", "apply_ac", "async_save_on_cpu", "checkpoint",
-    "checkpoint_wrapper", "exclude_policy", "get_single_layer_whitelist", "is_in_recompute", "measure_step",
-    "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap", "swap_tensor_wrapper",
-    "swap_wrapper", "unwrap", "wrap_op_output",
+    "RecomputeConfig", "RecomputeStats", "StepMemory", "SwapConfig", "SwapManager", "SwapReport", "ac_state",
+    "apply_ac", "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_single_layer_whitelist",
+    "is_in_recompute", "measure_step", "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap",
+    "swap_tensor_wrapper", "swap_wrapper", "unwrap",
 ]

@@ -10,7 +10,9 @@ e.g. ``swap.op_swap[1].layers[0]: ...``. Fields changed after a section was
 built are checked again by ``validate()``, which ``plan_ac`` / ``apply_ac`` call
 on whatever they are given. Input is untrusted: see ``limits`` for the bounds.
 """
+import collections.abc
 import dataclasses
+import enum
 import logging
 import os
 from dataclasses import dataclass, field
@@ -18,24 +20,32 @@ from typing import Optional, Union
 
 import yaml
 
-from .errors import ConfigError, child_field, item_field, quote
-from .layer_specs import RangeSet, spec_ranges
+from .errors import ConfigError, child_field, item_field, quote, type_name
+from .layer_specs import RangeSet, format_layer_specs, spec_ranges
 from .matching import check_pattern
 from .yaml_loading import config_path, load_yaml_file
 
 logger = logging.getLogger("mindformers_ac")
 
-RECOMPUTE_MODES = ("None", "full", "select")
 SECTIONS = ("recompute", "recompute_comm", "swap")
 
 
-def _type_name(value):
-    return "null" if value is None else type(value).__name__
+class RecomputeMode(str, enum.Enum):
+    """``recompute.mode``; a ``str``, so ``mode == "full"`` and YAML's spelling keep working."""
+
+    NONE = "None"
+    FULL = "full"
+    SELECT = "select"
+
+    def __str__(self):
+        return self.value
+
+    __format__ = str.__format__
 
 
 def check_bool(value, field_path):
     if not isinstance(value, bool):
-        raise ConfigError(field_path, f"expected true or false, got {_type_name(value)} {quote(value)}")
+        raise ConfigError(field_path, f"expected true or false, got {type_name(value)} {quote(value)}")
     return value
 
 
@@ -43,7 +53,7 @@ def check_pattern_map(value, field_path):
     """``{regex: layer specs}`` as used by select_module and the dict form of exclude_op."""
     if not isinstance(value, dict):
         raise ConfigError(field_path, f"expected a mapping of path regex to layer specs such as "
-                                      f"{{'.*mlp': [0-3]}}, got {_type_name(value)} {quote(value)}")
+                                      f"{{'.*mlp': [0-3]}}, got {type_name(value)} {quote(value)}")
     if not value:
         raise ConfigError(field_path, "expected at least one 'regex: layers' entry, got an empty mapping")
     for pattern, specs in value.items():
@@ -55,7 +65,7 @@ def check_pattern_map(value, field_path):
 def check_keys(section, allowed, field_path):
     if not isinstance(section, dict):
         raise ConfigError(field_path, f"expected a mapping with keys {', '.join(allowed)}, got "
-                                      f"{_type_name(section)} {quote(section)}")
+                                      f"{type_name(section)} {quote(section)}")
     unknown = [k for k in section if k not in allowed]
     if unknown:
         raise ConfigError(child_field(field_path, unknown[0]), f"unknown key; allowed keys are: "
@@ -66,8 +76,88 @@ def _field_names(cls):
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
+def _plain(value):
+    """A field value as YAML writes it: entries as mappings, modes as their spelling, tuples as lists."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+class _Section:
+    """What every section and swap entry shares: one ``to_dict`` that every writer uses, and its inverse."""
+
+    def to_dict(self):
+        """The mapping a trainer YAML would hold; ``type(self).from_dict(self.to_dict()) == self``.
+
+        Optional fields left at ``None`` are not written (reading them back gives ``None`` again).
+        """
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if not (getattr(self, f.name) is None and f.default is None)}
+
+    @classmethod
+    def from_dict(cls, data, field_path=None):
+        """Built from a mapping with this section's keys (missing keys take their defaults)."""
+        check_keys(data, _field_names(cls), field_path or cls.FIELD)
+        return cls(**data)
+
+
+class _Entry(_Section, collections.abc.Mapping):
+    """A typed swap entry that still reads as the YAML mapping it came from (``entry["layers"]``,
+    equal to ``{"layers": [...]}``), so code written against the mapping form keeps working."""
+
+    def __getitem__(self, key):
+        if key not in _field_names(type(self)):
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self):
+        return iter(_field_names(type(self)))
+
+    def __len__(self):
+        return len(_field_names(type(self)))
+
+
+# eq=False: Mapping's equality (by items) also holds against plain dicts
+@dataclass(frozen=True, eq=False)
+class LayerSwapEntry(_Entry):
+    """One ``swap.layer_swap`` entry: whole layers whose activations go to host memory."""
+
+    FIELD = "swap.layer_swap[]"
+    layers: Union[list, tuple]
+
+
+@dataclass(frozen=True, eq=False)
+class OpSwapEntry(_Entry):
+    """One ``swap.op_swap`` entry: the modules/ops matching ``op_name`` inside ``layers``."""
+
+    FIELD = "swap.op_swap[]"
+    op_name: str
+    layers: Union[list, tuple]
+
+
+def swap_entry(cls, entry, field_path):
+    """``entry`` (a mapping or a ``cls``) checked and built into a ``cls``; errors name ``field_path``."""
+    if isinstance(entry, cls):
+        entry = entry.to_dict()
+    keys = _field_names(cls)
+    check_keys(entry, keys, field_path)
+    for key in keys:
+        if key not in entry:
+            raise ConfigError(f"{field_path}.{key}", "required key is missing")
+    if "op_name" in keys:
+        check_pattern(entry["op_name"], f"{field_path}.op_name")
+    spec_ranges(entry["layers"], f"{field_path}.layers")
+    return cls(**entry)
+
+
 @dataclass
-class RecomputeConfig:
+class RecomputeConfig(_Section):
     """``recompute`` section: drop activations in forward, rebuild them in backward.
 
     mode: ``"None"`` (or ``None``) off, ``"full"`` whole layers, ``"select"``
@@ -80,7 +170,8 @@ class RecomputeConfig:
         layer specs}``.
     """
 
-    mode: Optional[str] = "None"
+    FIELD = "recompute"
+    mode: Optional[Union[str, RecomputeMode]] = RecomputeMode.NONE
     full_recompute_layer: Optional[Union[list, tuple]] = None
     select_module: Optional[dict] = None
     exclude_op: Optional[Union[list, tuple, dict]] = None
@@ -89,22 +180,23 @@ class RecomputeConfig:
         self.validate()
 
     def validate(self):
-        """Check every field (again, after changes); ``mode=None`` becomes ``"None"``."""
+        """Check every field (again, after changes); ``mode`` becomes a ``RecomputeMode`` (``None``: NONE)."""
         if self.mode is None:
-            self.mode = "None"
-        if not isinstance(self.mode, str) or self.mode not in RECOMPUTE_MODES:
+            self.mode = RecomputeMode.NONE
+        if not isinstance(self.mode, str) or self.mode not in {m.value for m in RecomputeMode}:
             raise ConfigError("recompute.mode", f"expected one of None, full, select, got "
-                                                f"{_type_name(self.mode)} {quote(self.mode)}")
+                                                f"{type_name(self.mode)} {quote(self.mode)}")
+        self.mode = RecomputeMode(self.mode)
         if self.full_recompute_layer is not None:
             spec_ranges(self.full_recompute_layer, "recompute.full_recompute_layer")
         if self.select_module is not None:
             check_pattern_map(self.select_module, "recompute.select_module")
         if self.exclude_op is not None:
             self._check_exclude_op()
-        if self.mode == "full" and self.full_recompute_layer is None:
+        if self.mode == RecomputeMode.FULL and self.full_recompute_layer is None:
             raise ConfigError("recompute.full_recompute_layer",
                               "required when mode is full: list the layers to recompute, e.g. [0-3]")
-        if self.mode == "select" and self.select_module is None:
+        if self.mode == RecomputeMode.SELECT and self.select_module is None:
             raise ConfigError("recompute.select_module",
                               "required when mode is select: map module path regexes to layers, "
                               "e.g. {'.*mlp': [0-3]}")
@@ -117,25 +209,26 @@ class RecomputeConfig:
         if not isinstance(self.exclude_op, (list, tuple)):
             raise ConfigError(path, f"expected a list of op names such as ['AllGather'] or a mapping "
                                     f"of op path regex to layer specs, got "
-                                    f"{_type_name(self.exclude_op)} {quote(self.exclude_op)}")
+                                    f"{type_name(self.exclude_op)} {quote(self.exclude_op)}")
         for i, name in enumerate(self.exclude_op):
             if not isinstance(name, str) or not name.strip():
                 raise ConfigError(f"{path}[{i}]", f"expected a non-empty op name string, got "
-                                                  f"{_type_name(name)} {quote(name)}")
+                                                  f"{type_name(name)} {quote(name)}")
 
     @property
     def enabled(self):
-        return self.mode != "None"
+        return self.mode != RecomputeMode.NONE
 
 
 @dataclass
-class RecomputeCommConfig:
+class RecomputeCommConfig(_Section):
     """``recompute_comm`` section: re-run matched communication ops in backward.
 
     Independent of ``recompute.mode``. ``select_module`` (``{op path regex:
     layer specs}``) is required when ``enable`` is true; its matches must be ops.
     """
 
+    FIELD = "recompute_comm"
     enable: bool = False
     select_module: Optional[dict] = None
 
@@ -158,15 +251,17 @@ class RecomputeCommConfig:
 
 
 @dataclass
-class SwapConfig:
+class SwapConfig(_Section):
     """``swap`` section: keep activations in host memory, prefetch them before backward.
 
     default_prefetch: p >= 1; layer i is fetched back when layer i+p starts its backward.
     layer_swap: ``[{layers: specs}, ...]`` whole layers (every entry is applied;
-        entries must not overlap).
-    op_swap: ``[{op_name: path regex, layers: specs}, ...]`` modules/ops inside layers.
+        entries must not overlap); mappings become ``LayerSwapEntry``.
+    op_swap: ``[{op_name: path regex, layers: specs}, ...]`` modules/ops inside
+        layers; mappings become ``OpSwapEntry``.
     """
 
+    FIELD = "swap"
     enable: bool = False
     default_prefetch: int = 1
     layer_swap: Optional[Union[list, tuple]] = None
@@ -187,32 +282,25 @@ class SwapConfig:
         p = self.default_prefetch
         if isinstance(p, bool) or not isinstance(p, int) or p < 1:
             raise ConfigError("swap.default_prefetch", f"expected an integer >= 1, got "
-                                                       f"{_type_name(p)} {quote(p)}")
-        self._check_entries("layer_swap", ("layers",))
-        self._check_entries("op_swap", ("op_name", "layers"))
+                                                       f"{type_name(p)} {quote(p)}")
+        self.layer_swap = self._entries("layer_swap", LayerSwapEntry)
+        self.op_swap = self._entries("op_swap", OpSwapEntry)
         self._check_layer_swap_disjoint()
 
-    def _check_entries(self, name, keys):
+    def _entries(self, name, cls):
         entries, path = getattr(self, name), f"swap.{name}"
         if entries is None:
-            return
-        example = "{" + ", ".join(f"{k}: ..." for k in keys) + "}"
+            return None
         if not isinstance(entries, (list, tuple)):
+            example = "{" + ", ".join(f"{k}: ..." for k in _field_names(cls)) + "}"
             raise ConfigError(path, f"expected a list of {example} entries, got "
-                                    f"{_type_name(entries)} {quote(entries)}")
-        for i, entry in enumerate(entries):
-            check_keys(entry, keys, f"{path}[{i}]")
-            for key in keys:
-                if key not in entry:
-                    raise ConfigError(f"{path}[{i}].{key}", "required key is missing")
-            if "op_name" in keys:
-                check_pattern(entry["op_name"], f"{path}[{i}].op_name")
-            spec_ranges(entry["layers"], f"{path}[{i}].layers")
+                                    f"{type_name(entries)} {quote(entries)}")
+        return [swap_entry(cls, entry, f"{path}[{i}]") for i, entry in enumerate(entries)]
 
     def _check_layer_swap_disjoint(self):
         taken = RangeSet()
         for i, entry in enumerate(self.layer_swap or ()):
-            ranges = spec_ranges(entry["layers"], f"swap.layer_swap[{i}].layers")
+            ranges = spec_ranges(entry.layers, f"swap.layer_swap[{i}].layers")
             overlap = taken.first_overlap(ranges)
             if overlap is not None:
                 raise ConfigError(f"swap.layer_swap[{i}].layers",
@@ -237,8 +325,7 @@ def section_from_value(name, value):
     if isinstance(value, cls):
         value.validate()
         return value
-    check_keys(value, _field_names(cls), name)
-    return cls(**value)
+    return cls.from_dict(value, name)
 
 
 @dataclass
@@ -264,7 +351,7 @@ class AcConfig:
         """Read the three sections of ``data``; other top-level keys are ignored."""
         if not isinstance(data, dict):
             raise ConfigError(None, f"expected a mapping with recompute / recompute_comm / swap "
-                                    f"sections at the top level, got {_type_name(data)}")
+                                    f"sections at the top level, got {type_name(data)}")
         return cls(**{name: data.get(name) for name in SECTIONS})
 
     @classmethod
@@ -285,11 +372,34 @@ class AcConfig:
             raise ConfigError(exc.field, f"{exc.reason} (in {config_path(path)[1]})") from None
 
     def to_dict(self):
-        """Plain sections, as they would be written in a trainer YAML."""
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        """Plain sections, as they would be written in a trainer YAML (each section's own ``to_dict``)."""
+        return {name: getattr(self, name).to_dict() for name in SECTIONS}
 
     def to_yaml(self):
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def config_for_layers(full=(), select_module=None, exclude_op=None, comm_select=None, layer_swap=(),
+                      op_swap=None, default_prefetch=1):
+    """The ``AcConfig`` that does exactly this per layer: what ``plan --out`` and ``AcPlan.to_dict`` write.
+
+    ``full`` and ``layer_swap`` are layer ids; ``select_module``, ``comm_select``
+    and ``op_swap`` map a path regex to layer specs. The recompute mode follows
+    from what is there (select if any module is selected, else full if any
+    layer is, else None); ``exclude_op`` is dropped when nothing is recomputed,
+    where it would have no effect; each section is enabled when it has work.
+    """
+    recompute = RecomputeConfig()
+    if select_module or full:
+        recompute = RecomputeConfig(
+            mode=RecomputeMode.SELECT if select_module else RecomputeMode.FULL,
+            full_recompute_layer=format_layer_specs(full) if full else None,
+            select_module=select_module or None, exclude_op=exclude_op or None)
+    comm = RecomputeCommConfig(enable=True, select_module=comm_select) if comm_select else RecomputeCommConfig()
+    swap = SwapConfig(enable=bool(layer_swap or op_swap), default_prefetch=default_prefetch,
+                      layer_swap=[LayerSwapEntry(format_layer_specs(layer_swap))] if layer_swap else None,
+                      op_swap=[OpSwapEntry(name, specs) for name, specs in op_swap.items()] if op_swap else None)
+    return AcConfig(recompute=recompute, recompute_comm=comm, swap=swap)
 
 
 def resolve_config(config=None, recompute=None, recompute_comm=None, swap=None):
@@ -305,5 +415,5 @@ def resolve_config(config=None, recompute=None, recompute_comm=None, swap=None):
         if isinstance(config, (str, os.PathLike)):
             return AcConfig.from_yaml(config)
         raise ConfigError("config", f"expected an AcConfig, a mapping or a YAML path, got "
-                                f"{_type_name(config)}")
+                                f"{type_name(config)}")
     return AcConfig(recompute=recompute, recompute_comm=recompute_comm, swap=swap)

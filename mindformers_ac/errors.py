@@ -72,6 +72,11 @@ def _repr_chunks(value, depth):
             yield f"<{type(value).__name__} object>"
 
 
+def type_name(value):
+    """The YAML-ish name of a value's type for messages: ``null`` for None, else the Python type's name."""
+    return "null" if value is None else type(value).__name__
+
+
 def quote(value, limit=QUOTE_CHARS):
     """``repr(value)`` in at most about ``limit`` characters, at bounded cost.
 

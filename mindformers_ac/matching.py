@@ -15,7 +15,7 @@ import time
 
 import regex
 
-from .errors import ConfigError, clip, quote
+from .errors import ConfigError, clip, quote, type_name
 from .limits import MATCH_BUDGET_S, MAX_PATTERN_CHARS, MAX_REPEAT_PRODUCT
 from .whitelist import is_under
 
@@ -23,10 +23,6 @@ from .whitelist import is_under
 # escape): over-counting only rejects patterns no layer path needs, while
 # parsing the pattern exactly would mean re-implementing regex's grammar.
 _COUNTED_REPEAT = regex.compile(r"\{\s*([0-9]*)\s*(?:,\s*([0-9]*)\s*)?\}")
-
-
-def _type_name(value):
-    return "null" if value is None else type(value).__name__
 
 
 def check_pattern(pattern, field):
@@ -37,7 +33,7 @@ def check_pattern(pattern, field):
     bounds multiply past ``MAX_REPEAT_PRODUCT``, or does not compile.
     """
     if not isinstance(pattern, str) or not pattern:
-        raise ConfigError(field, f"expected a non-empty regex string, got {_type_name(pattern)} {quote(pattern)}")
+        raise ConfigError(field, f"expected a non-empty regex string, got {type_name(pattern)} {quote(pattern)}")
     if len(pattern) > MAX_PATTERN_CHARS:
         raise ConfigError(field, f"pattern is {len(pattern)} characters long, more than the limit of "
                                  f"{MAX_PATTERN_CHARS}: {quote(pattern)}")
@@ -82,11 +78,6 @@ class MatchBudget:
                                      f"the regex") from None
         finally:
             self.spent += time.monotonic() - start
-
-
-def fullmatch(pattern, path, field, budget=None):
-    """Whether ``pattern`` fully matches ``path``, within ``budget`` (a fresh one by default)."""
-    return (budget or MatchBudget()).fullmatch(check_pattern(pattern, field), path, field)
 
 
 def match_entries(pattern, entries, field, budget=None):

@@ -27,10 +27,10 @@ from typing import Optional
 import regex
 import yaml
 
-from .config import AcConfig, resolve_config
+from .config import AcConfig, RecomputeMode, config_for_layers, resolve_config
 from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
-from .layers import LayerStack, find_layer_stack
+from .layers import find_layer_stack
 from .limits import MAX_LAYERS
 from .matching import MatchBudget, drop_covered, match_entries
 from .whitelist import is_under, layer_inventory, sub_cell
@@ -150,50 +150,27 @@ class AcPlan:
             lines += ["", "Warnings:"] + [f"  {w}" for w in self.warnings]
         return "\n".join(lines)
 
-    def to_dict(self):
-        """The three YAML sections that reproduce this plan with exact paths."""
-        full = [lp.layer_id for lp in self.layers.values() if lp.full_recompute]
-        excluded = [lp for lp in self.layers.values() if lp.exclude]
+    def to_config(self):
+        """The ``AcConfig`` that reproduces this plan with exact paths."""
+        layers = self.layers.values()
+        excluded = [lp for lp in layers if lp.exclude]
         exclude_op = None
         if excluded:
             exclude_op = (_paths_to_layers(excluded, "exclude") if excluded[0].exclude_by_path
                           else list(excluded[0].exclude))
-        recompute = recompute_section(full, _paths_to_layers(self.layers.values(), "recompute"), exclude_op)
-        comm = _paths_to_layers(self.layers.values(), "recompute_comm")
-        layer_swap = [lp.layer_id for lp in self.layers.values() if lp.layer_swap]
-        op_swap = _paths_to_layers(self.layers.values(), "op_swap")
-        swap = {"enable": bool(layer_swap or op_swap),
-                "default_prefetch": self.config.swap.default_prefetch}
-        if layer_swap:
-            swap["layer_swap"] = [{"layers": format_layer_specs(layer_swap)}]
-        if op_swap:
-            swap["op_swap"] = [{"op_name": name, "layers": specs} for name, specs in op_swap.items()]
-        return {"recompute": recompute,
-                "recompute_comm": {"enable": True, "select_module": comm} if comm else {"enable": False},
-                "swap": swap}
+        return config_for_layers(
+            full=[lp.layer_id for lp in layers if lp.full_recompute],
+            select_module=_paths_to_layers(layers, "recompute"), exclude_op=exclude_op,
+            comm_select=_paths_to_layers(layers, "recompute_comm"),
+            layer_swap=[lp.layer_id for lp in layers if lp.layer_swap],
+            op_swap=_paths_to_layers(layers, "op_swap"), default_prefetch=self.config.swap.default_prefetch)
+
+    def to_dict(self):
+        """The three YAML sections that reproduce this plan with exact paths."""
+        return self.to_config().to_dict()
 
     def to_yaml(self):
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
-
-
-def recompute_section(full_layer_ids, select_module, exclude_op=None):
-    """The ``recompute`` YAML section for whole layers ``full_layer_ids`` plus ``select_module``.
-
-    ``mode`` follows from what is there (select if any module is selected,
-    else full if any layer is, else None); ``exclude_op`` is dropped when
-    nothing is recomputed, where it would have no effect.
-    """
-    if select_module:
-        section = {"mode": "select", "select_module": select_module}
-        if full_layer_ids:
-            section["full_recompute_layer"] = format_layer_specs(full_layer_ids)
-    elif full_layer_ids:
-        section = {"mode": "full", "full_recompute_layer": format_layer_specs(full_layer_ids)}
-    else:
-        return {"mode": "None"}
-    if exclude_op:
-        section["exclude_op"] = exclude_op
-    return section
 
 
 def _paths_to_layers(layer_plans, attr):
@@ -204,17 +181,22 @@ def _paths_to_layers(layer_plans, attr):
     return {path: format_layer_specs(ids) for path, ids in by_path.items()}
 
 
-class _Planner:
-    """One planning pass; holds per-call state only (nothing survives the call)."""
+class _PlanPass:
+    """One pass of ``plan_ac`` over a config; holds per-call state only (nothing survives the call).
 
-    def __init__(self, config, stack, pp, match_patterns=True):
+    ``stack`` is the model's ``LayerStack``; without one (``validate`` with a
+    layer count) only the rules that need no cell are checked: layer-spec and
+    prefetch bounds, full recompute vs layer swap.
+    """
+
+    def __init__(self, config, pp, num_layers, stack=None):
         self.config, self.stack, self.pp = config, stack, pp
-        self.match_patterns = match_patterns
-        self.num_layers = stack.num_layers
+        self.match_patterns = stack is not None
+        self.num_layers = num_layers
         self.inventories = {}
         self.matches, self.warnings = [], []
         self.budget = MatchBudget()
-        self.plans = {i: LayerPlan(i) for i in stack.layer_ids}
+        self.plans = {i: LayerPlan(i) for i in (stack.layer_ids if stack is not None else range(num_layers))}
 
     def warn(self, message):
         self.warnings.append(message)
@@ -233,7 +215,7 @@ class _Planner:
         layer_ids = self.layer_ids(specs, field_path)
         if not self.match_patterns:
             return {}
-        local = [i for i in layer_ids if self.stack.holds(i)]
+        local = [i for i in layer_ids if i in self.plans]
         found = {i: match_entries(pattern, self.inventory(i), field_path, self.budget) for i in local}
         self.matches.append(PatternMatch(field_path, pattern, tuple(layer_ids),
                                          {i: [e.path for e in es] for i, es in found.items()}))
@@ -304,14 +286,14 @@ class _Planner:
             if rc.exclude_op:
                 self.warn("recompute.exclude_op has no effect when recompute.mode is None")
             return
-        if rc.mode == "full" and rc.select_module:
+        if rc.mode == RecomputeMode.FULL and rc.select_module:
             self.warn("recompute.select_module is ignored when recompute.mode is full")
         full = set()
         if rc.full_recompute_layer is not None:
             full = set(self.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"))
         for i in full & set(self.plans):
             self.plans[i].full_recompute = True
-        if rc.mode == "select":
+        if rc.mode == RecomputeMode.SELECT:
             chosen = {i: [] for i in self.plans}
             for pattern, specs in rc.select_module.items():
                 for i, entries in self.match(item_field("recompute.select_module", pattern), pattern,
@@ -376,7 +358,7 @@ class _Planner:
                                                        f"model with {self.num_layers} layers, got {quote(p)}")
         for k, entry in enumerate(sc.layer_swap or ()):
             field_path = f"swap.layer_swap[{k}].layers"
-            for i in self.layer_ids(entry["layers"], field_path):
+            for i in self.layer_ids(entry.layers, field_path):
                 self.check_prefetch_bound(i, field_path)
                 if i not in self.plans:
                     continue
@@ -388,9 +370,9 @@ class _Planner:
                 lp.layer_swap, lp.prefetch_layer = True, i + p
         for k, entry in enumerate(sc.op_swap or ()):
             field_path = f"swap.op_swap[{k}]"
-            for i in self.layer_ids(entry["layers"], f"{field_path}.layers"):
+            for i in self.layer_ids(entry.layers, f"{field_path}.layers"):
                 self.check_prefetch_bound(i, f"{field_path}.layers")
-            for i, entries in self.match(f"{field_path}.op_name", entry["op_name"], entry["layers"]).items():
+            for i, entries in self.match(f"{field_path}.op_name", entry.op_name, entry.layers).items():
                 self.add_op_swap(i, drop_covered(entries), field_path)
 
     def check_prefetch_bound(self, layer_id, field_path):
@@ -454,8 +436,7 @@ def check_layer_ids(config, num_layers, pp=1):
         return {}
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
         raise ConfigError("num_layers", f"expected an integer in [1, {MAX_LAYERS}], got {quote(num_layers)}")
-    stack = LayerStack([None] * num_layers, "<count only>", None, 0, num_layers)
-    return _Planner(config, stack, pp, match_patterns=False).plan()
+    return _PlanPass(config, pp, num_layers).plan()
 
 
 def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
@@ -475,7 +456,7 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
     stack = find_layer_stack(model, layers)
-    planner = _Planner(config, stack, pp)
+    planner = _PlanPass(config, pp, stack.num_layers, stack)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,
                   layer_path=stack.path, pp=pp, matches=planner.matches, warnings=planner.warnings)

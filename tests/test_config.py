@@ -1,9 +1,13 @@
+import os
 import textwrap
 
 import pytest
+import yaml
 
 import mindformers_ac as mac
 from mindformers_ac import AcConfig, ConfigError, RecomputeConfig, RecomputeCommConfig, SwapConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write(tmp_path, text, name="cfg.yaml"):
@@ -172,3 +176,60 @@ def test_public_names_exist():
     for name in ("RecomputeConfig", "RecomputeCommConfig", "SwapConfig", "AcConfig", "ConfigError",
                  "parse_layer_specs", "get_single_layer_whitelist", "plan_ac", "CheckpointPolicy"):
         assert hasattr(mac, name), name
+
+
+# -- typed entries and one to_dict per section ----------------------------------------------------
+
+SECTION_SAMPLES = [
+    mac.RecomputeConfig(),
+    mac.RecomputeConfig(mode="full", full_recompute_layer=["0-3", 5], exclude_op=["AllGather"]),
+    mac.RecomputeConfig(mode="select", full_recompute_layer=[0], select_module={r".*mlp": ["1-2"]},
+                        exclude_op={r".*softmax": [0]}),
+    mac.RecomputeCommConfig(),
+    mac.RecomputeCommConfig(enable=True, select_module={r".*\.all_gather": ["0-3"]}),
+    mac.SwapConfig(),
+    mac.SwapConfig(enable=True, default_prefetch=2, layer_swap=[{"layers": ["0-1"]}, {"layers": [3]}],
+                   op_swap=[{"op_name": r".*attention", "layers": [4]}]),
+]
+
+
+@pytest.mark.parametrize("section", SECTION_SAMPLES, ids=lambda s: f"{type(s).__name__}")
+def test_every_section_round_trips_through_its_dict(section):
+    data = section.to_dict()
+    assert type(section).from_dict(data) == section
+    assert yaml.safe_load(yaml.safe_dump(data)) == data   # plain YAML data: no enum or entry objects
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(REPO, "configs"))))
+def test_shipped_configs_round_trip(name):
+    config = mac.AcConfig.from_yaml(os.path.join(REPO, "configs", name))
+    assert mac.AcConfig.from_dict(config.to_dict()) == config
+    assert mac.AcConfig.from_dict(yaml.safe_load(config.to_yaml())) == config
+
+
+def test_modes_and_swap_entries_are_typed():
+    from mindformers_ac.config import LayerSwapEntry, OpSwapEntry, RecomputeMode
+    config = mac.AcConfig.from_dict({"recompute": {"mode": "full", "full_recompute_layer": [0]},
+                                     "swap": {"enable": True, "op_swap": [{"op_name": "mlp", "layers": [1]}],
+                                              "layer_swap": [{"layers": [2]}]}})
+    assert config.recompute.mode is RecomputeMode.FULL and config.recompute.mode == "full"
+    assert f"{config.recompute.mode}" == "full" and mac.RecomputeConfig(mode=None).mode is RecomputeMode.NONE
+    entry, = config.swap.op_swap
+    assert isinstance(entry, OpSwapEntry) and (entry.op_name, entry.layers) == ("mlp", [1])
+    assert entry == {"op_name": "mlp", "layers": [1]} and entry["layers"] == [1]   # still reads as the mapping
+    assert isinstance(config.swap.layer_swap[0], LayerSwapEntry)
+
+
+def test_plan_writers_share_the_section_dicts(gpt8):
+    """plan_ac's YAML and the planner's both come from AcConfig.to_dict: every swap field is written."""
+    from mindformers_ac.planner.solver import Option, OptionKind, option_sections
+    config = mac.AcConfig.from_dict({"swap": {"enable": True, "default_prefetch": 2,
+                                              "layer_swap": [{"layers": ["0-1"]}],
+                                              "op_swap": [{"op_name": r"self_attention", "layers": [4]}]}})
+    written = mac.plan_ac(gpt8, config=config).to_dict()
+    assert mac.AcConfig.from_dict(written).to_dict() == written
+    assert written["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": ["0-1"]}],
+                               "op_swap": [{"op_name": "self_attention", "layers": [4]}]}
+    sections = option_sections({0: Option("layer swap", OptionKind.SWAP), 1: Option("full", OptionKind.FULL)}, prefetch=2)
+    assert sections["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": [0]}]}
+    assert sections["recompute"] == {"mode": "full", "full_recompute_layer": [1]}

@@ -23,6 +23,7 @@ from mindspore.graph.api import _pynative_executor
 from mindspore import nn
 
 import mindformers_ac as mac
+from mindformers_ac.recompute import wrap_op_output
 from mindformers_ac.recompute.state import ENGINE
 from mindformers_ac.tensors import storage_nbytes
 
@@ -254,7 +255,7 @@ def test_reading_a_kept_write_before_it_raises_naming_both_ops():
 def test_output_recompute_of_a_stateful_op_keeps_its_output(baselines, caplog):
     pattern = PATTERNS["batchnorm"]
     model = pattern.build()
-    handles = [mac.wrap_op_output(layer, "bn", scope=layer) for layer in model.layers]
+    handles = [wrap_op_output(layer, "bn", scope=layer) for layer in model.layers]
     with caplog.at_level(logging.WARNING, logger="mindformers_ac.recompute"):
         history = run_steps(model, pattern.batch)
     assert first_difference(baselines("batchnorm"), history) is None

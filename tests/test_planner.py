@@ -10,16 +10,16 @@ from mindformers_ac import AcConfig, ConfigError, plan_ac
 from mindformers_ac.accounting import measure_step
 from mindformers_ac.apply import apply_ac, remove_ac
 from mindformers_ac.plan import check_layer_ids
-from mindformers_ac.planner.solver import (FULL, NONE, SELECT, SWAP, BudgetPlan, Option, Profile, minimum_peak,
+from mindformers_ac.planner.solver import (BudgetPlan, Option, OptionKind, Profile, minimum_peak,
                                     option_sections, parse_budget, plan_budget, solve)
 from mindformers_ac.harness.models import GPTConfig
 from mindformers_ac.harness.train import TrainSpec
 from mindformers_ac.planner.profile import candidate_options, profile_reference
 
 MiB = 2 ** 20
-OPTS = [Option("none", NONE), Option("select mlp", SELECT, select=("mlp",)),
-        Option("select self_attention", SELECT, select=("self_attention",)),
-        Option("full", FULL), Option("layer swap", SWAP)]
+OPTS = [Option("none", OptionKind.NONE), Option("select mlp", OptionKind.SELECT, select=("mlp",)),
+        Option("select self_attention", OptionKind.SELECT, select=("self_attention",)),
+        Option("full", OptionKind.FULL), Option("layer swap", OptionKind.SWAP)]
 
 
 def synthetic(num_layers, rng, prefetch=1, other=1000):
@@ -131,7 +131,7 @@ def _swap_is_best(num_layers, prefetch):
 def test_swap_only_where_the_prefetch_bound_allows(prefetch):
     p = _swap_is_best(6, prefetch)
     plan = plan_budget(p, 2000)
-    swapped = [i for i, o in plan.options.items() if o.kind == SWAP]
+    swapped = [i for i, o in plan.options.items() if o.kind == OptionKind.SWAP]
     assert swapped == list(range(6 - prefetch))
     sections = plan.sections()
     assert sections["swap"]["default_prefetch"] == prefetch
@@ -141,7 +141,7 @@ def test_swap_only_where_the_prefetch_bound_allows(prefetch):
 def test_no_swap_with_pipeline_parallelism():
     p = _swap_is_best(6, 1)
     plan = plan_budget(p, 2500, pp=2)
-    assert all(o.kind != SWAP for o in plan.options.values())
+    assert all(o.kind != OptionKind.SWAP for o in plan.options.values())
     assert plan.predicted_peak <= 2500
     check_layer_ids(AcConfig.from_dict(plan.sections()), 6, pp=2)
 
@@ -180,9 +180,9 @@ def _layer_options(plan):
 
 
 def _expected(option):
-    if option.kind == SELECT:
+    if option.kind == OptionKind.SELECT:
         return ("select", option.select)
-    if option.kind == FULL:
+    if option.kind == OptionKind.FULL:
         return ("full", option.exclude)
     return (option.kind,)
 

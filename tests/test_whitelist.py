@@ -1,11 +1,11 @@
-import logging
+from types import SimpleNamespace
 
 import pytest
 from mindspore import mint, nn, ops
 
 import mindformers_ac as mac
 from mindformers_ac import ConfigError
-from mindformers_ac.matching import drop_covered, fullmatch, match_entries
+from mindformers_ac.matching import drop_covered, match_entries
 from mindformers_ac.whitelist import layer_inventory
 
 
@@ -92,4 +92,4 @@ def test_parent_covers_children(gpt8):
 
 def test_catastrophic_pattern_times_out_with_config_error():
     with pytest.raises(ConfigError, match=r"^recompute\.select_module\['\(a\|aa\)\+b'\]: .*catastrophic"):
-        fullmatch("(a|aa)+b", "a" * 40, "recompute.select_module['(a|aa)+b']")
+        match_entries("(a|aa)+b", [SimpleNamespace(path="a" * 40)], "recompute.select_module['(a|aa)+b']")

@@ -19,7 +19,7 @@ import logging
 import sys
 from importlib import resources
 
-from ..config import AcConfig
+from ..config import AcConfig, RecomputeMode
 from ..errors import ConfigError, quote
 from .train import RunFailed
 
@@ -39,7 +39,7 @@ def _summary(config):
     lines = [f"recompute: mode={rc.mode}"]
     if rc.full_recompute_layer is not None:
         lines.append(f"  full_recompute_layer: {list(rc.full_recompute_layer)}")
-    for pattern, specs in (rc.select_module or {}).items() if rc.mode == "select" else ():
+    for pattern, specs in (rc.select_module or {}).items() if rc.mode == RecomputeMode.SELECT else ():
         lines.append(f"  select {pattern!r}: {list(specs)}")
     if rc.exclude_op:
         lines.append(f"  exclude_op: {rc.exclude_op}")
@@ -48,8 +48,8 @@ def _summary(config):
         lines.append(f"  select {pattern!r}: {list(specs)}")
     lines.append(f"swap: enable={swap.enable} default_prefetch={swap.default_prefetch}")
     if swap.enable:
-        lines += [f"  layer_swap: {list(e['layers'])}" for e in swap.layer_swap or ()]
-        lines += [f"  op_swap {e['op_name']!r}: {list(e['layers'])}" for e in swap.op_swap or ()]
+        lines += [f"  layer_swap: {list(e.layers)}" for e in swap.layer_swap or ()]
+        lines += [f"  op_swap {e.op_name!r}: {list(e.layers)}" for e in swap.op_swap or ()]
     return "\n".join(lines)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..layer_specs import swappable_layers
-from .solver import FULL, NONE, SELECT, SWAP, Option, Profile
+from .solver import Option, OptionKind, Profile
 
 # Class names whose outputs "full recompute, keep matmul outputs" keeps: the
 # expensive ops of a transformer layer, whose outputs are small next to what
@@ -57,12 +57,12 @@ def candidate_options(layer):
     entries = layer_inventory(layer)
     composites = [e.path for e in entries if e.kind == "cell" and e.path.count(".") <= 1
                   and len(list(cells[e.path].cells_and_names())) > 1]
-    options = [Option("none", NONE)]
-    options += [Option(f"select {p}", SELECT, select=(p,)) for p in composites]
+    options = [Option("none", OptionKind.NONE)]
+    options += [Option(f"select {p}", OptionKind.SELECT, select=(p,)) for p in composites]
     top = tuple(p for p in composites if "." not in p)
     if len(top) > 1:
-        options.append(Option("select " + " + ".join(top), SELECT, select=top))
-    options.append(Option("full", FULL))
+        options.append(Option("select " + " + ".join(top), OptionKind.SELECT, select=top))
+    options.append(Option("full", OptionKind.FULL))
     keep = []
     for e in entries:
         if e.kind == "cell" and type(cells[e.path]).__name__ in _MATMUL_CELLS:
@@ -72,8 +72,8 @@ def candidate_options(layer):
             if type(getattr(owner, e.attr, None)).__name__ in _MATMUL_OPS:
                 keep.append(e.path)
     if keep:
-        options.append(Option("full, keep matmuls", FULL, exclude=tuple(keep)))
-    options.append(Option("layer swap", SWAP))
+        options.append(Option("full, keep matmuls", OptionKind.FULL, exclude=tuple(keep)))
+    options.append(Option("layer swap", OptionKind.SWAP))
     return options
 
 
@@ -118,9 +118,9 @@ class OptionRun:
 
 
 def _applied_layers(option, num_layers, prefetch):
-    if option.kind == NONE:
+    if option.kind == OptionKind.NONE:
         return []
-    if option.kind == SWAP:
+    if option.kind == OptionKind.SWAP:
         return list(swappable_layers(num_layers, prefetch))
     return list(range(num_layers))
 
@@ -150,7 +150,7 @@ def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.
                                                    f"{num_layers} layers, got {prefetch!r}")
     if options is None:
         options = candidate_options(stack.cell(stack.layer_ids[0]))
-    options = [o for o in options if not (o.kind == SWAP and not swappable_layers(num_layers, prefetch))]
+    options = [o for o in options if not (o.kind == OptionKind.SWAP and not swappable_layers(num_layers, prefetch))]
     del probe
     runs = []
     try:
@@ -190,7 +190,7 @@ def measure_configs(factory, configs, *, layers=None, steps=12, warmup=2, lr=0.0
 
 
 def _profile_from_runs(runs, num_layers, prefetch, description):
-    base = next(r for r in runs if r.option.kind == NONE)
+    base = next(r for r in runs if r.option.kind == OptionKind.NONE)
     base_time = statistics.median(base.times)
     k_opts = len(runs)
     mem = np.full((num_layers, k_opts), np.nan)
@@ -198,21 +198,21 @@ def _profile_from_runs(runs, num_layers, prefetch, description):
     transient = np.zeros((num_layers, k_opts))
     offloaded = 0
     for k, run in enumerate(runs):
-        applied = _applied_layers(run.option, num_layers, prefetch) if run.option.kind != NONE \
+        applied = _applied_layers(run.option, num_layers, prefetch) if run.option.kind != OptionKind.NONE \
             else list(range(num_layers))
         delta = statistics.median(run.times) - base_time
         layers = run.memory.layers
         weights = np.array([layers[i].offloaded_bytes for i in applied], float) \
-            if run.option.kind == SWAP else np.ones(len(applied))
-        if run.option.kind == SWAP:
+            if run.option.kind == OptionKind.SWAP else np.ones(len(applied))
+        if run.option.kind == OptionKind.SWAP:
             offloaded = float(weights.sum())
         weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(applied), 1 / len(applied))
         for w, i in zip(weights, applied):
             mem[i, k] = layers[i].kept_bytes
             transient[i, k] = layers[i].recomputed_bytes
-            cost[i, k] = 0.0 if run.option.kind == NONE else delta * w
+            cost[i, k] = 0.0 if run.option.kind == OptionKind.NONE else delta * w
     bandwidth = host_copy_bandwidth()
-    swap_delta = sum(np.nansum(cost[:, k]) for k, r in enumerate(runs) if r.option.kind == SWAP)
+    swap_delta = sum(np.nansum(cost[:, k]) for k, r in enumerate(runs) if r.option.kind == OptionKind.SWAP)
     raw_copy = 2 * offloaded / bandwidth   # offload in forward + load back in backward
     overlap = float(np.clip(1 - swap_delta / raw_copy, 0, 1)) if raw_copy > 0 else None
     return Profile(options=[r.option for r in runs], mem=mem, time=cost, transient=transient,

@@ -1,6 +1,6 @@
 """Memory-budget planner: choose one AC option per layer so activation memory fits a budget.
 
-The input is a ``Profile`` (measured by ``planner_profile.profile_model``):
+The input is a ``Profile`` (measured by ``planner.profile.profile_model``):
 per layer ``l`` and option ``k``, ``mem[l, k]`` bytes kept for backward at the
 end of forward and ``time[l, k]`` seconds added to a training step. The cost
 model is additive:
@@ -24,6 +24,7 @@ excluded; options are exclusive per layer, so recompute and swap never share
 a layer. ``BudgetPlan.sections()`` writes the ``recompute``,
 ``recompute_comm`` and ``swap`` sections ``apply_ac`` and ``train`` take.
 """
+import enum
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,10 +33,17 @@ import yaml
 
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
-from ..plan import recompute_section
+from ..config import config_for_layers
 from ..tensors import MiB
 
-NONE, SELECT, FULL, SWAP = "none", "select", "full", "swap"
+class OptionKind(str, enum.Enum):
+    """What an ``Option`` does to a layer."""
+
+    NONE = "none"
+    SELECT = "select"
+    FULL = "full"
+    SWAP = "swap"
+
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,7 @@ class Option:
     """
 
     name: str
-    kind: str
+    kind: OptionKind
     select: tuple = ()
     exclude: tuple = ()
 
@@ -89,7 +97,7 @@ class Profile:
         p = self.prefetch if prefetch is None else prefetch
         ok = ~np.isnan(self.mem)
         for k, option in enumerate(self.options):
-            if option.kind == SWAP:
+            if option.kind == OptionKind.SWAP:
                 ok[:, k] &= (pp == 1) & np.isin(np.arange(self.num_layers), swappable_layers(self.num_layers, p))
         return ok
 
@@ -279,27 +287,23 @@ def option_sections(options, prefetch=1):
     layers; both full and select layers give ``mode: select`` with
     ``full_recompute_layer``.
     """
-    by = {}
+    full, swapped, select, exclude = [], [], {}, {}
     for i, option in sorted(options.items()):
-        if option.kind == SELECT:
+        if option.kind == OptionKind.SELECT:
             for path in option.select:
-                by.setdefault(("select", _pattern([path])), []).append(i)
-        elif option.kind == FULL:
-            by.setdefault(("full", None), []).append(i)
+                select.setdefault(_pattern([path]), []).append(i)
+        elif option.kind == OptionKind.FULL:
+            full.append(i)
             if option.exclude:
-                by.setdefault(("exclude", _pattern(option.exclude)), []).append(i)
-        elif option.kind == SWAP:
-            by.setdefault(("swap", None), []).append(i)
-        elif option.kind != NONE:
-            raise ValueError(f"unknown option kind {option.kind!r}")
-    select = {key: format_layer_specs(ids) for (kind, key), ids in by.items() if kind == "select"}
-    exclude = {key: format_layer_specs(ids) for (kind, key), ids in by.items() if kind == "exclude"}
-    recompute = recompute_section(by.get(("full", None)), select, exclude)
-    swapped = by.get(("swap", None))
-    swap = {"enable": bool(swapped), "default_prefetch": prefetch}
-    if swapped:
-        swap["layer_swap"] = [{"layers": format_layer_specs(swapped)}]
-    return {"recompute": recompute, "recompute_comm": {"enable": False}, "swap": swap}
+                exclude.setdefault(_pattern(option.exclude), []).append(i)
+        elif option.kind == OptionKind.SWAP:
+            swapped.append(i)
+    return config_for_layers(full=full, select_module=_specs(select), exclude_op=_specs(exclude),
+                             layer_swap=swapped, default_prefetch=prefetch).to_dict()
+
+
+def _specs(ids_by_pattern):
+    return {pattern: format_layer_specs(ids) for pattern, ids in ids_by_pattern.items()}
 
 
 def minimum_peak(profile, prefetch=None, pp=1):

@@ -56,7 +56,7 @@ import numpy as np
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn
-from mindspore.graph.api import _pynative_executor as _executor
+from ..mindspore_compat import pynative_executor as _executor
 from mindspore.ops import Primitive
 
 from ..tensors import is_tracked, storage_info

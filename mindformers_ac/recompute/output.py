@@ -23,7 +23,7 @@ import weakref
 
 import mindspore as ms
 from mindspore import Tensor, nn
-from mindspore.graph.api import _pynative_executor as _executor
+from ..mindspore_compat import no_grad, pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
@@ -90,7 +90,7 @@ class _OutputRecord:
             refuse_higher_order()
             ENGINE.enter_recompute()
             try:
-                with ms._no_grad():   # the backward must not record a graph for the re-run
+                with no_grad():   # the backward must not record a graph for the re-run
                     self.result = output_tensors(self.target.call_original(*self.args, **self.kwargs))
             finally:
                 ENGINE.exit_recompute()

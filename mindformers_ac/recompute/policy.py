@@ -20,9 +20,5 @@ class CheckpointPolicy(enum.Enum):
     MUST_SWAP = "must_swap"
 
     @property
-    def saves(self):
-        return self in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
-    @property
     def recomputes(self):
         return self in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)

@@ -13,8 +13,9 @@ import logging
 import re
 
 import numpy as np
-import mindspore as ms
 from mindspore import Tensor, ops
+
+from ..mindspore_compat import no_grad
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -23,7 +24,6 @@ RANDOM_OP_PATTERN = re.compile(
     r"dropout|uniform|normal(?!ize)|random|bernoulli|multinomial|randperm|randint|randn|^rand|"
     r"^gamma|poisson|shuffle|seed", re.IGNORECASE)
 
-FORWARD, RECOMPUTE, REPLAY = "forward", "recompute", "replay"
 
 # A random primitive with this attribute set to True promises that calling it again on the same
 # inputs draws the same output (a fresh primitive with explicit seeds: a counter-based RNG).
@@ -61,7 +61,7 @@ class DropoutFormulaCheck:
             mn = mask.asnumpy()
             ok = bool(np.isin(mn, (0, 1)).all())
             if ok:
-                with ms._no_grad():   # a check, not part of the graph
+                with no_grad():   # a check, not part of the graph
                     rebuilt = dropout_formula(x, mask, keep_prob)
                 ok = np.array_equal(rebuilt.asnumpy(), out.asnumpy())
             self._ok[key] = ok

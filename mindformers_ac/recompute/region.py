@@ -11,7 +11,7 @@ import weakref
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, ops
-from mindspore.graph.api import _pynative_executor as _executor
+from ..mindspore_compat import pynative_executor as _executor
 
 from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, storage_info
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun

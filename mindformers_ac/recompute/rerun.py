@@ -9,7 +9,7 @@ save what they saved in forward and the hooks can collect it.
 import contextlib
 
 from mindspore import ops
-from mindspore.graph.api import _pynative_executor as _executor
+from ..mindspore_compat import pynative_executor as _executor
 
 from .saved import SwappedTensor
 from .state import ENGINE, FORWARD, RECOMPUTE

@@ -30,10 +30,10 @@ All parameter arguments are copied, not only the written ones: the
 primitive's signature can't tell them apart (BatchNorm marks gamma and beta
 writable too).
 """
-import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from mindspore.ops import Primitive
 
+from ..mindspore_compat import no_grad
 from ..tensors import is_tracked
 
 SNAPSHOT, KEEP = "snapshot", "keep"
@@ -125,13 +125,13 @@ class StateSnapshot:
         items = [_item(args, pos) for pos in self.slots]
         self.ptrs = slot_ptrs(args, self.slots)
         self.tracked = [is_tracked(t) for t in items]
-        with ms._no_grad():   # pylint: disable=protected-access  # a copy, not part of the graph
+        with no_grad():   # a copy, not part of the graph
             self.copies = [ops.deepcopy(t) for t in items]
         self.nbytes = sum(int(c.nbytes) for c in self.copies)
 
     def fresh(self, k):
         """A new copy of tensor ``k`` as it was before the forward's write."""
-        with ms._no_grad():   # pylint: disable=protected-access
+        with no_grad():
             c = ops.deepcopy(self.copies[k])
         if self.tracked[k]:
             c.requires_grad_()

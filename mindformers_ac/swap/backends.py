@@ -27,7 +27,6 @@ Two backends share one small interface, used only by ``SwapExecutor``:
 ``select_backend()`` picks one from ``ms.get_context("device_target")``.
 """
 import ctypes
-import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +34,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
+from ..mindspore_compat import pynative_executor
 
 
 class UnsupportedTensorError(TypeError):
@@ -134,12 +134,6 @@ class HostBufferPool:
             self.in_use_bytes -= nbytes
             self._free.setdefault(nbytes, []).append(buf)
 
-    def clear(self):
-        """Drop every idle buffer; buffers in use stay counted until released."""
-        with self._lock:
-            for size, bucket in self._free.items():
-                self.total_bytes -= size * len(bucket)
-            self._free.clear()
 
     def stats(self):
         with self._lock:
@@ -232,8 +226,7 @@ class HostCopyBackend:
 
         The PyNative executor's sync: ``ms.runtime.synchronize()`` is refused on CPU.
         """
-        from mindspore.graph.api import _pynative_executor   # pylint: disable=import-outside-toplevel
-        _pynative_executor.sync()
+        pynative_executor.sync()
 
     @staticmethod
     def alloc_host(nbytes):

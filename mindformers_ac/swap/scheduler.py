@@ -20,7 +20,6 @@ Per saved tensor, in order:
    until the group closes (so its address cannot be reused by a new tensor
    while the dedup table is live), then verified and dropped.
 """
-import logging
 import weakref
 
 import mindspore as ms
