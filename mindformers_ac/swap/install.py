@@ -18,10 +18,10 @@ import logging
 import weakref
 
 from mindspore import nn
-from mindspore.graph.api import _pynative_executor as _executor
 
 from ..construct_patch import ConstructPatch, bracket_calls
 from ..layer_specs import swappable_layers
+from ..mindspore_compat import pynative_executor as _executor
 from ..tensors import is_tracked, tensor_leaves, tensor_storage_ptrs
 from ..whitelist import sub_cell
 from .executor import SwapExecutor
