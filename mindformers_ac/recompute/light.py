@@ -55,7 +55,7 @@ from ..tensors import is_tracked, storage_info
 from .dispatch import REBUILD
 from .random_ops import DropoutRecord
 from .region import run_region
-from .rerun import RerunOnce, SavedInput, recompute_graph, recompute_input
+from .rerun import RerunOnce, SavedInput, forward_precision, own_ops, recompute_graph, recompute_input
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
@@ -177,8 +177,8 @@ def run_checkpoint(fn, args, kwargs, profiles, root, **options):
     key = profiles.key(root, args, kwargs)
     profile = profiles.lookup(key) if key is not None else None
     if profile is not None and profile.ok:
-        return LightRegion(fn, profile, profiles, key, options["stats"], options["context_fn"]).run_forward(
-            args, kwargs)
+        return LightRegion(fn, profile, profiles, key, options["stats"], options["context_fn"],
+                           forward_precision(root)).run_forward(args, kwargs)
     if key is not None and profile is None:
         options["profile"] = profiles.start(key)
     return run_region(fn, args, kwargs, root=root, **options)
@@ -249,9 +249,10 @@ class LightRegion(RerunOnce):
 
     tracker = None   # path tracking is for policies, and a light region has none
 
-    def __init__(self, fn, profile, profiles, key, stats, context_fn):
+    def __init__(self, fn, profile, profiles, key, stats, context_fn, precision):
         super().__init__()   # children: regions nested in the forward (none when the profile held)
         self.fn, self.profile, self.stats, self.context_fn = fn, profile, stats, context_fn
+        self.precision = precision   # the mixed-precision type of the forward (see rerun)
         self._profiles, self._key = profiles, key
         self.inputs = None
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
@@ -298,8 +299,9 @@ class LightRegion(RerunOnce):
         run = _LightRun(self, FORWARD)
         ENGINE.push(run)
         try:
-            self.inputs = (tuple(self._save_input(a) for a in args),
-                           {k: self._save_input(v) for k, v in kwargs.items()})
+            with own_ops():
+                self.inputs = (tuple(self._save_input(a) for a in args),
+                               {k: self._save_input(v) for k, v in kwargs.items()})
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
                 out = self.fn(*args, **kwargs)
         finally:
@@ -393,7 +395,7 @@ class LightRegion(RerunOnce):
         args = tuple(recompute_input(a) for a in args)
         kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
         collector = self._collector = _Collector()
-        with recompute_graph(run), self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
             self.fn(*args, **kwargs)
             saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
             self._collector = None

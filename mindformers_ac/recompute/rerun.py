@@ -5,10 +5,19 @@ saved inputs are detached and tracked exactly as in forward
 (``recompute_input``), and the function runs with gradient recording on, in a
 new graph that is never backpropagated (``recompute_graph``), so that its ops
 save what they saved in forward and the hooks can collect it.
+
+Mixed precision: in PyNative, ``Cell.to_float`` and amp O2/O3 set a type on
+cells (``mixed_precision_type``) that ``Cell.__call__`` pushes on the
+executor around ``construct``; every op run meanwhile gets its float inputs
+cast (the forward dispatches those Casts as ops). A recompute calls the
+region's function from backward, outside that ``__call__``, so it must push
+the same type itself (``forward_precision`` at forward, ``under_precision``
+around every re-run); sub-cells called inside push their own, as in forward.
 """
 import contextlib
 
 from mindspore import ops
+from mindspore._c_expression import MixedPrecisionType
 from mindspore.graph.api import _pynative_executor as _executor
 
 from .saved import SwappedTensor
@@ -45,9 +54,57 @@ def recompute_input(a):
     return a
 
 
+def forward_precision(cell):
+    """The mixed-precision type the forward of a region rooted at ``cell`` runs under, or None.
+
+    It is the one ``cell.__call__`` pushed right before the region's function
+    ran: the cell's own ``mixed_precision_type``. ``to_float`` and amp O2/O3
+    set it on every cell of the tree (recursively), so a layer or module has
+    it whenever the model runs in mixed precision. A type set on an ancestor
+    alone (not through those APIs) is not seen: the recompute then runs
+    without the forward's Casts and fails with a "diverged" error naming the
+    Cast (``describe_divergence``).
+    """
+    return getattr(cell, "mixed_precision_type", None) if cell is not None else None
+
+
 @contextlib.contextmanager
-def recompute_graph(run):
-    """Run a region's function again as ``run``: recording on, in a new graph, restored on every exit path."""
+def under_precision(precision):
+    """Run a re-run under the forward's mixed-precision type (None: leave the executor's as it is)."""
+    if precision is None:
+        yield
+        return
+    _executor.set_mixed_precision_type(precision)
+    try:
+        yield
+    finally:
+        _executor.set_mixed_precision_type(MixedPrecisionType.NOTSET, False)   # pops the push above
+
+
+def own_ops():
+    """Around ops the engine runs for itself (copies of inputs and of written tensors): no inserted Casts.
+
+    In forward they run inside the region cell's ``__call__``, where a mixed-
+    precision type would cast a saved fp32 input to fp16: the recompute would
+    then see other inputs than the forward's ops did.
+    """
+    return under_precision(MixedPrecisionType.NOTSET)
+
+
+def divergence_hint(forward_op, recompute_op):
+    """What to add to a "diverged" message when the two runs differ by an inserted Cast."""
+    if "Cast" not in (forward_op, recompute_op):
+        return ""
+    return (" The runs differ by a Cast: the region's forward and recompute ran under different mixed-"
+            "precision types. The recompute uses the region cell's own type (set by to_float / amp O2/O3 "
+            "on every cell); a type set on an enclosing cell only is not seen: call to_float on the "
+            "region's cell as well.")
+
+
+@contextlib.contextmanager
+def recompute_graph(run, precision=None):
+    """Run a region's function again as ``run``: recording on, in a new graph, under the forward's
+    mixed-precision type ``precision``; everything restored on every exit path."""
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     ENGINE.enter_recompute()
     ENGINE.push(run)
@@ -56,7 +113,8 @@ def recompute_graph(run):
         _executor.set_enable_grad(True)
         _executor.new_empty_graph()
         try:
-            yield
+            with under_precision(precision):
+                yield
         finally:
             _executor.end_empty_graph()
     finally:
