@@ -22,7 +22,7 @@ The dispatch only numbers ops and asks its region (``Region.decide``,
 """
 from mindspore.utils import MsDispatchMode
 
-from .rerun import divergence_hint
+from .rerun import divergence_hint, own_ops
 from .saved import Token
 from .side_effects import may_write
 from .state import ENGINE, FORWARD
@@ -191,7 +191,12 @@ class RegionDispatch(MsDispatchMode):
         if decision is None:
             region.stats.count_rerun(name)
             if region.written:
-                args = region.rerun_args(run, idx, name, args)
+                served = region.rerun_args(run, idx, name, args)
+                if served is not args:
+                    # The op's inputs were cast already (mixed precision casts before dispatch); the copies
+                    # that stand in for the Parameters it writes must stay uncast, as those Parameters were.
+                    with own_ops():
+                        return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
         region.stats.ops_reused += 1
         run.last = idx
