@@ -13,6 +13,7 @@ import logging
 
 import regex
 
+from .construct_patch import copied_patch_message, foreign_patches
 from .errors import ConfigError
 from .plan import plan_with_layers
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
@@ -126,6 +127,13 @@ def _install_swap(state, plan, model):
                         lp.layer_id, ", ".join(lp.op_swap), lp.prefetch_layer)
 
 
+def refuse_copied_patches(model):
+    """ConfigError when ``model`` holds cells carrying patches apply_ac made for other cells (a rewritten copy)."""
+    found = foreign_patches(model) if hasattr(model, "cells_and_names") else []
+    if found:
+        raise ConfigError("model", copied_patch_message(*found[0]))
+
+
 def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
     """Plan and install recompute / swap on ``model``; return the executed ``AcPlan``.
 
@@ -137,6 +145,7 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
     Applying twice to one model raises ``ConfigError``; call ``remove_ac``
     first to change the config.
     """
+    refuse_copied_patches(model)
     if ac_state(model) is not None:
         raise ConfigError("model", "apply_ac was already applied to this model; call "
                                    "mindformers_ac.remove_ac(model) first to apply another config")
@@ -157,7 +166,14 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
 
 
 def remove_ac(model):
-    """Undo ``apply_ac``: restore every patched cell and op and stop the swap worker."""
+    """Undo ``apply_ac``: restore every patched cell and op and stop the swap worker.
+
+    Refused (``ConfigError``, nothing changed) on a network rebuilt from the
+    model after ``apply_ac`` (amp O1 rewrites it into new cells that carry
+    copies of the patches): those copies can't be undone; apply mixed
+    precision before ``apply_ac`` instead.
+    """
+    refuse_copied_patches(model)
     state = ac_state(model)
     if state is None:
         raise ConfigError("model", "apply_ac was not applied to this model; nothing to remove")
