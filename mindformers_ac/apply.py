@@ -13,9 +13,8 @@ import logging
 
 import regex
 
-from .construct_patch import copied_patch_message, foreign_patches
 from .errors import ConfigError
-from .plan import plan_with_layers
+from .plan import plan_with_layers, refuse_copied_patches
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
 from .whitelist import sub_cell
@@ -125,13 +124,6 @@ def _install_swap(state, plan, model):
             state.add_undo(inst.remove)
             logger.info("Set op swap at layer %d: %s, prefetched when layer %d starts backward",
                         lp.layer_id, ", ".join(lp.op_swap), lp.prefetch_layer)
-
-
-def refuse_copied_patches(model):
-    """ConfigError when ``model`` holds cells carrying patches apply_ac made for other cells (a rewritten copy)."""
-    found = foreign_patches(model) if hasattr(model, "cells_and_names") else []
-    if found:
-        raise ConfigError("model", copied_patch_message(*found[0]))
 
 
 def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):

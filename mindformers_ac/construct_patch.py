@@ -60,9 +60,10 @@ def copied_patch_message(path, cell, patch):
     where = f"'{path}' " if path else ""
     return (f"cell {where}({type(cell).__name__}) carries the '{patch.kind}' patch that apply_ac installed on another "
             f"cell ({type(patch.cell).__name__}): this network was rebuilt from one apply_ac was applied to (amp "
-            f"O1 and custom_mixed_precision rewrite the network into new cells and copy the patches), so its "
-            f"cells would run the old cells' code and remove_ac could not restore them. Apply mixed precision "
-            f"first, then apply_ac on the network it returns; remove_ac on the original model restores that one")
+            f"O1 and custom_mixed_precision rewrite the network into new cells, copy the patches and put the "
+            f"new cells in the original model too), so its cells would run the old cells' code and remove_ac "
+            f"can't restore them. Rebuild the model, apply mixed precision first, then apply_ac on the network "
+            f"it returns")
 
 
 def find_patch(cell, kind):

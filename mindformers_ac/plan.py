@@ -23,7 +23,9 @@ so a rejected config fails before anything is installed:
   noted on the layer (``LayerPlan.notes``) and logged once;
 * MindSpore's own ``Cell.recompute()`` on a cell the config recomputes, or
   on a cell inside or around such a region: one recompute can't run inside
-  the other.
+  the other;
+* no cell carrying patches that ``apply_ac`` made for another cell (a network
+  rewritten after ``apply_ac``, e.g. by amp O1: apply amp first).
 
 The config is checked again first (fields may have changed since it was
 built), and all pattern matching of one call shares one time budget
@@ -38,6 +40,7 @@ import regex
 import yaml
 
 from .config import AcConfig, resolve_config
+from .construct_patch import copied_patch_message, foreign_patches
 from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import LayerStack, find_layer_stack
@@ -566,6 +569,13 @@ def _self_and_ancestors(path):
     return [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
 
 
+def refuse_copied_patches(model):
+    """ConfigError when ``model`` holds cells carrying patches apply_ac made for other cells (a rewritten copy)."""
+    found = foreign_patches(model) if isinstance(model, ms.nn.Cell) else []
+    if found:
+        raise ConfigError("model", copied_patch_message(*found[0]))
+
+
 def check_pynative():
     """mindformers_ac runs in PyNative mode only: ConfigError naming the mode otherwise."""
     mode = ms.get_context("mode")
@@ -627,6 +637,7 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
     check_pynative()
+    refuse_copied_patches(model)
     stack = find_layer_stack(model, layers)
     planner = _Planner(config, stack, pp, model=model)
     layer_plans = planner.plan()
