@@ -346,8 +346,8 @@ class _Planner:
                                                f"combined on one cell: drop its cell.recompute() call (the "
                                                f"config's recompute is exact, dropout included) or leave it out "
                                                f"of the config")
-                if is_under(path, root) or is_under(root, path):
-                    where = "inside" if is_under(path, root) else "around"
+                if _within(path, root) or _within(root, path):
+                    where = "inside" if _within(path, root) else "around"
                     raise ConfigError("model", f"{_name(path, cell, i)} uses MindSpore's Cell.recompute() "
                                                f"{where} a region the config recomputes ({action(root)}); one "
                                                f"recompute can't run inside the other (backward fails with "
@@ -357,7 +357,7 @@ class _Planner:
         notes = []
         for root, what in [(r, "recomputed") for r in regions] + [(r, "swapped") for r in swapped]:
             for path, cell in cells.items():
-                if path != root and is_under(path, root) and _jit_compiled(cell):
+                if path != root and _within(path, root) and _jit_compiled(cell):
                     notes.append(f"'{path}' ({type(cell).__name__}) runs under ms.jit: the engine sees it "
                                  f"as one op, and what it saves for backward stays in memory (not {what})")
         if notes:
@@ -561,6 +561,11 @@ def _name(path, cell, layer_id=None):
     if not path:
         return f"layer {layer_id} ({type(cell).__name__})"
     return f"layer {layer_id} cell '{path}' ({type(cell).__name__})"
+
+
+def _within(path, root):
+    """``is_under`` for paths inside a layer, where ``''`` is the layer itself (and holds every path)."""
+    return root == "" or is_under(path, root)
 
 
 def _self_and_ancestors(path):

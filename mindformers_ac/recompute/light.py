@@ -9,7 +9,7 @@ saves (and keeps only their shapes and dtypes), the recompute runs the
 function again on the saved inputs and collects what it saves, in order.
 
 A region goes light only after a first call through the full path, per call
-signature (the root cell's training flag, each argument's shape, dtype and
+signature (the root cell's training flag and mixed-precision type, each argument's shape, dtype and
 whether autograd tracks it, other arguments' values), showed that it is safe
 (``LightProfile.validate``):
 
@@ -140,7 +140,8 @@ class LightProfiles:
         def part(v):
             return (v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)) if isinstance(v, Tensor) else v
 
-        parts = [root.training if root is not None else None]
+        # The mixed-precision type changes which Casts run and what is saved (to_float after some steps).
+        parts = [root.training if root is not None else None, forward_precision(root)]
         parts += [part(a) for a in args]
         parts += [(k, part(kwargs[k])) for k in sorted(kwargs)]
         key = tuple(parts)
