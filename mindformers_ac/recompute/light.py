@@ -9,8 +9,9 @@ saves (and keeps only their shapes and dtypes), the recompute runs the
 function again on the saved inputs and collects what it saves, in order.
 
 A region goes light only after a first call through the full path, per call
-signature (the root cell's training flag and mixed-precision type, each argument's shape, dtype and
-whether autograd tracks it, other arguments' values), showed that it is safe
+signature (the root cell's training flag and mixed-precision type, each
+argument's shape, dtype and whether autograd tracks it, other arguments'
+values), showed that it is safe
 (``LightProfile.validate``):
 
 * no policy, no swapped inputs (``checkpoint_wrapper`` without
@@ -396,7 +397,8 @@ class LightRegion(RerunOnce):
         args = tuple(recompute_input(a) for a in args)
         kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
         collector = self._collector = _Collector()
-        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), \
+                ms.saved_tensors_hooks(collector.pack, _keep):
             self.fn(*args, **kwargs)
             saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
             self._collector = None
