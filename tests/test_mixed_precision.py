@@ -32,7 +32,7 @@ import mindformers_ac as mac
 
 from conftest import model_fingerprint
 from model_patterns import B, FFN, H, MLP, PATTERNS, S, Pattern, init_weights, mode_config
-from test_model_patterns import _assert_acted, first_difference, run_steps
+from test_model_patterns import _assert_acted, _install_api, first_difference, run_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AC_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
@@ -97,6 +97,16 @@ def _check(baselines, key, pattern, prepare, mode, order):
 def test_to_float_fp16_is_bitwise_in_every_mode(baselines, mode, order):
     pattern = PATTERNS["int_bool_inputs"]
     _check(baselines, "fp16", pattern, _to_float(ms.float16), mode, order)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint_api", "swap_api"])
+def test_to_float_fp16_through_the_checkpoint_and_swap_api(baselines, mode):
+    pattern = PATTERNS["int_bool_inputs"]
+    model = pattern.build().to_float(ms.float16)
+    counter = _install_api(mode, model)
+    history = run_steps(model, pattern.batch)
+    assert first_difference(baselines("fp16", pattern, _to_float(ms.float16)), history) is None
+    _assert_acted(mode, model, counter)
 
 
 @pytest.mark.slow
