@@ -319,3 +319,25 @@ def test_forward_of_a_network_rewritten_after_apply_ac_raises():
     assert res.returncode != 0
     assert "RuntimeError: mindformers_ac: cell (PlainLayerOpt" in res.stderr, res.stderr[-3000:]
     assert "apply mixed precision first" in res.stderr
+
+
+@pytest.mark.slow
+def test_a_type_set_on_an_enclosing_cell_only_fails_naming_the_cast():
+    """``add_flags(fp16=True)`` on the model alone (not recursive): the layers run under the model's type,
+    which the recompute of a layer can't see; it fails in backward with a hint, not silently."""
+    code = ("import sys; sys.path.insert(0, 'tests')\n"
+            "import mindspore as ms\n"
+            "ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)\n"
+            "import mindformers_ac as mac\n"
+            "from model_patterns import PATTERNS, mode_config\n"
+            "from test_model_patterns import run_steps\n"
+            "p = PATTERNS['int_bool_inputs']\n"
+            "model = p.build(); model.add_flags(fp16=True)\n"
+            "mac.apply_ac(model, config=mode_config('full', p))\n"
+            "run_steps(model, p.batch, steps=1)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+    assert res.returncode != 0
+    assert "recompute diverged from forward at op #" in res.stderr and "forward ran Cast" in res.stderr, \
+        res.stderr[-3000:]
+    assert "call to_float on the region's cell as well" in res.stderr
