@@ -304,6 +304,13 @@ class _Planner:
                                            f"cell.recompute() call or the recompute section")
         for lp in active:
             self.check_layer_reach(lp)
+            prefetch = lp.prefetch_layer
+            if prefetch is not None and self.stack.holds(prefetch) and _jit_compiled(self.stack.cell(prefetch)):
+                cell = self.stack.cell(prefetch)
+                raise ConfigError("model", f"{_name('', cell, prefetch)} has a construct compiled by ms.jit, and "
+                                           f"the swap of layer {lp.layer_id} is prefetched when its backward "
+                                           f"starts (a patch on that layer, which a jit graph bypasses). Remove "
+                                           f"ms.jit from it, or change swap.default_prefetch")
 
     def check_layer_reach(self, lp):
         i = lp.layer_id

@@ -127,6 +127,14 @@ def test_jit_cells_that_ac_would_patch_are_refused(model_kw, config, match):
     assert "Remove ms.jit from that cell" in message
 
 
+def test_a_jit_prefetch_layer_is_refused():
+    model = build()
+    model.layers[1] = JitLayer()   # layer 0's swap is prefetched from layer 1's backward
+    assert_refused(model, {"swap": {"enable": True, "layer_swap": [{"layers": [0]}]}},
+                   r"^model: layer 1 \(JitLayer\) has a construct compiled by ms\.jit, and the swap of layer 0 is "
+                   r"prefetched")
+
+
 def test_a_jit_model_is_refused_as_graph_execution():
     message = assert_refused(build(JitModel), FULL, r"^model: '<model>' \(JitModel\) has a construct compiled by "
                                                     r"ms\.jit")
