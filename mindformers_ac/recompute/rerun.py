@@ -63,14 +63,15 @@ def forward_precision(cell):
     it whenever the model runs in mixed precision. A type set on an ancestor
     alone (not through those APIs) is not seen: the recompute then runs
     without the forward's Casts and fails with a "diverged" error naming the
-    Cast (``describe_divergence``).
+    Cast (``divergence_hint``).
     """
     return getattr(cell, "mixed_precision_type", None) if cell is not None else None
 
 
 @contextlib.contextmanager
 def under_precision(precision):
-    """Run a re-run under the forward's mixed-precision type (None: leave the executor's as it is)."""
+    """Ops run inside under mixed-precision type ``precision`` (pushed on the executor's stack and popped on
+    every exit path); None leaves the executor's type as it is."""
     if precision is None:
         yield
         return
@@ -86,7 +87,9 @@ def own_ops():
 
     In forward they run inside the region cell's ``__call__``, where a mixed-
     precision type would cast a saved fp32 input to fp16: the recompute would
-    then see other inputs than the forward's ops did.
+    then see other inputs than the forward's ops did. In the recompute, an op
+    that writes parameters (BatchNorm) gets copies of them, which must stay
+    uncast as the Parameters were (mixed precision never casts a written one).
     """
     return under_precision(MixedPrecisionType.NOTSET)
 
