@@ -341,3 +341,20 @@ def test_a_type_set_on_an_enclosing_cell_only_fails_naming_the_cast():
     assert "recompute diverged from forward at op #" in res.stderr and "forward ran Cast" in res.stderr, \
         res.stderr[-3000:]
     assert "call to_float on the region's cell as well" in res.stderr
+
+
+def test_engine_copies_under_a_cells_fp16_type_reach_their_target():
+    """Swap's device copies and the recompute's input copies run inside a layer's call. There, under fp16,
+    MindSpore 2.10 runs ``dst.copy_(src)`` on a cast copy of ``dst`` and leaves ``dst`` unchanged;
+    ``no_casts`` (what those copies run under) gives the exact bytes."""
+    from mindspore._c_expression import MixedPrecisionType
+    from mindformers_ac.precision import no_casts, under_precision
+
+    src = Tensor(np.array([1.0001, 2.00001, 3.3333333], np.float32))
+    dst = Tensor(np.zeros(3, np.float32))
+    with under_precision(MixedPrecisionType.FP16):
+        with no_casts():
+            dst.copy_(src)
+            kept = ops.stop_gradient(src)
+    assert dst.asnumpy().tobytes() == src.asnumpy().tobytes()
+    assert kept.dtype == ms.float32 and kept.asnumpy().tobytes() == src.asnumpy().tobytes()

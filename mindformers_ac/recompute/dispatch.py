@@ -22,7 +22,8 @@ The dispatch only numbers ops and asks its region (``Region.decide``,
 """
 from mindspore.utils import MsDispatchMode
 
-from .rerun import divergence_hint, own_ops
+from ..precision import no_casts
+from .rerun import divergence_hint
 from .saved import Token
 from .side_effects import may_write
 from .state import ENGINE, FORWARD
@@ -195,7 +196,7 @@ class RegionDispatch(MsDispatchMode):
                 if served is not args:
                     # The op's inputs were cast already (mixed precision casts before dispatch); the copies
                     # that stand in for the Parameters it writes must stay uncast, as those Parameters were.
-                    with own_ops():
+                    with no_casts():
                         return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
         region.stats.ops_reused += 1

@@ -52,11 +52,12 @@ from mindspore import Parameter, Tensor, nn
 from mindspore.graph.api import _pynative_executor as _executor
 from mindspore.ops import Primitive
 
+from ..precision import cell_precision, no_casts
 from ..tensors import is_tracked, storage_info
 from .dispatch import REBUILD
 from .random_ops import DropoutRecord
 from .region import run_region
-from .rerun import RerunOnce, SavedInput, forward_precision, own_ops, recompute_graph, recompute_input
+from .rerun import RerunOnce, SavedInput, recompute_graph, recompute_input
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
@@ -142,7 +143,7 @@ class LightProfiles:
             return (v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)) if isinstance(v, Tensor) else v
 
         # The mixed-precision type changes which Casts run and what is saved (to_float after some steps).
-        parts = [root.training if root is not None else None, forward_precision(root)]
+        parts = [root.training if root is not None else None, cell_precision(root)]
         parts += [part(a) for a in args]
         parts += [(k, part(kwargs[k])) for k in sorted(kwargs)]
         key = tuple(parts)
@@ -180,7 +181,7 @@ def run_checkpoint(fn, args, kwargs, profiles, root, **options):
     profile = profiles.lookup(key) if key is not None else None
     if profile is not None and profile.ok:
         return LightRegion(fn, profile, profiles, key, options["stats"], options["context_fn"],
-                           forward_precision(root)).run_forward(args, kwargs)
+                           cell_precision(root)).run_forward(args, kwargs)
     if key is not None and profile is None:
         options["profile"] = profiles.start(key)
     return run_region(fn, args, kwargs, root=root, **options)
@@ -301,7 +302,7 @@ class LightRegion(RerunOnce):
         run = _LightRun(self, FORWARD)
         ENGINE.push(run)
         try:
-            with own_ops():
+            with no_casts():
                 self.inputs = (tuple(self._save_input(a) for a in args),
                                {k: self._save_input(v) for k, v in kwargs.items()})
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):

@@ -26,10 +26,10 @@ from mindspore.graph.api import _pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import ConstructPatch, bracket_calls, find_patch
+from ..precision import cell_precision, under_precision
 from ..tensors import output_tensors, storage_nbytes
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import forward_precision, under_precision
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
@@ -83,7 +83,7 @@ class _OutputRecord:
         self.target, self.args, self.kwargs, self.run = target, args, kwargs, run
         self.outs = [weakref.ref(t) if isinstance(t, Tensor) else None for t in outs]
         self.result = None
-        self.precision = forward_precision(target.owner)   # the op ran inside its owner's __call__
+        self.precision = cell_precision(target.owner)   # the op ran inside its owner's __call__
 
     def rerun(self):
         if self.result is None:

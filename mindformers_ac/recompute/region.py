@@ -13,11 +13,12 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from mindspore.graph.api import _pynative_executor as _executor
 
+from ..precision import cell_precision, no_casts
 from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, storage_info
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
 from .policy import CheckpointPolicy
 from .random_ops import DropoutRecord, dropout_input, is_unreplayable_random_op
-from .rerun import RerunOnce, SavedInput, forward_precision, own_ops, recompute_graph, recompute_input
+from .rerun import RerunOnce, SavedInput, recompute_graph, recompute_input
 from .saved import SwappedTensor, drop_saved, keep_saved, unpack_saved
 from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
@@ -121,7 +122,7 @@ class Region(RerunOnce):
             ENGINE.warnings.warning(
                 "swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
                 "the region's inputs stay on the device (pass swap_executor= to offload them)")
-        with own_ops():
+        with no_casts():
             self.inputs = (tuple(self._save_input(run, a) for a in args),
                            {k: self._save_input(run, v) for k, v in kwargs.items()})
 
@@ -192,7 +193,7 @@ class Region(RerunOnce):
         if decision is None and choose_handling(args, slots) != KEEP:
             run.in_hook = True   # the copies are ours: they must not shift the op numbering
             try:
-                with own_ops():
+                with no_casts():
                     snapshot = StateSnapshot(args, slots)
             finally:
                 run.in_hook = False
@@ -219,7 +220,7 @@ class Region(RerunOnce):
         """
         run.in_hook = True   # copies are ours, not ops of the region
         try:
-            with own_ops():
+            with no_casts():
                 return self._rerun_args(run, idx, name, args)
         finally:
             run.in_hook = False
@@ -362,7 +363,7 @@ class Region(RerunOnce):
 
     def run_forward(self, args, kwargs):
         run = RegionRun(self, FORWARD)
-        self.precision = forward_precision(self.root)
+        self.precision = cell_precision(self.root)
         ENGINE.push(run)
         try:
             self.save_inputs(run, args, kwargs)

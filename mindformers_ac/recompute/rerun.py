@@ -6,20 +6,20 @@ saved inputs are detached and tracked exactly as in forward
 new graph that is never backpropagated (``recompute_graph``), so that its ops
 save what they saved in forward and the hooks can collect it.
 
-Mixed precision: in PyNative, ``Cell.to_float`` and amp O2/O3 set a type on
-cells (``mixed_precision_type``) that ``Cell.__call__`` pushes on the
-executor around ``construct``; every op run meanwhile gets its float inputs
-cast (the forward dispatches those Casts as ops). A recompute calls the
-region's function from backward, outside that ``__call__``, so it must push
-the same type itself (``forward_precision`` at forward, ``under_precision``
-around every re-run); sub-cells called inside push their own, as in forward.
+Mixed precision (see ``precision``): a recompute calls the region's function
+from backward, outside the region cell's ``__call__`` that pushed its
+mixed-precision type in forward, so ``recompute_graph`` pushes the type the
+forward ran under (the region records ``cell_precision(root)`` at forward);
+sub-cells called inside push their own, as in forward. The engine's own ops
+in a region (saved-input copies, copies of written parameters) run under
+``no_casts``.
 """
 import contextlib
 
 from mindspore import ops
-from mindspore._c_expression import MixedPrecisionType
 from mindspore.graph.api import _pynative_executor as _executor
 
+from ..precision import under_precision
 from .saved import SwappedTensor
 from .state import ENGINE, FORWARD, RECOMPUTE
 
@@ -52,46 +52,6 @@ def recompute_input(a):
     if tracked:
         a.requires_grad_()
     return a
-
-
-def forward_precision(cell):
-    """The mixed-precision type the forward of a region rooted at ``cell`` runs under, or None.
-
-    It is the one ``cell.__call__`` pushed right before the region's function
-    ran: the cell's own ``mixed_precision_type``. ``to_float`` and amp O2/O3
-    set it on every cell of the tree (recursively), so a layer or module has
-    it whenever the model runs in mixed precision. A type set on an ancestor
-    alone (not through those APIs) is not seen: the recompute then runs
-    without the forward's Casts and fails with a "diverged" error naming the
-    Cast (``divergence_hint``).
-    """
-    return getattr(cell, "mixed_precision_type", None) if cell is not None else None
-
-
-@contextlib.contextmanager
-def under_precision(precision):
-    """Ops run inside under mixed-precision type ``precision`` (pushed on the executor's stack and popped on
-    every exit path); None leaves the executor's type as it is."""
-    if precision is None:
-        yield
-        return
-    _executor.set_mixed_precision_type(precision)
-    try:
-        yield
-    finally:
-        _executor.set_mixed_precision_type(MixedPrecisionType.NOTSET, False)   # pops the push above
-
-
-def own_ops():
-    """Around ops the engine runs for itself (copies of inputs and of written tensors): no inserted Casts.
-
-    In forward they run inside the region cell's ``__call__``, where a mixed-
-    precision type would cast a saved fp32 input to fp16: the recompute would
-    then see other inputs than the forward's ops did. In the recompute, an op
-    that writes parameters (BatchNorm) gets copies of them, which must stay
-    uncast as the Parameters were (mixed precision never casts a written one).
-    """
-    return under_precision(MixedPrecisionType.NOTSET)
 
 
 def divergence_hint(forward_op, recompute_op):
