@@ -18,7 +18,7 @@ amp O1 rewrites the network into new cells: applied before ``apply_ac`` it is
 an ordinary model; applied after, the rewritten network is refused (its cells
 carry copies of the original's patches).
 """
-import json
+import logging
 import os
 import subprocess
 import sys
@@ -358,3 +358,26 @@ def test_engine_copies_under_a_cells_fp16_type_reach_their_target():
             kept = ops.stop_gradient(src)
     assert dst.asnumpy().tobytes() == src.asnumpy().tobytes()
     assert kept.dtype == ms.float32 and kept.asnumpy().tobytes() == src.asnumpy().tobytes()
+
+
+def test_fp16_nn_dropout_keeps_its_mask_as_bits_and_is_bitwise(caplog):
+    """fp16 Dropout: the CPU kernel computes in float32 and rounds once; the rebuild from the mask does the
+    same, so the mask is kept as bits (no fallback to keeping outputs) on both paths, bitwise."""
+    from test_recompute_engine import assert_bitwise_equal, train
+
+    def fp16(model):
+        model.to_float(ms.float16)
+
+    def fp16_ac(model):
+        fp16(model)
+        mac.apply_ac(model, config={"recompute": {"mode": "full", "full_recompute_layer": [0, 1]}})
+        return mac.ac_state(model)
+
+    base = train(fp16, stateful_dropout=True)[0]
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        history, state, _ = train(fp16_ac, stateful_dropout=True)
+    assert_bitwise_equal(base, history)
+    assert "can't be rebuilt bitwise" not in caplog.text
+    from mindformers_ac.recompute.state import ENGINE
+    assert ENGINE.dropout_formula_ok._ok[("Float16", 0.9)] is True   # process-wide: checked once per dtype
+    assert all(s.recompute_calls == 3 and s.ops_reused > 0 for s in state.recompute_stats.values())
