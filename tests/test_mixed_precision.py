@@ -17,6 +17,10 @@ then mixes two types, which is the harder case for the recompute.
 amp O1 rewrites the network into new cells: applied before ``apply_ac`` it is
 an ordinary model; applied after, the rewritten network is refused (its cells
 carry copies of the original's patches).
+
+Also here: what a region keeps under fp16 (its inputs in their own dtype),
+fp16 ``nn.Dropout`` masks kept as bits, and the engine's own copies made
+without casts.
 """
 import logging
 import os
