@@ -280,7 +280,13 @@ def _plain():
 FULL = {"recompute": {"mode": "full", "full_recompute_layer": ["0-2"]}}
 
 
-def test_amp_o1_before_apply_ac_is_bitwise():
+@pytest.fixture
+def in_tmp_dir(tmp_path, monkeypatch):
+    """amp O1's rewrite writes the new network's source under ./rewritten_network: keep it out of the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
+def test_amp_o1_before_apply_ac_is_bitwise(in_tmp_dir):
     base = run_steps(ms.amp.auto_mixed_precision(_plain(), "O1"), _bf16_batch)
     net = ms.amp.auto_mixed_precision(_plain(), "O1")
     mac.apply_ac(net, config=FULL)
@@ -291,7 +297,7 @@ def test_amp_o1_before_apply_ac_is_bitwise():
 @pytest.mark.parametrize("config", [FULL, {"recompute": {"mode": "select", "select_module": {"fc1": ["0-2"]}}},
                                     {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}],
                          ids=["full", "select", "layer_swap"])
-def test_amp_o1_after_apply_ac_is_refused(config):
+def test_amp_o1_after_apply_ac_is_refused(config, in_tmp_dir):
     """O1 builds new cells (copying the patches) and puts them in the original model's tree too: neither
     network can be restored, so remove_ac, apply_ac and plan_ac refuse both and change nothing."""
     model = _plain()
@@ -308,17 +314,17 @@ def test_amp_o1_after_apply_ac_is_refused(config):
 
 
 @pytest.mark.slow
-def test_forward_of_a_network_rewritten_after_apply_ac_raises():
+def test_forward_of_a_network_rewritten_after_apply_ac_raises(tmp_path):
     """Its layers would run the original cells' code (without O1's casts) through the copied patches."""
     code = ("import mindspore as ms, numpy as np\n"
             "ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)\n"
-            "import sys; sys.path.insert(0, 'tests')\n"
+            f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n"
             "import mindformers_ac as mac\n"
             "from test_mixed_precision import _plain, _bf16_batch, FULL\n"
             "model = _plain(); mac.apply_ac(model, config=FULL)\n"
             "net = ms.amp.auto_mixed_precision(model, 'O1')\n"
             "ms.value_and_grad(net, None, net.trainable_params())(*_bf16_batch(0))\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
     assert res.returncode != 0
     assert "RuntimeError: mindformers_ac: cell (PlainLayerOpt" in res.stderr, res.stderr[-3000:]
