@@ -15,7 +15,7 @@ import regex
 
 from .construct_patch import DROPPED, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
-from .plan import plan_with_layers
+from .plan import plan_with_layers, refuse_copied_patches
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
 from .whitelist import sub_cell
@@ -195,6 +195,7 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
     ``BaseException``: a KeyboardInterrupt while installing leaves the model
     untouched, with no state attached.
     """
+    refuse_copied_patches(model)
     if ac_state(model) is not None:
         raise ConfigError("model", "apply_ac was already applied to this model; call "
                                    "mindformers_ac.remove_ac(model) first to apply another config")
@@ -227,7 +228,13 @@ def remove_ac(model):
     model is restored and its state detached, so ``apply_ac`` works again.
     In the rare case that an undo could not finish (interrupted twice), the
     state stays attached and calling ``remove_ac`` again completes it.
+
+    Refused (``ConfigError``, nothing changed) on a network rebuilt from the
+    model after ``apply_ac`` (amp O1 rewrites it into new cells that carry
+    copies of the patches): those copies can't be undone; apply mixed
+    precision before ``apply_ac`` instead.
     """
+    refuse_copied_patches(model)
     state = ac_state(model)
     if state is None:
         raise ConfigError("model", "apply_ac was not applied to this model; nothing to remove")

@@ -26,6 +26,7 @@ cell are refused in either order with the same message.
 
 import copy
 import logging
+import sys
 import weakref
 
 logger = logging.getLogger("mindformers_ac")
@@ -155,6 +156,34 @@ def patches(cell):
     return found
 
 
+def foreign_patches(root):
+    """``(path, cell, patch)`` for each cell under ``root`` whose construct is a patch made for another cell.
+
+    A tool that rebuilds a network by copying its cells' instance attributes
+    (amp O1 and ``custom_mixed_precision`` rewrite it into new cell classes)
+    copies the patches too: the new cell then runs the *old* cell's code
+    through them, and undoing the patches on the old cells leaves the copies
+    patched.
+    """
+    found = []
+    for path, cell in root.cells_and_names():
+        patch = patch_of(cell.__dict__.get("construct"))
+        if patch is not None and patch.cell is not cell:
+            found.append((path, cell, patch))
+    return found
+
+
+def copied_patch_message(path, cell, patch):
+    """Why a cell holding another cell's patch is refused, and what to do instead."""
+    where = f"'{path}' " if path else ""
+    return (f"cell {where}({type(cell).__name__}) carries the '{patch.kind}' patch that apply_ac installed on another "
+            f"cell ({type(patch.cell).__name__}): this network was rebuilt from one apply_ac was applied to (amp "
+            f"O1 and custom_mixed_precision rewrite the network into new cells, copy the patches and put the "
+            f"new cells in the original model too), so its cells would run the old cells' code and remove_ac "
+            f"can't restore them. Rebuild the model, apply mixed precision first, then apply_ac on the network "
+            f"it returns")
+
+
 def find_patch(cell, kind):
     """The patch of ``kind`` on ``cell``, or None."""
     return next((p for p in patches(cell) if p.kind == kind), None)
@@ -184,6 +213,11 @@ class ConstructPatch:
         self.cell, self.kind, self.info, self.outer = cell, kind, info, outer
 
         def construct(*args, **kwargs):
+            # Cell.__call__ calls self.construct: a caller holding this very function that is not our cell
+            # is a copy made by a network rewrite (see foreign_patches); running on would be silently wrong.
+            caller = sys._getframe(1).f_locals.get("self")   # pylint: disable=protected-access
+            if caller is not cell and getattr(caller, "__dict__", {}).get("construct") is construct:
+                raise RuntimeError("mindformers_ac: " + copied_patch_message("", caller, self))
             return around(self.inner, *args, **kwargs)
 
         setattr(construct, _PATCH_ATTR, self)

@@ -13,9 +13,12 @@ this one file:
 * ``pynative_executor``: ``mindspore.graph.api._pynative_executor`` (grad
   flags, the recompute's empty graph, ``requires_grad``, saved-tensor hook
   state, ``sync``);
-* ``no_grad``: ``mindspore._no_grad``, a context that records no graph.
+* ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
+* ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
+  ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3.
 """
 import mindspore
+from mindspore._c_expression import MixedPrecisionType  # noqa: F401  (re-exported: the door)
 
 try:   # a too-old MindSpore lacks it: require_mindspore() says so before any engine uses it
     from mindspore.graph.api import _pynative_executor as pynative_executor

@@ -14,7 +14,18 @@ so a rejected config fails before anything is installed:
 * no recompute or swap on a layer whose cell is also another layer of the list
   (weight-shared layers), nor a select / comm / op-swap target (a module, or
   the module holding an op) that another layer also holds: the installers
-  patch the cell itself, which can't tell the layers apart.
+  patch the cell itself, which can't tell the layers apart;
+* PyNative only: not in GRAPH_MODE, and no cell the installers patch (the
+  model, a recomputed or swapped layer, a target or a cell around it) may
+  have a construct compiled by ``ms.jit`` (a jit graph never runs the
+  patched Python); a jit cell *inside* a recomputed region or swapped
+  layer/module runs as one op, and what it saves stays in memory: that is
+  noted on the layer (``LayerPlan.notes``) and logged once;
+* MindSpore's own ``Cell.recompute()`` on a cell the config recomputes, or
+  on a cell inside or around such a region: one recompute can't run inside
+  the other;
+* no cell carrying patches that ``apply_ac`` made for another cell (a network
+  rewritten after ``apply_ac``, e.g. by amp O1: apply amp first).
 
 The config is checked again first (fields may have changed since it was
 built), and all pattern matching of one call shares one time budget
@@ -24,10 +35,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+import mindspore as ms
 import regex
 import yaml
 
 from .config import AcConfig, RecomputeMode, config_for_layers, resolve_config
+from .construct_patch import copied_patch_message, foreign_patches
 from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
 from .layers import find_layer_stack
@@ -52,6 +65,7 @@ class LayerPlan:
     op_swap: tuple = ()          # module / op paths swapped
     prefetch_layer: Optional[int] = None
     targets: dict = field(default_factory=dict, repr=False)   # target path -> its WhitelistEntry
+    notes: tuple = ()            # what the engine runs around but can't act on (e.g. jit cells)
 
     @property
     def op_paths(self):
@@ -132,6 +146,9 @@ class AcPlan:
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [header] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                             for row in rows]
+        notes = [f"  layer {lp.layer_id}: {note}" for lp in self.layers.values() for note in lp.notes]
+        if notes:
+            lines += ["Notes:"] + notes
         return "\n".join(lines)
 
     def explain(self):
@@ -184,13 +201,14 @@ def _paths_to_layers(layer_plans, attr):
 class _PlanPass:
     """One pass of ``plan_ac`` over a config; holds per-call state only (nothing survives the call).
 
-    ``stack`` is the model's ``LayerStack``; without one (``validate`` with a
-    layer count) only the rules that need no cell are checked: layer-spec and
-    prefetch bounds, full recompute vs layer swap.
+    ``model`` and its ``stack`` (``LayerStack``) are what the config is
+    planned on; without them (``validate`` with a layer count) only the rules
+    that need no cell are checked: layer-spec and prefetch bounds, full
+    recompute vs layer swap.
     """
 
-    def __init__(self, config, pp, num_layers, stack=None):
-        self.config, self.stack, self.pp = config, stack, pp
+    def __init__(self, config, pp, num_layers, stack=None, model=None):
+        self.config, self.stack, self.pp, self.model = config, stack, pp, model
         self.match_patterns = stack is not None
         self.num_layers = num_layers
         self.inventories = {}
@@ -231,7 +249,111 @@ class _PlanPass:
         if self.match_patterns:   # a real model: its cells can be compared
             self.check_shared_layers()
             self.check_shared_targets()
+            self.check_engine_reach()
         return self.plans
+
+    def enclosing_cells(self):
+        """(path, cell) of the model and every cell on the way down to the layer list, outermost first."""
+        if self.model is None:
+            return []
+        found, cell = [("<model>", self.model)], self.model
+        if self.stack.path == "<given>":
+            return found
+        for part in self.stack.path.split("."):
+            cell = cell.name_cells().get(part) if isinstance(cell, ms.nn.Cell) else None
+            if cell is None:
+                break
+            found.append((part if len(found) == 1 else f"{found[-1][0]}.{part}", cell))
+        return found
+
+    def check_engine_reach(self):
+        """Refuse cells the engine can't run (jit-compiled, or under MindSpore's own recompute); note jit
+        cells it runs around without acting on them. See the module docstring."""
+        active = [lp for lp in self.plans.values() if not lp.is_empty]
+        if not active:
+            return
+        for path, cell in self.enclosing_cells():
+            if _jit_compiled(cell):
+                raise ConfigError("model", f"{_name(path, cell)} has a construct compiled by ms.jit: the "
+                                           f"forward runs as a graph, and mindformers_ac works in PyNative only "
+                                           f"(it patches layers and intercepts ops in Python, which a graph never "
+                                           f"runs; it would fail with 'Parse Resolve convert failed'). Remove "
+                                           f"ms.jit from it and from the training step; jit cells inside a layer "
+                                           f"are fine")
+            if _native_recompute(cell) and any(lp.recomputed for lp in active):
+                raise ConfigError("model", f"{_name(path, cell)} uses MindSpore's Cell.recompute(), which "
+                                           f"re-runs the layers the config recomputes inside its own recompute; "
+                                           f"one recompute can't run inside the other: drop its "
+                                           f"cell.recompute() call or the recompute section")
+        for lp in active:
+            self.check_layer_reach(lp)
+            prefetch = lp.prefetch_layer
+            if prefetch is not None and self.stack.holds(prefetch) and _jit_compiled(self.stack.cell(prefetch)):
+                cell = self.stack.cell(prefetch)
+                raise ConfigError("model", f"{_name('', cell, prefetch)} has a construct compiled by ms.jit, and "
+                                           f"the swap of layer {lp.layer_id} is prefetched when its backward "
+                                           f"starts (a patch on that layer, which a jit graph bypasses). Remove "
+                                           f"ms.jit from it, or change swap.default_prefetch")
+
+    def check_layer_reach(self, lp):
+        i = lp.layer_id
+        layer = self.stack.cell(i)
+        cells = dict(layer.cells_and_names())   # '' is the layer itself
+        regions = ([""] if lp.full_recompute else []) + [p for p in lp.recompute if p not in lp.op_paths]
+        swapped = ([""] if lp.layer_swap else []) + list(lp.op_swap)
+        owners = [lp.targets[p].owner_path for p in lp.recompute + lp.recompute_comm if p in lp.op_paths]
+
+        def action(path):
+            if lp.full_recompute:
+                return f"full recompute of layer {i}"
+            if path in lp.recompute:
+                return f"select recompute of '{path}' in layer {i}"
+            if path in lp.op_swap:
+                return f"op swap of '{path}' in layer {i}"
+            if path in owners:
+                return f"output recompute of an op of '{path}' in layer {i}"
+            return f"{'; '.join(lp.describe())} (layer {i})"
+
+        for target in [""] + regions + swapped + owners:
+            for path in _self_and_ancestors(target):
+                cell = sub_cell(layer, path)
+                if _jit_compiled(cell):
+                    raise ConfigError("model", f"{_name(path, cell, i)} has a construct compiled by "
+                                               f"ms.jit, and the config acts on it or inside it "
+                                               f"({action(target)}): AC patches the cell in PyNative, which a "
+                                               f"jit graph bypasses (every forward would fail with 'Parse "
+                                               f"Resolve convert failed'). Remove ms.jit from that cell, or leave "
+                                               f"it out of recompute and swap (a jit cell inside a recomputed "
+                                               f"module runs, but as one op)")
+        for root in regions:
+            for path, cell in cells.items():
+                if not _native_recompute(cell):
+                    continue
+                if path == root:
+                    raise ConfigError("model", f"{_name(path, cell, i)} already uses MindSpore's "
+                                               f"Cell.recompute() and the config recomputes it too "
+                                               f"({action(root)}); the two recompute mechanisms can't be "
+                                               f"combined on one cell: drop its cell.recompute() call (the "
+                                               f"config's recompute is exact, dropout included) or leave it out "
+                                               f"of the config")
+                if _within(path, root) or _within(root, path):
+                    where = "inside" if _within(path, root) else "around"
+                    raise ConfigError("model", f"{_name(path, cell, i)} uses MindSpore's Cell.recompute() "
+                                               f"{where} a region the config recomputes ({action(root)}); one "
+                                               f"recompute can't run inside the other (backward fails with "
+                                               f"'The pointer[top_cell_] is null'): drop its cell.recompute() "
+                                               f"call (the config's recompute covers it) or recompute only "
+                                               f"modules beside it")
+        notes = []
+        for root, what in [(r, "recomputed") for r in regions] + [(r, "swapped") for r in swapped]:
+            for path, cell in cells.items():
+                if path != root and _within(path, root) and _jit_compiled(cell):
+                    notes.append(f"'{path}' ({type(cell).__name__}) runs under ms.jit: the engine sees it "
+                                 f"as one op, and what it saves for backward stays in memory (not {what})")
+        if notes:
+            lp.notes = tuple(dict.fromkeys(notes))
+            for note in lp.notes:
+                logger.warning("layer %d: %s", i, note)
 
     def check_shared_layers(self):
         """Refuse recompute or swap on a layer whose cell object is also another layer of the list.
@@ -409,6 +531,59 @@ class _PlanPass:
             lp.prefetch_layer = layer_id + self.config.swap.default_prefetch
 
 
+def _jit_compiled(cell):
+    """Whether ``cell``'s construct (instance or class) is wrapped by ``ms.jit`` (any capture mode)."""
+    for fn in (cell.__dict__.get("construct"), getattr(type(cell), "construct", None)):
+        if getattr(getattr(fn, "__func__", fn), "__wrapped_by_jit__", False):
+            return True
+    return False
+
+
+def _native_recompute(cell):
+    """Whether MindSpore's ``Cell.recompute()`` was called on ``cell``."""
+    return getattr(cell, "_recompute_cell", None) is not None
+
+
+def _name(path, cell, layer_id=None):
+    """``layer 3 cell 'mlp' (MLP)``, ``layer 3 (Block)`` or ``'decoder' (Decoder)`` for messages."""
+    if layer_id is None:
+        return f"'{path}' ({type(cell).__name__})"
+    if not path:
+        return f"layer {layer_id} ({type(cell).__name__})"
+    return f"layer {layer_id} cell '{path}' ({type(cell).__name__})"
+
+
+def _within(path, root):
+    """``is_under`` for paths inside a layer, where ``''`` is the layer itself (and holds every path)."""
+    return root == "" or is_under(path, root)
+
+
+def _self_and_ancestors(path):
+    """``'a.b.c'`` -> ``['a.b.c', 'a.b', 'a', '']`` (``''`` is the layer)."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
+
+
+def refuse_copied_patches(model):
+    """ConfigError when ``model`` holds cells carrying patches apply_ac made for other cells (a rewritten copy)."""
+    found = foreign_patches(model) if isinstance(model, ms.nn.Cell) else []
+    if found:
+        raise ConfigError("model", copied_patch_message(*found[0]))
+
+
+def check_pynative():
+    """mindformers_ac runs in PyNative mode only: ConfigError naming the mode otherwise."""
+    mode = ms.get_context("mode")
+    if mode != ms.PYNATIVE_MODE:
+        name = "GRAPH_MODE" if mode == ms.GRAPH_MODE else repr(mode)
+        raise ConfigError("mode", f"mindformers_ac works in PyNative mode only, and MindSpore runs in {name}: "
+                                  f"it recomputes and swaps by patching cells and intercepting ops in Python, "
+                                  f"which a compiled graph never runs. Call "
+                                  f"ms.set_context(mode=ms.PYNATIVE_MODE) before building the model, and don't "
+                                  f"wrap the training step in ms.jit (in graph mode use MindSpore's own "
+                                  f"Cell.recompute())")
+
+
 def _check_pp(pp):
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ConfigError("pp", f"expected the pipeline-parallel size as an integer >= 1, got {quote(pp)}")
@@ -455,8 +630,10 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
     """``plan_ac`` that also returns the ``LayerStack`` it planned against (for ``apply_ac``)."""
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
+    check_pynative()
+    refuse_copied_patches(model)
     stack = find_layer_stack(model, layers)
-    planner = _PlanPass(config, pp, stack.num_layers, stack)
+    planner = _PlanPass(config, pp, stack.num_layers, stack, model)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,
                   layer_path=stack.path, pp=pp, matches=planner.matches, warnings=planner.warnings)

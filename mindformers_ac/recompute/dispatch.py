@@ -22,6 +22,8 @@ The dispatch only numbers ops and asks its region (``Region.decide``,
 """
 from mindspore.utils import MsDispatchMode
 
+from ..precision import no_casts
+from .rerun import divergence_hint
 from .saved import Token
 from .side_effects import may_write
 from .state import ENGINE, FORWARD
@@ -182,14 +184,20 @@ class RegionDispatch(MsDispatchMode):
                 f"mindformers_ac: recompute diverged from forward at op #{idx}: forward ran "
                 f"{region.describe_op(idx)}, recompute runs {name}{f' (in {path!r})' if path else ''}. A "
                 "checkpointed region must take the same code path when run again (no branching on global "
-                "state, step counters or is_in_recompute() that changes ops).")
+                "state, step counters or is_in_recompute() that changes ops)."
+                + divergence_hint(region.op_names[idx] if idx < len(region.op_names) else "", name))
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
         decision = region.decisions.get(idx)
         if decision is None:
             region.stats.count_rerun(name)
             if region.written:
-                args = region.rerun_args(run, idx, name, args)
+                served = region.rerun_args(run, idx, name, args)
+                if served is not args:
+                    # The op's inputs were cast already (mixed precision casts before dispatch); the copies
+                    # that stand in for the Parameters it writes must stay uncast, as those Parameters were.
+                    with no_casts():
+                        return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
         region.stats.ops_reused += 1
         run.last = idx

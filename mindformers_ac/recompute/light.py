@@ -10,12 +10,13 @@ function again on the saved inputs and collects what it saves, in order.
 
 A region goes light only after a first call through the full path, per call
 signature, showed that it is safe (``LightProfile.validate``). The signature
-is the root cell's training flag and the structure of the arguments: tuples,
-lists and dicts (nested), each tensor's shape, dtype and whether autograd
-tracks it, and the value of each plain scalar, string or dtype. It holds no
-argument itself (a per-step rotary table passed as a tuple must die with its
-step); a call with an argument of any other kind is not profiled and takes
-the full path. The profile is checked as follows:
+is the root cell's training flag and mixed-precision type and the structure
+of the arguments: tuples, lists and dicts (nested), each tensor's shape,
+dtype and whether autograd tracks it, and the value of each plain scalar,
+string or dtype. It holds no argument itself (a per-step rotary table passed
+as a tuple must die with its step); a call with an argument of any other
+kind is not profiled and takes the full path. The profile is checked as
+follows:
 
 * no policy, no swapped inputs (``checkpoint_wrapper`` without
   ``policy_fn``; ``exclude_op`` is a policy);
@@ -59,6 +60,7 @@ from mindspore import Parameter, Tensor, nn
 from ..mindspore_compat import pynative_executor as _executor
 from mindspore.ops import Primitive
 
+from ..precision import cell_precision, no_casts
 from ..tensors import is_tracked, storage_info
 from .dispatch import REBUILD
 from .random_ops import DropoutRecord
@@ -170,7 +172,8 @@ class LightProfiles:
         """The call signature (see the module docstring), or None when an argument can't be described
         without holding it (that call is not profiled and takes the full path)."""
         try:
-            return (root.training if root is not None else None,
+            # The mixed-precision type changes which Casts run and what is saved (to_float after some steps).
+            return (root.training if root is not None else None, cell_precision(root),
                     tuple(_signature(a) for a in args),
                     tuple((k, _signature(kwargs[k])) for k in sorted(kwargs)))
         except _NoSignature:
@@ -203,8 +206,8 @@ def run_checkpoint(fn, args, kwargs, profiles, root, **options):
     key = profiles.key(root, args, kwargs)
     profile = profiles.lookup(key) if key is not None else None
     if profile is not None and profile.ok:
-        return LightRegion(fn, profile, profiles, key, options["stats"], options["context_fn"]).run_forward(
-            args, kwargs)
+        return LightRegion(fn, profile, profiles, key, options["stats"], options["context_fn"],
+                           cell_precision(root)).run_forward(args, kwargs)
     if key is not None and profile is None:
         options["profile"] = profiles.start(key)
     return run_region(fn, args, kwargs, root=root, **options)
@@ -275,9 +278,10 @@ class LightRegion(RerunOnce):
 
     tracker = None   # path tracking is for policies, and a light region has none
 
-    def __init__(self, fn, profile, profiles, key, stats, context_fn):
+    def __init__(self, fn, profile, profiles, key, stats, context_fn, precision):
         super().__init__()   # children: regions nested in the forward (none when the profile held)
         self.fn, self.profile, self.stats, self.context_fn = fn, profile, stats, context_fn
+        self.precision = precision   # the mixed-precision type of the forward (see rerun)
         self._profiles, self._key = profiles, key
         self.inputs = None
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
@@ -324,8 +328,9 @@ class LightRegion(RerunOnce):
         run = _LightRun(self, FORWARD)
         ENGINE.push(run)
         try:
-            self.inputs = (tuple(self._save_input(a) for a in args),
-                           {k: self._save_input(v) for k, v in kwargs.items()})
+            with no_casts():
+                self.inputs = (tuple(self._save_input(a) for a in args),
+                               {k: self._save_input(v) for k, v in kwargs.items()})
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
                 out = self.fn(*args, **kwargs)
         finally:
@@ -419,7 +424,8 @@ class LightRegion(RerunOnce):
         args = tuple(recompute_input(a) for a in args)
         kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
         collector = self._collector = _Collector()
-        with recompute_graph(run), self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), \
+                ms.saved_tensors_hooks(collector.pack, _keep):
             self.fn(*args, **kwargs)
             saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
             self._collector = None

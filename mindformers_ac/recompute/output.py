@@ -27,6 +27,7 @@ from ..mindspore_compat import no_grad, pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
+from ..precision import cell_precision, under_precision
 from ..tensors import output_tensors, storage_nbytes
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
@@ -78,19 +79,21 @@ class _ScopeRun:
 class _OutputRecord:
     """One call of the wrapped op: its inputs, and its result once re-run."""
 
-    __slots__ = ("target", "args", "kwargs", "outs", "result", "run", "__weakref__")
+    __slots__ = ("target", "args", "kwargs", "outs", "result", "run", "precision", "__weakref__")
 
     def __init__(self, target, args, kwargs, outs, run):
         self.target, self.args, self.kwargs, self.run = target, args, kwargs, run
         self.outs = [weakref.ref(t) if isinstance(t, Tensor) else None for t in outs]
         self.result = None
+        self.precision = cell_precision(target.owner)   # the op ran inside its owner's __call__
 
     def rerun(self):
         if self.result is None:
             refuse_higher_order()
             ENGINE.enter_recompute()
             try:
-                with no_grad():   # the backward must not record a graph for the re-run
+                # No graph is recorded for the re-run; it runs under the forward's mixed precision.
+                with no_grad(), under_precision(self.precision):
                     self.result = output_tensors(self.target.call_original(*self.args, **self.kwargs))
             finally:
                 ENGINE.exit_recompute()
@@ -205,8 +208,8 @@ def _unpack_output(obj):
 class _Target:
     """The wrapped op: calls it, records its output in the scope, re-runs it in backward."""
 
-    def __init__(self, op, name, scope, stats):
-        self.op, self.name, self.scope, self.stats = op, name, scope, stats
+    def __init__(self, op, name, owner, scope, stats):
+        self.op, self.name, self.owner, self.scope, self.stats = op, name, owner, scope, stats
         self.keep_output = None   # True: never re-run (random or writes parameters); decided on the first recorded call
 
     def call_original(self, *args, **kwargs):
@@ -336,7 +339,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     if not callable(op):
         raise TypeError(f"'{attr_name}' of {type(owner_cell).__name__} is not callable ({type(op).__name__})")
     name = f"{type(owner_cell).__name__}.{attr_name}"
-    target = _Target(op, name, _scope_of(scope if scope is not None else owner_cell),
+    target = _Target(op, name, owner_cell, _scope_of(scope if scope is not None else owner_cell),
                      stats if stats is not None else RecomputeStats())
     if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
         logger.warning("output recompute of %s skipped: %s is random; its output is kept", name, op)

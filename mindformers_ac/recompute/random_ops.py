@@ -13,11 +13,15 @@ import logging
 import re
 
 import numpy as np
+import mindspore as ms
 from mindspore import Tensor, ops
 
 from ..mindspore_compat import no_grad
+from ..precision import no_casts
 
 logger = logging.getLogger("mindformers_ac.recompute")
+
+_HALF = (ms.float16, ms.bfloat16)   # dtypes the CPU Dropout kernel computes in float32
 
 # Names of ops whose output cannot be reproduced by running them again.
 RANDOM_OP_PATTERN = re.compile(
@@ -75,11 +79,18 @@ def dropout_formula(x, mask, keep_prob):
     """The CPU kernel's ``out = mask * x * (1/keep_prob)`` as ``x * (mask * scale)``.
 
     With mask in {0, 1} both orders round identically (x*scale or a signed
-    zero); the scale is rounded in the mask dtype as the kernel does. Runs a
+    zero); the scale is rounded in the mask dtype as the kernel does, except
+    for float16 / bfloat16, which the kernel computes in float32. Runs a
     MindSpore op so that the rebuilt output carries gradient history from ``x``
     (the recompute must record the ops that consume it).
     """
     mask = mask.asnumpy() if isinstance(mask, Tensor) else mask
+    if x.dtype in _HALF:
+        # The CPU kernel computes a 16-bit dropout in float32 and rounds once at the end; the ops run
+        # without mixed-precision casts, which would otherwise change the dtypes they compute in.
+        scaled = mask.astype(np.float32) * (np.float32(1.0) / np.float32(keep_prob))
+        with no_casts():
+            return ops.cast(ops.mul(ops.cast(x, ms.float32), Tensor.from_numpy(scaled)), x.dtype)
     dt = mask.dtype
     scaled = mask * (dt.type(1.0) / dt.type(keep_prob))
     return ops.mul(x, Tensor.from_numpy(scaled))   # a fresh array of ours: no copy needed

@@ -13,6 +13,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 from ..mindspore_compat import pynative_executor as _executor
 
+from ..precision import cell_precision, no_casts
 from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, storage_info
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
 from .policy import CheckpointPolicy
@@ -49,6 +50,7 @@ class Region(RerunOnce):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
         self.root = root
+        self.precision = None     # the mixed-precision type the forward ran under (see rerun)
         self.param_ptrs = param_ptrs(self.root.get_parameters()) if self.root is not None else set()
         self.input_ptrs = set()
         self.inputs = None
@@ -120,8 +122,9 @@ class Region(RerunOnce):
             ENGINE.warnings.warning(
                 "swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
                 "the region's inputs stay on the device (pass swap_executor= to offload them)")
-        self.inputs = (tuple(self._save_input(run, a) for a in args),
-                       {k: self._save_input(run, v) for k, v in kwargs.items()})
+        with no_casts():
+            self.inputs = (tuple(self._save_input(run, a) for a in args),
+                           {k: self._save_input(run, v) for k, v in kwargs.items()})
 
     def _load_inputs(self):
         """Inputs for the recompute: loaded if swapped, tracked by autograd exactly as in forward."""
@@ -190,7 +193,8 @@ class Region(RerunOnce):
         if decision is None and choose_handling(args, slots) != KEEP:
             run.in_hook = True   # the copies are ours: they must not shift the op numbering
             try:
-                snapshot = StateSnapshot(args, slots)
+                with no_casts():
+                    snapshot = StateSnapshot(args, slots)
             finally:
                 run.in_hook = False
             self.snapshots[idx] = snapshot
@@ -216,28 +220,32 @@ class Region(RerunOnce):
         """
         run.in_hook = True   # copies are ours, not ops of the region
         try:
-            snapshot = self.snapshots.get(idx)
-            if snapshot is not None:
-                return snapshot.args_for_rerun(args, run.written)
-            served = {}
-            for pos, ptr in read_slots(args, self.written):
-                if ptr not in run.written:
-                    first, snap, k = self.written[ptr]
-                    if snap is None:
-                        if idx < first:
-                            raise RuntimeError(
-                                f"mindformers_ac: op #{idx} {name}{self._in_path(run.cell_path())} of a "
-                                f"recomputed region reads a tensor that op #{first} {self.describe_op(first)} "
-                                "writes later in the region; that op's output is kept instead of a copy of "
-                                "what it writes (too large to copy), so the recompute can't see the value "
-                                f"the forward read. Keep {name}'s output too (exclude_op) or move the "
-                                "write out of the recomputed region.")
-                        continue   # after the write: the real tensor holds the written value
-                    run.written[ptr] = snap.fresh(k)
-                served[pos] = run.written[ptr]
-            return replace_at(args, served) if served else args
+            with no_casts():
+                return self._rerun_args(run, idx, name, args)
         finally:
             run.in_hook = False
+
+    def _rerun_args(self, run, idx, name, args):
+        snapshot = self.snapshots.get(idx)
+        if snapshot is not None:
+            return snapshot.args_for_rerun(args, run.written)
+        served = {}
+        for pos, ptr in read_slots(args, self.written):
+            if ptr not in run.written:
+                first, snap, k = self.written[ptr]
+                if snap is None:
+                    if idx < first:
+                        raise RuntimeError(
+                            f"mindformers_ac: op #{idx} {name}{self._in_path(run.cell_path())} of a "
+                            f"recomputed region reads a tensor that op #{first} {self.describe_op(first)} "
+                            "writes later in the region; that op's output is kept instead of a copy of "
+                            "what it writes (too large to copy), so the recompute can't see the value "
+                            f"the forward read. Keep {name}'s output too (exclude_op) or move the "
+                            "write out of the recomputed region.")
+                    continue   # after the write: the real tensor holds the written value
+                run.written[ptr] = snap.fresh(k)
+            served[pos] = run.written[ptr]
+        return replace_at(args, served) if served else args
 
     # -- divergence checks -------------------------------------------------------
     @staticmethod
@@ -355,6 +363,7 @@ class Region(RerunOnce):
 
     def run_forward(self, args, kwargs):
         run = RegionRun(self, FORWARD)
+        self.precision = cell_precision(self.root)
         ENGINE.push(run)
         try:
             self.save_inputs(run, args, kwargs)
@@ -396,7 +405,8 @@ class Region(RerunOnce):
             r = wrun()
             return r.pack_recompute(t) if r is not None else None
 
-        with recompute_graph(run), self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
+        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), self._tracking(), \
+                RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             self.fn(*args, **kwargs)
         self.check_recompute(run)

@@ -5,12 +5,21 @@ saved inputs are detached and tracked exactly as in forward
 (``recompute_input``), and the function runs with gradient recording on, in a
 new graph that is never backpropagated (``recompute_graph``), so that its ops
 save what they saved in forward and the hooks can collect it.
+
+Mixed precision (see ``precision``): a recompute calls the region's function
+from backward, outside the region cell's ``__call__`` that pushed its
+mixed-precision type in forward, so ``recompute_graph`` pushes the type the
+forward ran under (the region records ``cell_precision(root)`` at forward);
+sub-cells called inside push their own, as in forward. The engine's own ops
+in a region (saved-input copies, copies of written parameters) run under
+``no_casts``.
 """
 import contextlib
 
 from mindspore import ops
 from ..mindspore_compat import pynative_executor as _executor
 
+from ..precision import under_precision
 from .saved import SwappedTensor
 from .state import ENGINE, FORWARD, RECOMPUTE
 
@@ -62,9 +71,20 @@ def refuse_higher_order():
             "higher-order gradient without mindformers_ac.")
 
 
+def divergence_hint(forward_op, recompute_op):
+    """What to add to a "diverged" message when the two runs differ by an inserted Cast."""
+    if "Cast" not in (forward_op, recompute_op):
+        return ""
+    return (" The runs differ by a Cast: the region's forward and recompute ran under different mixed-"
+            "precision types. The recompute uses the region cell's own type (set by to_float / amp O2/O3 "
+            "on every cell); a type set on an enclosing cell only is not seen: call to_float on the "
+            "region's cell as well.")
+
+
 @contextlib.contextmanager
-def recompute_graph(run):
-    """Run a region's function again as ``run``: recording on, in a new graph, restored on every exit path."""
+def recompute_graph(run, precision=None):
+    """Run a region's function again as ``run``: recording on, in a new graph, under the forward's
+    mixed-precision type ``precision``; everything restored on every exit path."""
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     ENGINE.enter_recompute()
     ENGINE.push(run)
@@ -73,7 +93,8 @@ def recompute_graph(run):
         _executor.set_enable_grad(True)
         _executor.new_empty_graph()
         try:
-            yield
+            with under_precision(precision):
+                yield
         finally:
             _executor.end_empty_graph()
     finally:

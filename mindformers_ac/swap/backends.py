@@ -35,6 +35,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from ..mindspore_compat import pynative_executor
+from ..precision import no_casts
 
 
 class UnsupportedTensorError(TypeError):
@@ -327,13 +328,16 @@ class MindSporeDeviceOps:
 
     @staticmethod
     def copy_to_host(src, host_buffer, nbytes):
-        # A dtype/shape view of the pinned bytes, filled without blocking the host.
-        dst = host_buffer[:nbytes].view(src.dtype).reshape(src.shape)
-        dst.copy_(src, non_blocking=True)
+        # A dtype/shape view of the pinned bytes, filled without blocking the host. Offloads run inside a
+        # layer's call: under its mixed-precision type copy_ would write into a cast copy of dst instead.
+        with no_casts():
+            dst = host_buffer[:nbytes].view(src.dtype).reshape(src.shape)
+            dst.copy_(src, non_blocking=True)
         return dst
 
     def copy_to_device(self, host):
-        return host.move_to(self.device_target, blocking=False)
+        with no_casts():
+            return host.move_to(self.device_target, blocking=False)
 
 
 class _DeviceTicket:
