@@ -22,6 +22,7 @@ setup(
         "psutil",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    # setuptools and wheel: tests/test_packaging.py builds the wheel offline (--no-build-isolation)
+    extras_require={"test": ["pytest", "hypothesis", "setuptools", "wheel"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )
