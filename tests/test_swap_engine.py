@@ -407,8 +407,8 @@ def test_offload_of_non_contiguous_and_other_dtypes_round_trips():
 
 
 def _run_script(body):
-    code = "from mindformers_ac.mindspore_version import synchronous_pynative\nsynchronous_pynative()\n" + \
-        textwrap.dedent(body)
+    code = ("import mindspore as ms\nfrom mindformers_ac.mindspore_version import synchronous_pynative\n"
+            "synchronous_pynative()\n" + textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=REPO)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                           cwd=REPO)
