@@ -59,16 +59,6 @@ def _summary(config):
     return "\n".join(lines)
 
 
-def _int_argument(text):
-    """An int of ASCII digits for argparse; its error quotes the text shortened (argparse would print all)."""
-    try:
-        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
-            raise ValueError(text)
-        return int(text)   # ValueError past 4300 digits too
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {quote(text)}") from None
-
-
 def cmd_validate(args):
     from ..plan import check_layer_ids
     config = AcConfig.from_yaml(args.config)
@@ -175,7 +165,7 @@ def cmd_plan(args):
 
 
 def build_parser():
-    from .train import add_layer_list_argument, add_model_arguments, positive_int
+    from .train import add_layer_list_argument, add_model_arguments, ascii_int, positive_int
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (the reference GPT or --model) without and with a "
@@ -196,10 +186,10 @@ def build_parser():
     train.set_defaults(func=cmd_train, times_steps=True)
     validate = sub.add_parser("validate", help="check a YAML config")
     validate.add_argument("config", help="YAML config to check (required)")
-    validate.add_argument("--num-layers", type=_int_argument, default=None, metavar="N",
+    validate.add_argument("--num-layers", type=ascii_int, default=None, metavar="N",
                           help="check the layer ids against a model of N layers (default: not checked, only "
                                "the structure and the pp rule)")
-    validate.add_argument("--pp", type=_int_argument, default=1, metavar="P",
+    validate.add_argument("--pp", type=ascii_int, default=1, metavar="P",
                           help="pipeline-parallel size the config is checked for (default 1)")
     validate.set_defaults(func=cmd_validate)
     explain = sub.add_parser("explain", help="print the plan a config gives on a model")

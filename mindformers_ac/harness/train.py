@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
 from .models import GPTConfig, SyntheticBatches
 
 from ..tensors import MiB
@@ -174,21 +174,25 @@ def layer_count(text):
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected the reference GPT's number of layers (a positive integer), "
-                                         f"got {text[:80]!r}; a --model's layer-list path is --layer-list PATH") \
+                                         f"got {quote(text)}; a --model's layer-list path is --layer-list PATH") \
             from None
+
+
+def ascii_int(text):
+    """argparse type: an int of ASCII digits; its error quotes the text shortened (argparse would print all)."""
+    try:
+        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
+            raise ValueError(text)
+        return int(text)   # ValueError past 4300 digits too
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {quote(text)}") from None
 
 
 def positive_int(text):
     """argparse type: an integer > 0 (of ASCII digits)."""
-    try:
-        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
-            raise ValueError(text)
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:80]!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:80]!r}")
-    return value
+    if ascii_int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {quote(text)}")
+    return int(text)
 
 
 def _probability(text):
