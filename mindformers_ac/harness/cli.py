@@ -253,7 +253,7 @@ def _signals_unwind():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)   # before MindSpore is imported: --help and usage errors are quick
+    args = build_parser().parse_args(argv)   # --help and usage errors exit here, before any MindSpore setting
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         with _signals_unwind():
