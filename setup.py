@@ -10,7 +10,7 @@ setup(
     packages=find_packages(include=["mindformers_ac", "mindformers_ac.*"]),
     package_data={"mindformers_ac.harness": ["default_configs/*.yaml"]},
     install_requires=[
-        # 2.9.0 is the oldest release with what the engines need (mindformers_ac/mindspore_version.py);
+        # 2.9.0 is the oldest release with what the engines need (mindformers_ac/mindspore_compat.py);
         # tested on 2.9.0 and 2.10.0. No upper pin below the next major: a newer MindSpore is not downgraded.
         "mindspore>=2.9.0,<3",
         # the mindspore 2.10 wheel is built against numpy 1.x: numpy 2 breaks its first op
@@ -22,6 +22,7 @@ setup(
         "psutil",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest", "hypothesis"]},
+    # setuptools and wheel: tests/test_packaging.py builds the wheel offline (--no-build-isolation)
+    extras_require={"test": ["pytest", "hypothesis", "setuptools", "wheel"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )

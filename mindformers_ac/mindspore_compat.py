@@ -16,6 +16,9 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3.
+
+``synchronous_pynative`` picks, per release, the API that sets synchronous
+PyNative execution.
 """
 import mindspore
 from mindspore._c_expression import MixedPrecisionType  # noqa: F401  (re-exported: the door)
@@ -39,3 +42,31 @@ def require_mindspore():
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"mindformers-ac needs MindSpore >= {MIN_MINDSPORE}, found {mindspore.__version__} "
                           f"({exc}); upgrade with: pip install 'mindspore>={MIN_MINDSPORE}'") from None
+
+
+def synchronous_pynative(device=None):
+    """Set this process to PyNative mode with every op launched synchronously (and to ``device``, if given).
+
+    What every entry point that times steps calls (``mindformers-ac train`` and its
+    worker processes, ``plan``, the benchmark scripts, the test suite): with
+    MindSpore's default asynchronous launch, step times on CPU are bimodal.
+    MindSpore 2.10 deprecates ``set_context(pynative_synchronize=True)`` and
+    ``set_context(device_target=...)`` (a warning on every call) in favour of
+    ``mindspore.runtime.launch_blocking()`` and ``mindspore.set_device()``; both
+    were measured to give the same steady step times. The new API is used where
+    the installed release has it, the old one where it does not. Process-wide:
+    call it once, at the start of the entry point, before the first op.
+    """
+    ms = mindspore
+    if device is not None:
+        set_device = getattr(ms, "set_device", None)
+        if set_device is not None:
+            set_device(device)
+        else:
+            ms.set_context(device_target=device)
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    launch_blocking = getattr(getattr(ms, "runtime", None), "launch_blocking", None)
+    if launch_blocking is not None:
+        launch_blocking()
+    else:
+        ms.set_context(pynative_synchronize=True)

@@ -18,8 +18,8 @@ import tempfile
 import time
 
 import numpy as np
-import mindspore as ms
 
+from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.planner.solver import MiB, parse_budget, plan_budget, solve
 from mindformers_ac.planner.profile import measure_configs, profile_reference
 from mindformers_ac.harness.train import add_model_arguments, spec_from_args
@@ -52,7 +52,7 @@ def solver_time(num_layers=128, num_options=8, repeats=5):
 
 
 def main():
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    synchronous_pynative()
     a = parse_args()
     spec = spec_from_args(a, steps=a.train_steps)
     start = time.perf_counter()

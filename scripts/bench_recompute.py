@@ -16,6 +16,7 @@ from bench_common import Row, parse_args, print_table, profile, run_interleaved
 from mindformers_ac import recompute as rc
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
 from mindformers_ac.meter import SavedTensorMeter
+from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.tensors import MiB
 
 
@@ -68,7 +69,7 @@ def cell_recompute(sub=None):
 
 def main():
     a = parse_args(__doc__)
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    synchronous_pynative()
     batch = synthetic_batch(a.batch, a.gpt.seq_length, a.gpt.vocab_size, seed=0)
     mlp = lambda layer: layer.mlp  # noqa: E731
     full_rc, mlp_rc = "Cell.recompute() full", "Cell.recompute() mlp"

@@ -12,6 +12,7 @@ from mindspore import nn
 
 from bench_common import Row, parse_args, print_table, profile, run_interleaved
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.swap import install_layer_swap
 from mindformers_ac.tensors import MiB
 
@@ -48,7 +49,7 @@ def mib_columns(row):
 
 def main():
     a = parse_args(__doc__, lambda p: p.add_argument("--prefetch", type=int, default=1))
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    synchronous_pynative()
     ms.set_seed(1)
     rows = [swap_row(a, "baseline", None), swap_row(a, f"layer swap, prefetch={a.prefetch}", a.prefetch),
             swap_row(a, "layer swap, on demand", 0),

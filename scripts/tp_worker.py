@@ -97,7 +97,8 @@ def main(argv=None):
         raise RuntimeError(f"--fail-rank {args.fail_rank}: failing before communication init")
 
     import mindspore as ms
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+    from mindformers_ac.mindspore_compat import synchronous_pynative
+    synchronous_pynative("CPU")
     from mindformers_ac.harness.models import build_gpt, synthetic_batch
     from mindformers_ac.harness import tp as T
 

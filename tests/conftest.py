@@ -1,10 +1,11 @@
 """Shared test set-up: synchronous PyNative on CPU, small reference models, a model fingerprint."""
 import hashlib
 
-import mindspore as ms
 import pytest
 
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+from mindformers_ac.mindspore_compat import synchronous_pynative
+
+synchronous_pynative("CPU")
 
 
 def model_fingerprint(model):

@@ -23,9 +23,10 @@ from mindspore.graph.api import _pynative_executor
 from mindspore._c_expression import _DispatchGuardStack
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
-
 import mindformers_ac as mac  # noqa: E402
+from mindformers_ac.mindspore_compat import synchronous_pynative  # noqa: E402
+
+synchronous_pynative("CPU")
 from mindformers_ac.recompute.state import ENGINE  # noqa: E402
 from conftest import model_fingerprint  # noqa: E402
 from model_patterns import PATTERNS, init_weights, mode_config  # noqa: E402

@@ -87,3 +87,52 @@ def test_console_script_exits_non_zero_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "recompute.mode: expected one of None, full, select" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# --- every option says what it does and its default -----------------------------------------------------
+
+
+def _subcommand_options():
+    import argparse
+    from mindformers_ac.harness.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                yield command, action
+
+
+@pytest.mark.parametrize("command, action", list(_subcommand_options()),
+                         ids=[f"{c}-{a.option_strings[0] if a.option_strings else a.dest}"
+                              for c, a in _subcommand_options()])
+def test_every_option_states_its_default_in_help(command, action):
+    text = (action.help or "").lower()
+    assert "default" in text or "required" in text, f"{command} {action.option_strings or action.dest}: {text!r}"
+    if action.required or (not action.option_strings and action.nargs is None):
+        assert "required" in text
+    elif action.default not in (None, False):
+        assert f"default {action.default}" in text   # the value the parser really uses
+
+
+def test_help_lists_layers_and_layer_list_apart(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--layers LAYERS num_layers (default 8) (reference GPT only)" in out
+    assert "--layer-list PATH with --model: attribute path of the model's layer list" in out
+    assert "--steps STEPS training steps of each run (default 20)" in out
+
+
+# --- mistakes caught before the long part ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", ["0.5", "0.5B", "512", "0.5KiB", "1536.5"])
+def test_a_budget_that_is_no_byte_count_is_refused_before_the_model_is_built(budget, capsys):
+    # the --model module does not exist: reaching it would be a --model error, so --budget was checked first
+    assert main(["plan", "--budget", budget, "--model", "no_such_module:build"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --budget: '{budget}' reads as ") and "no_such_module" not in err
+    if budget.startswith("0.5"):
+        assert "did you mean 0.5x, a fraction of the baseline's peak?" in err
+    else:
+        assert "(0.5x)" in err and "MiB" in err

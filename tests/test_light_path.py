@@ -22,7 +22,6 @@ from mindformers_ac.recompute.api import _wrap_info
 
 from test_recompute_engine import SMALL, assert_bitwise_equal, train, wrap_layers
 
-ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,7 +194,8 @@ def _run(body):
         import json
         import numpy as np
         import mindspore as ms
-        ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+        from mindformers_ac.mindspore_compat import synchronous_pynative
+        synchronous_pynative()
         from mindspore import ops
         from mindspore.graph.api import _pynative_executor
         from mindspore._c_expression import _DispatchGuardStack

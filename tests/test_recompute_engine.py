@@ -29,7 +29,6 @@ from mindformers_ac.recompute.region import Region
 from mindformers_ac.recompute.saved import Token
 from mindformers_ac.recompute.state import ENGINE
 
-ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
@@ -471,7 +470,8 @@ def test_fifty_steps_do_not_grow():
 def _run_script(body):
     code = textwrap.dedent("""
         import mindspore as ms
-        ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+        from mindformers_ac.mindspore_compat import synchronous_pynative
+        synchronous_pynative()
         from mindformers_ac import recompute as rc
         from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
         model = build_gpt(num_layers=1, hidden_size=32, num_heads=2, seq_length=8, vocab_size=32, dropout=0.1)

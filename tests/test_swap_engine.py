@@ -20,7 +20,6 @@ from mindformers_ac.swap import (SwapExecutor, SwapManager, SwapReport, async_sa
                                  install_op_swap, remove_swap_wrapper, swap_tensor_wrapper, swap_wrapper)
 from mindformers_ac.swap.backends import DeviceCopyBackend, HostBufferPool, HostCopyBackend
 
-ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 3, 32, 4, 32, 128, 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -408,8 +407,8 @@ def test_offload_of_non_contiguous_and_other_dtypes_round_trips():
 
 
 def _run_script(body):
-    code = "import mindspore as ms\nms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)\n" + \
-        textwrap.dedent(body)
+    code = ("import mindspore as ms\nfrom mindformers_ac.mindspore_compat import synchronous_pynative\n"
+            "synchronous_pynative()\n" + textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=REPO)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                           cwd=REPO)

@@ -37,6 +37,8 @@ def test_train_matches_losses_and_saves_memory(tmp_path, name, text):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "losses, gradients and all parameters bitwise equal in every step: yes" in proc.stdout
     assert "peak activation memory" in proc.stdout and "ops re-run" in proc.stdout
+    # synchronous_pynative(): MindSpore's recommended API, so neither process prints a deprecation warning
+    assert "deprecated" not in proc.stderr and "pynative_synchronize" not in proc.stderr
     report = json.loads((out / "report.json").read_text())
     s = report["summary"]
     assert s["losses_match_bitwise"] and s["grads_match_bitwise"] and s["params_match_bitwise"]
@@ -114,3 +116,19 @@ def test_the_reference_model_is_gpt_config_defaults():
     cfg = GPTConfig()
     assert model.config == cfg and len(model.decoder.layers) == cfg.num_layers
     assert model.embedding.word_embeddings.embedding_table.shape == (cfg.vocab_size, cfg.hidden_size)
+
+
+def test_synchronous_pynative_uses_the_api_mindspore_recommends_where_it_has_it(monkeypatch):
+    import mindspore as ms
+    from mindformers_ac.mindspore_compat import synchronous_pynative
+    calls = []
+    monkeypatch.setattr(ms, "set_context", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ms, "set_device", lambda device: calls.append(("set_device", device)))
+    monkeypatch.setattr(ms.runtime, "launch_blocking", lambda: calls.append("launch_blocking"))
+    synchronous_pynative("CPU")   # MindSpore 2.10: the recommended API, no deprecated context key
+    assert calls == [("set_device", "CPU"), {"mode": ms.PYNATIVE_MODE}, "launch_blocking"]
+    calls.clear()
+    monkeypatch.delattr(ms.runtime, "launch_blocking")   # a release without them: the context keys
+    monkeypatch.delattr(ms, "set_device")
+    synchronous_pynative("CPU")
+    assert calls == [{"device_target": "CPU"}, {"mode": ms.PYNATIVE_MODE}, {"pynative_synchronize": True}]

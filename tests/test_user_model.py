@@ -270,16 +270,18 @@ def test_explain_plans_the_llama_factory(factory_dir, capsys):
     assert rows["1"] == ["1", "feed_forward", "-", "-", "-", "-"]
 
 
-def test_layer_list_not_found_names_the_flag_and_layers_path_finds_it(factory_dir, capsys):
+def test_layer_list_not_found_names_the_flag_and_layer_list_finds_it(factory_dir, capsys):
     assert main(["explain", "swap.yaml", "--model", "llama_factory:build_hidden"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model: llama_factory:build_hidden: no transformer layer list found in "
                           "LlamaForCausalLM")
-    assert "layers='path.to.layers'" in err and "--layers PATH" in err and "Traceback" not in err
-    assert main(["explain", "swap.yaml", "--model", "llama_factory:build_hidden", "--layers", "model.stack"]) == 0
+    assert "layers='path.to.layers'" in err and "--layer-list PATH" in err and "Traceback" not in err
+    assert main(["explain", "swap.yaml", "--model", "llama_factory:build_hidden", "--layer-list",
+                 "model.stack"]) == 0
     assert "3 layers at 'model.stack'" in capsys.readouterr().out
-    assert main(["explain", "swap.yaml", "--model", "llama_factory:build_hidden", "--layers", "model.nope"]) == 2
-    assert "error: --layers: 'model.nope' is not a non-empty list of cells in LlamaForCausalLM" \
+    assert main(["explain", "swap.yaml", "--model", "llama_factory:build_hidden", "--layer-list",
+                 "model.nope"]) == 2
+    assert "error: --layer-list: 'model.nope' is not a non-empty list of cells in LlamaForCausalLM" \
         in capsys.readouterr().err
 
 
@@ -374,10 +376,20 @@ def test_train_with_model_needs_a_config(factory_dir, capsys):
     assert capsys.readouterr().err.startswith("error: CONFIG: train --model needs the YAML config to apply")
 
 
-def test_a_layer_path_without_model_is_refused(capsys):
-    assert main(["train", "--layers", "model.layers"]) == 2
+def test_layers_is_a_count_and_layer_list_a_path_each_in_its_place(factory_dir, capsys):
+    # one flag, one meaning: --layers N sizes the reference GPT, --layer-list PATH names a --model's layer list
+    with pytest.raises(SystemExit) as exit_info:   # argparse's usage error: status 2
+        main(["train", "--layers", "model.layers"])
+    assert exit_info.value.code == 2
+    assert ("argument --layers: expected the reference GPT's number of layers (a positive integer), got "
+            "'model.layers'; a --model's layer-list path is --layer-list PATH") in capsys.readouterr().err
+    assert main(["train", "--layer-list", "model.layers"]) == 2
+    assert capsys.readouterr().err.startswith("error: --layer-list: names the layer list of a --model factory's "
+                                              "model; the reference GPT's is found by itself")
+    assert main(["train", "trainer.yaml", "--model", "llama_factory:build", "--layers", "4"]) == 2
     assert capsys.readouterr().err.startswith(
-        "error: --layers: expected the reference GPT's number of layers (a positive integer), got 'model.layers'")
+        "error: --layers: applies to the reference GPT only; with --model llama_factory:build the factory builds "
+        "the model; name its layer list with --layer-list PATH")
 
 
 # --- the runs themselves (subprocesses) -----------------------------------------------------------------
@@ -431,7 +443,7 @@ def test_train_does_not_blame_ac_for_a_model_that_is_not_reproducible(factory_di
 @pytest.mark.slow
 def test_train_finds_the_layer_list_by_its_path(factory_dir):
     proc = run_cli(factory_dir, "train", "swap.yaml", "--model", "llama_factory:build_hidden",
-                   "--layers", "model.stack", "--steps", "2")
+                   "--layer-list", "model.stack", "--steps", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "AcPlan: 3 layers at 'model.stack'" in proc.stdout
     assert "losses, gradients and all parameters bitwise equal in every step: yes" in proc.stdout

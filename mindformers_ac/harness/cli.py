@@ -1,10 +1,10 @@
 """``mindformers-ac``: train with AC side by side, check a config, show what it would do.
 
     mindformers-ac train [CONFIG] [--steps N] [--layers L --hidden H --seq S --batch B --dropout P] [--report DIR]
-    mindformers-ac train CONFIG --model MODULE:FUNCTION [--layers PATH] [--steps N] [--report DIR]
+    mindformers-ac train CONFIG --model MODULE:FUNCTION [--layer-list PATH] [--steps N] [--report DIR]
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
-    mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layers PATH] [--pp P]
-    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layers PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
+    mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layer-list PATH] [--pp P]
+    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layer-list PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
 
 ``--model MODULE:FUNCTION`` is the user's model: ``FUNCTION()`` returns
 ``(model, make_inputs)`` and ``model(*make_inputs(step))`` is the step's loss
@@ -12,11 +12,17 @@
 exits with status 2 and the message (which names the field or flag) on
 stderr, without a traceback. ``train`` exits 0 when the runs without and with
 AC are bitwise equal, 1 when AC changed them, 3 when the model is not
-reproducible by itself.
+reproducible by itself. SIGINT and SIGTERM stop every command cleanly (a
+``train`` worker process is stopped, its temporary directory removed) with
+the shell's status for the signal: 130 and 143.
 """
 import argparse
+import contextlib
 import logging
+import os
+import signal
 import sys
+import threading
 from importlib import resources
 
 from ..config import AcConfig, RecomputeMode
@@ -53,16 +59,6 @@ def _summary(config):
     return "\n".join(lines)
 
 
-def _int_argument(text):
-    """An int of ASCII digits for argparse; its error quotes the text shortened (argparse would print all)."""
-    try:
-        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
-            raise ValueError(text)
-        return int(text)   # ValueError past 4300 digits too
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {quote(text)}") from None
-
-
 def cmd_validate(args):
     from ..plan import check_layer_ids
     config = AcConfig.from_yaml(args.config)
@@ -78,9 +74,9 @@ def cmd_explain(args):
     from ..plan import plan_ac
     from .train import TrainSpec
     config = AcConfig.from_yaml(args.config or default_config_path())
-    user = TrainSpec(factory=args.model, layer_list=args.layers).user_model()
+    user = TrainSpec(factory=args.model, layer_list=args.layer_list).user_model()
     model, _ = user.build()   # no step is run: explain only plans
-    plan = plan_ac(model, config=config, pp=args.pp, layers=args.layers)
+    plan = plan_ac(model, config=config, pp=args.pp, layers=args.layer_list)
     print(plan.explain())
     return 0
 
@@ -96,6 +92,8 @@ def cmd_train(args):
     spec = spec_from_args(args, steps=args.steps, tp=args.tp)
     config = args.config or default_config_path()
     AcConfig.from_yaml(config)   # structural errors first, before any model is built
+    if args.report:
+        prepare_report_dir(args.report)   # before minutes of training, not after
     if spec.tp > 1:
         from .train import train_and_compare_tp
         rank, result = train_and_compare_tp(spec, config)
@@ -110,6 +108,28 @@ def cmd_train(args):
             for path in write_report(result, args.report):
                 print(f"wrote {path}")
     return exit_status(result)
+
+
+def prepare_report_dir(path):
+    """Create ``--report``'s directory (if missing) and check it can take report.json and memory.png.
+
+    Raises ``ConfigError`` (field ``--report``) for a path that is an existing
+    file, one that cannot be created, a directory that is not writable, or a
+    report file name inside it taken by a directory.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("--report", f"{quote(path)} is an existing file; --report takes a directory, "
+                                      f"where report.json and memory.png are written")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError("--report", f"cannot create the directory {quote(path)}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("--report", f"the directory {quote(path)} is not writable")
+    for name in ("report.json", "memory.png"):
+        if os.path.isdir(os.path.join(path, name)):
+            raise ConfigError("--report", f"{quote(os.path.join(path, name))} is a directory; the report writes "
+                                          f"a file there")
 
 
 def cmd_plan(args):
@@ -128,7 +148,7 @@ def cmd_plan(args):
                                 description=spec.describe(), check_loss=user.check_loss_value if user else None)
     except ConfigError:
         raise
-    except Exception as exc:   # the user's model failed in a step: one line, as train reports a failed run
+    except (Exception, SystemExit) as exc:   # the user's model failed in a step: one line, as train reports
         if user is None:
             raise
         raise RunFailed(f"profiling {spec.describe()} failed: {describe_exception(exc)}") from None
@@ -145,67 +165,112 @@ def cmd_plan(args):
 
 
 def build_parser():
-    from .train import add_model_arguments, positive_int
+    from .train import add_layer_list_argument, add_model_arguments, ascii_int, positive_int
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (the reference GPT or --model) without and with a "
                                          "config, compare")
     train.add_argument("config", nargs="?", default=None,
-                       help="YAML config (default: the shipped default config, a mix of recompute and swap)")
+                       help="YAML config (default: the shipped default config, a mix of recompute and swap; "
+                            "required with --model)")
     train.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
                        help=MODEL_HELP + "; default: the reference GPT built from --layers/--hidden/...")
-    train.add_argument("--steps", type=positive_int, default=20)
+    train.add_argument("--steps", type=positive_int, default=20, help="training steps of each run (default 20)")
     add_model_arguments(train, with_model=True)
     train.add_argument("--tp", type=positive_int, default=1,
-                       help="tensor-parallel size; > 1 must run under msrun with that many workers "
+                       help="tensor-parallel size (default 1); > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
-    train.add_argument("--report", default=None, metavar="DIR", help="write report.json and memory.png here")
+    train.add_argument("--report", default=None, metavar="DIR",
+                       help="write report.json and memory.png into this directory, created if missing "
+                            "(default: no report files)")
     train.set_defaults(func=cmd_train, times_steps=True)
     validate = sub.add_parser("validate", help="check a YAML config")
-    validate.add_argument("config")
-    validate.add_argument("--num-layers", type=_int_argument, default=None)
-    validate.add_argument("--pp", type=_int_argument, default=1)
+    validate.add_argument("config", help="YAML config to check (required)")
+    validate.add_argument("--num-layers", type=ascii_int, default=None, metavar="N",
+                          help="check the layer ids against a model of N layers (default: not checked, only "
+                               "the structure and the pp rule)")
+    validate.add_argument("--pp", type=ascii_int, default=1, metavar="P",
+                          help="pipeline-parallel size the config is checked for (default 1)")
     validate.set_defaults(func=cmd_validate)
     explain = sub.add_parser("explain", help="print the plan a config gives on a model")
     explain.add_argument("config", nargs="?", default=None,
                          help="YAML config (default: the shipped default config)")
     explain.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:FUNCTION",
                          help=f"{MODEL_HELP} (default {DEFAULT_MODEL})")
-    explain.add_argument("--layers", default=None, help="path of the layer list, if not found automatically")
-    explain.add_argument("--pp", type=int, default=1)
+    add_layer_list_argument(explain)
+    explain.add_argument("--pp", type=positive_int, default=1, metavar="P",
+                         help="pipeline-parallel size to plan for (default 1)")
     explain.set_defaults(func=cmd_explain)
     plan = sub.add_parser("plan", help="profile a model (the reference GPT or --model), choose recompute/swap "
                                        "per layer for a memory budget, write the YAML")
     plan.add_argument("config", nargs="?", default=None,
-                      help="YAML config whose swap.default_prefetch to plan with (its other sections are ignored)")
-    plan.add_argument("--budget", required=True,
-                      help="peak activation memory: 3GiB, 512MiB, bytes, or a fraction of the baseline (0.4x)")
+                      help="YAML config whose swap.default_prefetch to plan with, its other sections ignored "
+                           "(default: none, prefetch 1)")
+    plan.add_argument("--budget", required=True, metavar="SIZE",
+                      help="required: peak activation memory, as a fraction of the baseline's peak (0.4x) or a "
+                           "size of at least 1 KiB (3GiB, 512MiB, bytes)")
     plan.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
                       help=MODEL_HELP + "; default: the reference GPT built from --layers/--hidden/...")
     add_model_arguments(plan, with_model=True)
-    plan.add_argument("--prefetch", type=int, default=None, help="swap.default_prefetch (default: CONFIG's, else 1)")
-    plan.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size; > 1 rules out swap")
-    plan.add_argument("--profile-steps", type=positive_int, default=12, help="timed steps per option")
-    plan.add_argument("--out", default=None, help="write the YAML here (default: print it)")
+    plan.add_argument("--prefetch", type=int, default=None,
+                      help="swap.default_prefetch (default: CONFIG's, else 1)")
+    plan.add_argument("--pp", type=positive_int, default=1,
+                      help="pipeline-parallel size (default 1); > 1 rules out swap")
+    plan.add_argument("--profile-steps", type=positive_int, default=12,
+                      help="timed steps per option (default 12)")
+    plan.add_argument("--out", default=None, metavar="PATH", help="write the YAML here (default: print it)")
     plan.set_defaults(func=cmd_plan, times_steps=True)
     return parser
 
 
-def main(argv=None):
-    import mindspore as ms
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) raised in the main thread: unwinds like Ctrl-C, so that ``finally`` blocks and
+    context managers (a worker process stopped, a temporary directory removed) run before the exit.
+    A BaseException, as KeyboardInterrupt is: ``except Exception`` handlers must not swallow it."""
 
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Process-wide settings belong to the entry point, not to the functions it calls. The commands that
-    # time steps run synchronous PyNative: asynchronous step times on CPU are bimodal (useless for
-    # train's and plan's figures). validate and explain leave MindSpore alone (and its stderr quiet).
-    if getattr(args, "times_steps", False):
-        ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGINT and SIGTERM raise ``Interrupted`` while the command runs; the previous handlers come back
+    after (``main`` is also called in-process, by tests)."""
+    if threading.current_thread() is not threading.main_thread():   # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return args.func(args)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)   # --help and usage errors exit here, before any MindSpore setting
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        with _signals_unwind():
+            # Process-wide settings belong to the entry point, not to the functions it calls. The commands
+            # that time steps run synchronous PyNative: asynchronous step times on CPU are bimodal (useless
+            # for train's and plan's figures). validate and explain leave MindSpore alone (and stderr quiet).
+            if getattr(args, "times_steps", False):
+                from ..mindspore_compat import synchronous_pynative
+                synchronous_pynative()
+            return args.func(args)
     except (ConfigError, RunFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"\ninterrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, quote
 from .models import GPTConfig, SyntheticBatches
 
 from ..tensors import MiB
@@ -108,20 +108,27 @@ def add_model_arguments(parser, *, with_model=False, **defaults):
     Every flag defaults to None, so ``spec_from_args`` can tell the flags given
     from the defaults: ``TrainSpec``'s, overridden by ``defaults`` (flag names,
     e.g. ``layers=4``), which are kept on the parser. ``with_model``: the
-    command also has ``--model``, with which ``--layers`` names the layer-list
-    path and the other flags do not apply.
+    command also has ``--model``, with which the GPT's shape flags do not apply
+    and ``--layer-list PATH`` (``add_layer_list_argument``) names the layer list.
     """
     base = _reference_values(defaults)
     suffix = " (reference GPT only)" if with_model else ""
     for flag, name in GPT_FLAGS:
-        kind = {"layers": str, "dropout": _probability}.get(flag, positive_int)
+        kind = {"layers": layer_count, "dropout": _probability}.get(flag, positive_int)
         parser.add_argument(f"--{flag}", type=kind, default=None, metavar=flag.upper(),
-                            help=f"{name} (default {base[flag]}){suffix}"
-                                 + ("; with --model: path of the model's layer list, if not found automatically"
-                                    if with_model and flag == "layers" else ""))
+                            help=f"{name} (default {base[flag]}){suffix}")
     parser.add_argument("--batch", type=positive_int, default=None, help=f"batch size (default {base['batch']})")
     parser.add_argument("--seed", type=int, default=None, help=f"weights and data seed (default {base['seed']})")
+    if with_model:
+        add_layer_list_argument(parser)
     parser.set_defaults(model_defaults=dict(defaults))
+
+
+def add_layer_list_argument(parser):
+    """``--layer-list PATH``: where the layer list of a ``--model`` factory's model is (``layers=`` of ``apply_ac``)."""
+    parser.add_argument("--layer-list", dest="layer_list", default=None, metavar="PATH",
+                        help="with --model: attribute path of the model's layer list, e.g. model.stack "
+                             "(default: found automatically under the usual names)")
 
 
 def _reference_values(defaults):
@@ -137,43 +144,55 @@ def spec_from_args(args, **fields):
     """The ``TrainSpec`` that ``add_model_arguments``' flags (and ``--model``, if the parser has it) give.
 
     ``fields`` sets other ``TrainSpec`` fields (``steps``, ``tp`` ...). Raises
-    ``ConfigError`` naming the flag for ``--layers`` that is not a positive
-    integer without ``--model``, and for ``--hidden``/``--heads``/``--dropout``
-    with ``--model`` (the factory builds the model).
+    ``ConfigError`` naming the flag for ``--layers``/``--hidden``/``--heads``/``--dropout``
+    with ``--model`` (the factory builds the model), and for ``--layer-list``
+    without ``--model`` (the reference GPT's layer list is known).
     """
     factory = getattr(args, "model", None)
     flags = [flag for flag, _ in GPT_FLAGS] + ["batch", "seed"]
     given = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
-    layer_list = None
+    layer_list = getattr(args, "layer_list", None)
     if factory is not None:
         for flag in given:
-            if flag not in DATA_FLAGS and flag != "layers":
+            if flag not in DATA_FLAGS:
+                hint = "; name its layer list with --layer-list PATH" if flag == "layers" else ""
                 raise ConfigError(f"--{flag}", f"applies to the reference GPT only; with --model {factory} "
-                                               f"the factory builds the model")
-        layer_list = given.pop("layers", None)
+                                               f"the factory builds the model{hint}")
+    elif layer_list is not None:
+        raise ConfigError("--layer-list", "names the layer list of a --model factory's model; the reference GPT's "
+                                          "is found by itself (its number of layers is --layers N)")
     values = {**_reference_values(args.model_defaults), **given}
-    values["layers"] = _layer_count(values["layers"])
     gpt = GPTConfig(**{name: values[flag] for flag, name in GPT_FLAGS})
     return TrainSpec(gpt=gpt, batch=values["batch"], seed=values["seed"], factory=factory, layer_list=layer_list,
                      data_flags=tuple(f for f in DATA_FLAGS if f in given) if factory else (), **fields)
 
 
-def _layer_count(value):
-    if isinstance(value, int):
-        return value
+def layer_count(text):
+    """argparse type of ``--layers``: the reference GPT's number of layers; the error points a layer-list
+    path to ``--layer-list``."""
     try:
-        return positive_int(value)
-    except (ValueError, argparse.ArgumentTypeError):
-        raise ConfigError("--layers", f"expected the reference GPT's number of layers (a positive integer), got "
-                                      f"{value[:80]!r}; a layer-list path goes with --model") from None
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected the reference GPT's number of layers (a positive integer), "
+                                         f"got {quote(text)}; a --model's layer-list path is --layer-list PATH") \
+            from None
+
+
+def ascii_int(text):
+    """argparse type: an int of ASCII digits; its error quotes the text shortened (argparse would print all)."""
+    try:
+        if not text.isascii():   # int() would take Arabic-Indic or fullwidth digits
+            raise ValueError(text)
+        return int(text)   # ValueError past 4300 digits too
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer (ASCII digits), got {quote(text)}") from None
 
 
 def positive_int(text):
-    """argparse type: an integer > 0."""
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
+    """argparse type: an integer > 0 (of ASCII digits)."""
+    if ascii_int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {quote(text)}")
+    return int(text)
 
 
 def _probability(text):
@@ -297,16 +316,38 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
 
 
 def _run_in_subprocess(spec, config_path, label, workdir):
-    """``run_variant`` in a fresh process (progress on this stderr); raises ``RunFailed`` with its error."""
+    """``run_variant`` in a fresh process (progress on this stderr); raises ``RunFailed`` with its error.
+
+    Whatever interrupts the wait (KeyboardInterrupt, the ``Interrupted`` that
+    ``cli`` raises for SIGTERM) stops the worker before it propagates: no
+    training process outlives ``train``.
+    """
     out = os.path.join(workdir, f"{label.replace(' ', '_')}.json")
     cmd = [sys.executable, "-m", "mindformers_ac.harness.train", "--worker", json.dumps(dataclasses.asdict(spec)),
            config_path or "", label, out]
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None, check=False)
-    if proc.returncode != 0:
+    with subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=None) as proc:
+        try:
+            returncode = proc.wait()
+        except BaseException:
+            _stop(proc)
+            raise
+    if returncode != 0 or not os.path.exists(out):
         error = _read_text(out + ".error") or "see its output above"
-        raise RunFailed(f"the {label} training run failed (exit {proc.returncode}): {error}")
+        raise RunFailed(f"the {label} training run failed (exit {returncode}): {error}")
     with open(out, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _stop(proc, grace_s=5.0):
+    """Terminate ``proc`` (SIGTERM), then kill it if it is still there after ``grace_s``; wait for it."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _read_text(path):
@@ -424,14 +465,16 @@ def train_and_compare_tp(spec, config_path):
 
 def _worker(argv):
     """Run one variant and write its record to ``out``; on failure write the error, one line, to
-    ``out.error`` (the parent shows it) and exit 1."""
-    import mindspore as ms
+    ``out.error`` (the parent shows it) and exit 1. A ``sys.exit`` in the user's code is such a failure
+    (the parent would otherwise find no record); Ctrl-C, which reaches the worker too, ends it quietly
+    with status 130 (the parent reports the interruption)."""
+    from ..mindspore_compat import synchronous_pynative
 
     spec_json, config_path, label, out = argv
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)   # this process's entry point
+    synchronous_pynative()   # this process's entry point
     try:
         record = run_variant(TrainSpec.from_dict(json.loads(spec_json)), config_path or None, label)
-    except Exception as exc:   # the parent reports it as an error, without a traceback
+    except (Exception, SystemExit) as exc:   # the parent reports it as an error, without a traceback
         from .user_model import describe_exception
         with open(out + ".error", "w", encoding="utf-8") as f:
             f.write(describe_exception(exc))
@@ -442,7 +485,10 @@ def _worker(argv):
 
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
-        _worker(sys.argv[2:])
+        try:
+            _worker(sys.argv[2:])
+        except KeyboardInterrupt:
+            sys.exit(130)
     else:
         sys.exit("usage: python -m mindformers_ac.harness.train --worker SPEC_JSON CONFIG LABEL OUT "
                  "(internal; use `mindformers-ac train`)")

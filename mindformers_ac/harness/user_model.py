@@ -15,9 +15,10 @@ The contract:
 
 Every breach is a ``ConfigError`` naming what is wrong: the module cannot be
 imported, the function is missing, the return value has the wrong shape, the
-loss is not a scalar, or the layer list is not found (``--layers PATH``
-names it). Exceptions raised by the user's code are reported as one line with
-the place they were raised, never as a traceback.
+loss is not a scalar, or the layer list is not found (``--layer-list PATH``
+names it). Exceptions raised by the user's code, ``sys.exit`` included, are
+reported as one line with the place they were raised, never as a traceback
+(nor as a silent exit, which would read as a verdict).
 
 Harness code: the library (config, plan, apply, engines, accounting) never
 imports it.
@@ -49,8 +50,10 @@ def describe_exception(exc):
         own = [f for f in frames if "site-packages" not in f.filename and not f.filename.startswith("<")]
         frame = (own or frames or [None])[-1]
         where = f" (at {os.path.basename(frame.filename)}:{frame.lineno})" if frame else ""
-    # MindSpore frames its messages with lines of dashes: drop them, keep the words
-    message = " ".join(word for word in str(exc).split() if word.strip("-"))
+    if isinstance(exc, SystemExit):   # str() would be the bare code: "0", or "" for sys.exit()
+        message = f"sys.exit({exc.code!r})" if exc.code is not None else "sys.exit()"
+    else:   # MindSpore frames its messages with lines of dashes: drop them, keep the words
+        message = " ".join(word for word in str(exc).split() if word.strip("-"))
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + " ..."
     return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}"
@@ -77,7 +80,7 @@ def import_factory(spec):
                                     f"({cwd}) or on the Python path") from None
         raise ConfigError(FLAG, f"cannot import module {module_name!r}: importing it raised "
                                 f"{describe_exception(exc)}") from None
-    except Exception as exc:   # anything the module's own code raises while it is imported
+    except (Exception, SystemExit) as exc:   # anything the module's own code raises (or exits) while imported
         raise ConfigError(FLAG, f"cannot import module {module_name!r}: importing it raised "
                                 f"{describe_exception(exc)}") from None
     function = getattr(module, attr, None)
@@ -101,7 +104,7 @@ def _kind(value):
 class UserModel:
     """The user's model behind ``--model``: build it and check it against the contract.
 
-    ``layers``: the layer-list path (``--layers``), None to find it
+    ``layers``: the layer-list path (``--layer-list``), None to find it
     automatically. ``synthetic``: ``make_inputs`` for a FUNCTION that returns a
     model only. ``data_flags``: the data flags (``batch``, ``seq`` ...) the
     user gave; they shape only that synthetic batch, so they are an error for a
@@ -124,7 +127,7 @@ class UserModel:
         function = import_factory(self.spec)
         try:
             returned = function()
-        except Exception as exc:   # the user's code: report it, don't crash with a traceback
+        except (Exception, SystemExit) as exc:   # the user's code: report it, don't crash or exit silently
             raise ConfigError(FLAG, f"{self.spec}() raised {describe_exception(exc)}") from None
         model, make_inputs = self._unpack(returned)
         self._check_layers(model)
@@ -136,7 +139,7 @@ class UserModel:
         def checked(step):
             try:
                 inputs = make_inputs(step)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 raise ConfigError(FLAG, f"make_inputs({step}) of {spec} raised {describe_exception(exc)}") from None
             if not isinstance(inputs, (tuple, list)):
                 raise ConfigError(FLAG, f"make_inputs({step}) of {spec} returned a {_kind(inputs)}; expected a tuple "
@@ -174,8 +177,8 @@ class UserModel:
             find_layer_stack(model, self.layers)
         except ConfigError as exc:
             if self.layers is not None:
-                raise ConfigError("--layers", exc.reason) from None
-            raise ConfigError(FLAG, f"{self.spec}: {exc.reason}; on the command line: --layers PATH") from None
+                raise ConfigError("--layer-list", exc.reason) from None
+            raise ConfigError(FLAG, f"{self.spec}: {exc.reason}; on the command line: --layer-list PATH") from None
 
     def check_loss(self, model, make_inputs):
         """Run ``model(*make_inputs(0))`` once, forward only, and check it returns a floating-point scalar.
@@ -194,7 +197,7 @@ class UserModel:
         inputs = make_inputs(0)
         try:
             loss = model(*inputs)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise ConfigError(FLAG, f"model(*make_inputs(0)) of {self.spec} raised "
                                     f"{describe_exception(exc)}") from None
         self.check_loss_value(loss)

@@ -23,8 +23,8 @@ the copy time hidden behind compute (``swap_overlap``), reported for the user.
 The swap cost itself is the measured step-time difference, shared among the
 swapped layers in proportion to their offloaded bytes.
 
-Run it in synchronous PyNative mode (``ms.set_context(mode=ms.PYNATIVE_MODE,
-pynative_synchronize=True)``, as ``mindformers-ac plan`` does): asynchronous
+Run it in synchronous PyNative mode (``mindspore_compat.synchronous_pynative()``, as
+``mindformers-ac plan`` does): asynchronous
 step times on CPU are bimodal, useless for a cost model. Like every function
 of the package, it leaves MindSpore's context to its caller.
 """

@@ -1,0 +1,65 @@
+"""The command output shown in the docs is what the commands print (scripts/regen_docs.py rewrites it)."""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _regen_docs():
+    spec = importlib.util.spec_from_file_location("regen_docs", REPO / "scripts" / "regen_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+regen = _regen_docs()
+
+
+def _blocks(doc):
+    lines = (REPO / doc).read_text().split("\n")
+    return lines, regen.parse(lines)
+
+
+def test_the_documented_outputs_are_marked_for_regeneration():
+    lines, blocks = _blocks("README.md")
+    runs = [b for b in blocks if b.kind == "run"]
+    assert [b.arg for b in runs] == ["mindformers-ac train --report out; show summary"]
+    assert lines[runs[0].start].startswith(regen.SUMMARY_FIRST)
+    lines, blocks = _blocks("docs/own_model.md")
+    commands = [lines[b.start] for b in blocks if b.kind == "run"]
+    assert [c.split()[:2] for c in commands] == [["$", "mindformers-ac"]] * 3
+    assert [c.split()[2] for c in commands] == ["explain", "train", "plan"]
+    assert {b.arg for b in blocks if b.kind == "file"} == {"llama_factory.py", "llama_trainer.yaml"}
+
+
+def test_check_masks_timing_figures_only():
+    documented = ("peak activation memory: 9.08 MiB without AC, 3.02 MiB with AC (saving 66.7%; ...)\n"
+                  "step time: 104.5 ms without, 146.1 ms with (ratio 1.40x, median)\n"
+                  "process peak RSS (VmHWM, sanity figure): 478.52 MiB without, 478.70 MiB with\n"
+                  "profiled swap: +-62.3 ms/step for 1.2 ms of raw copies (100% of the copy hidden behind compute)")
+    now = documented.replace("104.5", "98.0").replace("1.40x", "1.52x").replace("478.70", "480.00") \
+        .replace("-62.3", "3.1").replace("100%", "87%")
+    assert regen.timing_masked(documented) == regen.timing_masked(now)
+    assert regen.timing_masked(documented) != regen.timing_masked(documented.replace("3.02 MiB", "2.77 MiB"))
+    assert regen.timing_masked(documented) != regen.timing_masked(documented.replace("66.7%", "69.5%"))
+
+
+@pytest.mark.slow
+def test_readme_quick_start_shows_what_train_prints_on_the_default_config(tmp_path):
+    lines, blocks = _blocks("README.md")
+    block = next(b for b in blocks if b.kind == "run")
+    documented = lines[block.start:block.end]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "mindformers_ac.harness.cli", "train"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = regen.summary_lines(proc.stdout)
+    assert documented[0].startswith("peak activation memory:")
+    assert documented[0] == printed[0]   # bytes and percentages, exactly
+    assert documented[-1] == printed[-1] == "losses, gradients and all parameters bitwise equal in every step: yes"
+    assert regen.timing_masked("\n".join(documented)) == regen.timing_masked("\n".join(printed))
