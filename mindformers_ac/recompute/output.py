@@ -55,7 +55,7 @@ class _RerunProbe(MsDispatchMode):
         self.side_effect_ops = []
 
     def __ms_dispatch__(self, func, args, kwargs=None):
-        name = op_name_of(func)
+        name = op_name_of(func, args)
         if is_unreplayable_random_op(name, args):
             self.random_ops.append(name)
         elif may_write(name, args):
