@@ -1,0 +1,148 @@
+"""The reference MoE GPT in one process (ep=1): routing, capacity drops, aux loss, and routing under recompute.
+
+The matrix of AC modes on the MoE model is in test_model_patterns.py (pattern ``moe``); the
+expert-parallel runs under msrun are in test_ep.py.
+"""
+import numpy as np
+import mindspore as ms
+import pytest
+from mindspore import Tensor, nn
+
+import mindformers_ac as mac
+from mindformers_ac.harness.models import synthetic_batch
+from mindformers_ac.harness.moe import build_moe_gpt, check_moe_config, moe_config
+from mindformers_ac.recompute import is_in_recompute
+from mindformers_ac.whitelist import get_single_layer_whitelist
+
+DIMS = dict(num_layers=2, hidden_size=16, num_heads=2, seq_length=8, vocab_size=24, dropout=0.1, num_experts=4,
+            top_k=2, capacity_factor=0.5)
+BATCH = 4
+
+
+def _batch(step):
+    return synthetic_batch(BATCH, DIMS["seq_length"], DIMS["vocab_size"], seed=step)
+
+
+def _train(model, steps=2, config=None):
+    """Loss and gradient bytes per step (SGD), after applying ``config`` if given."""
+    if config is not None:
+        mac.apply_ac(model, config=config)
+    opt = nn.SGD(model.trainable_params(), learning_rate=0.05)
+    grad_fn = ms.value_and_grad(model, None, opt.parameters)
+    history = []
+    for step in range(steps):
+        loss, grads = grad_fn(*_batch(step))
+        opt(grads)
+        history.append((loss.asnumpy().tobytes(), [g.asnumpy().tobytes() for g in grads]))
+    return history
+
+
+def test_layout_names_and_moe_layer_frequency():
+    model = build_moe_gpt(**{**DIMS, "num_layers": 4, "moe_layer_freq": 2})
+    assert [layer.is_moe_layer for layer in model.decoder.layers] == [True, False, True, False]
+    paths = get_single_layer_whitelist(model.decoder.layers[0])
+    for path in ("mlp.router", "mlp.experts.local_experts.3.linear_fc1", "mlp.experts.local_experts.0.linear_fc2",
+                 "mlp.shared_experts", "mlp.token_dispatcher.dispatch_all_to_all",
+                 "mlp.token_dispatcher.combine_all_to_all"):
+        assert path in paths
+    assert "mlp.router" not in get_single_layer_whitelist(model.decoder.layers[1])
+    names = {p.name for p in model.trainable_params()}
+    assert "decoder.layers.0.mlp.router.weight" in names
+    assert "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight" in names
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in names
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss_reaches_the_loss_and_capacity_drops_tokens(score_func):
+    dims = {**DIMS, "dropout": 0.0, "score_func": score_func}
+    tokens, labels = _batch(0)
+    with_aux = build_moe_gpt(**dims)
+    without = build_moe_gpt(**dims, aux_loss_coeff=0.0)
+    grads = ms.grad(with_aux, grad_position=None, weights=with_aux.trainable_params())(tokens, labels)
+    grads_plain = ms.grad(without, grad_position=None, weights=without.trainable_params())(tokens, labels)
+    router = [i for i, p in enumerate(with_aux.trainable_params()) if p.name.endswith("router.weight")]
+    assert float(with_aux(tokens, labels).asnumpy()) > float(without(tokens, labels).asnumpy())
+    assert any(not np.array_equal(grads[i].asnumpy(), grads_plain[i].asnumpy()) for i in router)
+    # capacity 0.5 of an even share: at most half of the top-2 choices fit
+    mlp = with_aux.decoder.layers[0].mlp
+    x = Tensor(np.random.RandomState(0).randn(BATCH * DIMS["seq_length"], DIMS["hidden_size"]).astype(np.float32))
+    weights, indices, _ = mlp.router(x)
+    dispatch, combine = mlp.token_dispatcher.routing_masks(weights, indices)
+    t = x.shape[0]
+    capacity = mlp.token_dispatcher.capacity(t)
+    assert capacity == t * 2 // 4 // 2
+    d = dispatch.asnumpy().reshape(t, 4, capacity)
+    assert d.sum() == 4 * capacity < t * 2          # every slot filled, the rest dropped
+    assert d.sum(0).max() == 1                      # one token per slot
+    assert set(np.unique(d.sum((1, 2)))) <= {0, 1, 2}
+    if score_func == "sigmoid":   # renormalised over the k chosen
+        np.testing.assert_allclose(weights.asnumpy().sum(-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("top_k", 5, "top_k must be in"), ("capacity_factor", 0.0, "capacity_factor must be > 0"),
+    ("moe_layer_freq", 0, "moe_layer_freq"), ("score_func", "relu", "score_func")])
+def test_bad_moe_settings_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        check_moe_config(moe_config(**{field: value}))
+    with pytest.raises(ValueError, match="ep 3 must divide num_experts 4"):
+        check_moe_config(moe_config(), ep=3)
+
+
+def _near_tied(model):
+    """Router rows 0-2 equal up to ~1e-7: every token's top-2 is a near tie among three experts."""
+    rng = np.random.RandomState(3)
+    for layer in model.decoder.layers:
+        base = rng.randn(DIMS["hidden_size"]).astype(np.float32)
+        rows = [base * np.float32(1 + k * 1e-7) for k in range(3)] + [-base]
+        layer.mlp.router.weight.set_data(Tensor(np.stack(rows)))
+    return model
+
+
+def _trace_routing(model):
+    """Record (layer, in recompute, indices, weights, dispatch, combine) of every routing decision."""
+    records = []
+    for layer in model.decoder.layers:
+        dispatcher = layer.mlp.token_dispatcher
+        original = dispatcher.routing_masks
+
+        def traced(weights, indices, original=original, layer_id=layer.layer_number):
+            dispatch, combine = original(weights, indices)
+            records.append((layer_id, is_in_recompute(), indices.asnumpy().copy(), weights.asnumpy().copy(),
+                            dispatch.asnumpy().copy(), combine.asnumpy().copy()))
+            return dispatch, combine
+        object.__setattr__(dispatcher, "routing_masks", traced)
+    return records
+
+
+@pytest.mark.parametrize("jitter", ["none", "replayed", "kept"])
+def test_recompute_routes_near_tied_tokens_as_forward_did(jitter):
+    dims = dict(DIMS, router_jitter=0.0 if jitter == "none" else 0.01, jitter_replayable=jitter != "kept")
+    base = _train(_near_tied(build_moe_gpt(**dims)))
+    model = _near_tied(build_moe_gpt(**dims))
+    records = _trace_routing(model)
+    history = _train(model, config={"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}})
+    assert history == base   # bitwise: loss and every gradient
+    forward = [r for r in records if not r[1]]
+    again = [r for r in records if r[1]]
+    assert len(forward) == len(again) == 2 * 2   # 2 layers x 2 steps, each recomputed once
+
+    def by_step_and_layer(rs):   # backward recomputes the layers in reverse order
+        return {(i // 2, r[0]): r[2:] for i, r in enumerate(rs)}
+    forward_routes, recomputed_routes = by_step_and_layer(forward), by_step_and_layer(again)
+    assert forward_routes.keys() == recomputed_routes.keys()
+    for key, routes in forward_routes.items():
+        for a, b in zip(routes, recomputed_routes[key]):   # experts, weights, drops, combine weights
+            assert np.array_equal(a, b), key
+    # the ties are real: every token's top-2 boundary falls among experts 0-2, whose scores differ by
+    # rounding only, and which of them wins changes from token to token; tokens were dropped
+    for _, _, indices, _, dispatch, _ in forward:
+        assert all(len(set(row) & {0, 1, 2}) in (1, 2) for row in indices.tolist())
+        assert len({0, 1, 2} & set(indices.ravel().tolist())) >= 2
+        assert dispatch.sum() < indices.size
+    rerun = {}
+    for stats in mac.ac_state(model).recompute_stats.values():
+        for op, n in stats.rerun_by_op.items():
+            rerun[op] = rerun.get(op, 0) + n
+    assert rerun["TopK"] == 2 * 2
+    assert rerun.get("UniformReal", 0) == (2 * 2 if jitter == "replayed" else 0)
