@@ -80,12 +80,12 @@ def test_aux_loss_reaches_the_loss_and_capacity_drops_tokens(score_func):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("top_k", 5, "top_k must be in"), ("capacity_factor", 0.0, "capacity_factor must be > 0"),
-    ("moe_layer_freq", 0, "moe_layer_freq"), ("score_func", "relu", "score_func")])
+    ("top_k", 5, "top_k: must be in"), ("capacity_factor", 0.0, "capacity_factor: must be > 0"),
+    ("moe_layer_freq", 0, "moe_layer_freq: must be"), ("score_func", "relu", "score_func: must be")])
 def test_bad_moe_settings_name_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         check_moe_config(moe_config(**{field: value}))
-    with pytest.raises(ValueError, match="ep 3 must divide num_experts 4"):
+    with pytest.raises(ValueError, match="ep: 3 must divide num_experts 4"):
         check_moe_config(moe_config(), ep=3)
 
 

@@ -49,9 +49,10 @@ import numpy as np
 import mindspore as ms
 from mindspore import Parameter, Tensor, mint, nn, ops
 
+from ..errors import ConfigError
 from ..recompute import OP_NAME_ATTR, REPLAYABLE_ATTR
 from .models import MLP, GPTConfig, GPTModel, TransformerBlock, TransformerLayer, gpt_config
-from .tp import _TPComm
+from .tp import _registry_cells, _TPComm
 
 __all__ = ["AllToAll", "MoEConfig", "MoEGPTModel", "MoELayer", "build_moe_gpt", "check_moe_config",
            "expert_owner", "moe_config", "reference_moe_model", "sync_expert_parallel_grads"]
@@ -64,7 +65,6 @@ class MoEConfig(GPTConfig):
     ``router_jitter``: eps of the router's input jitter (0: none).
     """
 
-    num_layers: int = 4
     num_experts: int = 4
     top_k: int = 2
     capacity_factor: float = 1.0
@@ -77,21 +77,21 @@ class MoEConfig(GPTConfig):
 
 
 def check_moe_config(config, ep=1):
-    """Raise ``ValueError`` naming the field for MoE settings that can't build (``ep``: expert-parallel size)."""
+    """Raise ``ConfigError`` naming the ``MoEConfig`` field (or ``ep``) for MoE settings that can't build."""
     if config.num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {config.num_experts}")
+        raise ConfigError("num_experts", f"must be >= 1, got {config.num_experts}")
     if not 1 <= config.top_k <= config.num_experts:
-        raise ValueError(f"top_k must be in [1, num_experts={config.num_experts}], got {config.top_k}")
+        raise ConfigError("top_k", f"must be in [1, num_experts={config.num_experts}], got {config.top_k}")
     if not config.capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {config.capacity_factor}")
+        raise ConfigError("capacity_factor", f"must be > 0, got {config.capacity_factor}")
     if config.moe_layer_freq < 1:
-        raise ValueError(f"moe_layer_freq must be >= 1, got {config.moe_layer_freq}")
+        raise ConfigError("moe_layer_freq", f"must be >= 1, got {config.moe_layer_freq}")
     if config.score_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {config.score_func!r}")
-    if ep < 1 or config.num_experts % ep:
-        raise ValueError(f"ep {ep} must divide num_experts {config.num_experts}")
+        raise ConfigError("score_func", f"must be 'softmax' or 'sigmoid', got {config.score_func!r}")
     if not 0 <= config.router_jitter < 1:
-        raise ValueError(f"router_jitter must be in [0, 1), got {config.router_jitter}")
+        raise ConfigError("router_jitter", f"must be in [0, 1), got {config.router_jitter}")
+    if ep < 1 or config.num_experts % ep:
+        raise ConfigError("ep", f"{ep} must divide num_experts {config.num_experts}")
 
 
 class AllToAll(_TPComm):
@@ -124,7 +124,8 @@ class AllToAll(_TPComm):
             setattr(prim, OP_NAME_ATTR, "AllToAll")
             self._prims["AllToAll"] = prim
         gathered = prim(x).reshape((n, n, x.shape[0] // n) + x.shape[1:])   # (source, destination, block...)
-        return mint.narrow(gathered, 1, self.tp_rank, 1).reshape(x.shape).contiguous()
+        # a copy, not a view: consumers save a private copy of a view, which output recompute can't match
+        return mint.narrow(gathered, 1, self.tp_rank, 1).reshape(x.shape).copy()
 
     def construct(self, x):
         self._count_forward()
@@ -322,6 +323,8 @@ class MoEGPTModel(GPTModel):
         ep = {"ep_rank": ep_rank, "ep_size": ep_size, "group": group}
         self.decoder = MoETransformerBlock(config, self.dropout_seeds, ep)
         self.grad_sync_calls = 0
+        # Comm cells by path, as built (tp.comm_cells reads it): recompute_comm puts proxies into the slots
+        self._tp_comm_index = dict(_registry_cells(self))
 
     def construct(self, tokens, labels):
         self.dropout_seeds.step += 1   # as GPTModel: one dropout/jitter step per forward
@@ -347,7 +350,7 @@ def build_moe_gpt(config=None, seed=0, *, ep=1, rank=0, group=None, full_model=N
     ``build_moe_gpt(num_layers=2, hidden_size=32, num_experts=4, top_k=2)``).
     ``ep > 1``: ``rank``'s expert-parallel slice, its experts' weights copied from
     ``full_model`` (built with ``ep=1`` when not given), every other weight as in
-    ``full_model``. Raises ``ValueError`` naming the field for a bad MoE setting.
+    ``full_model``. Raises ``ConfigError`` naming the field for a bad MoE setting.
     """
     config = moe_config(config, **dims)
     check_moe_config(config, ep)
@@ -407,3 +410,55 @@ def sync_expert_parallel_grads(model, params, grads):
 def reference_moe_model():
     """``--model`` factory: the reference MoE GPT (``MoEConfig()``)."""
     return build_moe_gpt()
+
+
+# --------------------------------------------------------------------------- command line (train / plan / explain)
+
+# The MoE flags and the ``MoEConfig`` field each one sets; ``--ep`` is the expert-parallel size.
+MOE_FLAGS = (("num-experts", "num_experts", int), ("top-k", "top_k", int),
+             ("capacity-factor", "capacity_factor", float), ("moe-layer-freq", "moe_layer_freq", int))
+
+
+def add_moe_arguments(parser):
+    """``--moe`` (the reference MoE GPT instead of the dense one) and its ``MOE_FLAGS``, all defaulting to None."""
+    defaults = MoEConfig()
+    parser.add_argument("--moe", action="store_true",
+                        help="the reference MoE GPT (harness/moe.py) instead of the dense one, its dimensions "
+                             "from --layers/--hidden/...")
+    for flag, name, kind in MOE_FLAGS:
+        parser.add_argument(f"--{flag}", type=kind, default=None, metavar=flag.split("-")[-1].upper(),
+                            help=f"{name} of the MoE model (default {getattr(defaults, name)}; with --moe)")
+
+
+def moe_from_args(args, gpt, ep=1):
+    """The ``MoEConfig`` fields the MoE flags give (a dict, None without ``--moe``), checked against the
+    dense dimensions ``gpt`` and the expert-parallel size ``ep``.
+
+    Raises ``ConfigError`` naming the flag: a MoE flag without ``--moe``, ``--ep`` > 1
+    without it, and the settings ``check_moe_config`` refuses.
+    """
+    given = {name: getattr(args, flag.replace("-", "_")) for flag, name, _ in MOE_FLAGS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not getattr(args, "moe", False):
+        for flag, name, _ in MOE_FLAGS:
+            if name in given:
+                raise ConfigError(f"--{flag}", "applies to the MoE model only; add --moe")
+        if ep > 1:
+            raise ConfigError("--ep", "expert parallelism needs the MoE model; add --moe")
+        return None
+    flags = {name: f"--{flag}" for flag, name, _ in MOE_FLAGS}
+    flags.update(ep="--ep", num_layers="--layers")
+    try:
+        check_moe_config(moe_config(gpt, **given), ep)
+    except ConfigError as exc:
+        raise ConfigError(flags.get(exc.field, exc.field), exc.reason) from None
+    return given
+
+
+def check_ep_world(ep, world):
+    """Raise ``ConfigError`` naming ``--ep`` unless the job's ``world`` ranks are exactly the ``ep`` ranks."""
+    if world % ep:
+        raise ConfigError("--ep", f"{ep} does not divide the number of ranks {world}")
+    if world != ep:
+        raise ConfigError("--ep", f"{ep} but the job has {world} ranks: the expert-parallel group is the whole "
+                                  f"job; launch it with msrun --worker_num {ep} --local_worker_num {ep}")
