@@ -146,3 +146,69 @@ def test_recompute_routes_near_tied_tokens_as_forward_did(jitter):
             rerun[op] = rerun.get(op, 0) + n
     assert rerun["TopK"] == 2 * 2
     assert rerun.get("UniformReal", 0) == (2 * 2 if jitter == "replayed" else 0)
+
+
+# -- command line: --moe, --ep and the MoE flags ---------------------------------------------------------
+
+MOE_FACTORY = "mindformers_ac.harness.moe:reference_moe_model"
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64", "--batch", "2"]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--moe", "--ep", "3"], "--ep: 3 must divide num_experts 4"),
+    (["--moe", "--top-k", "5"], "--top-k: must be in [1, num_experts=4], got 5"),
+    (["--moe", "--num-experts", "2", "--top-k", "3"], "--top-k: must be in [1, num_experts=2], got 3"),
+    (["--moe", "--capacity-factor", "0"], "--capacity-factor: must be > 0, got 0.0"),
+    (["--moe", "--capacity-factor", "-1.5"], "--capacity-factor: must be > 0, got -1.5"),
+    (["--moe", "--moe-layer-freq", "0"], "--moe-layer-freq: must be >= 1"),
+    (["--top-k", "1"], "--top-k: applies to the MoE model only; add --moe"),
+    (["--ep", "2"], "--ep: expert parallelism needs the MoE model; add --moe"),
+    (["--moe", "--tp", "2"], "--tp: tensor parallel trains the dense reference GPT"),
+])
+def test_bad_moe_flags_exit_2_naming_the_flag(tmp_path, capsys, flags, named):
+    from mindformers_ac.harness.cli import main
+    config = tmp_path / "full.yaml"
+    config.write_text("recompute:\n  mode: full\n  full_recompute_layer: [0-1]\n")
+    assert main(["train", str(config), *SMALL, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}"), err
+
+
+def test_ep_that_does_not_divide_the_ranks_exits_2(tmp_path, capsys, monkeypatch):
+    """Checked from msrun's MS_WORKER_NUM before communication init (a rank that fails there would make
+    msrun wait for its cluster timeout)."""
+    from mindformers_ac.harness.cli import main
+    config = tmp_path / "full.yaml"
+    config.write_text("recompute:\n  mode: full\n  full_recompute_layer: [0-1]\n")
+    monkeypatch.setenv("MS_WORKER_NUM", "3")
+    assert main(["train", str(config), *SMALL, "--moe", "--ep", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --ep: 2 does not divide the number of ranks 3")
+    monkeypatch.setenv("MS_WORKER_NUM", "4")
+    assert main(["train", str(config), *SMALL, "--moe", "--ep", "2"]) == 2
+    assert capsys.readouterr().err.startswith("error: --ep: 2 but the job has 4 ranks")
+
+
+def test_explain_and_train_on_the_moe_factory(tmp_path, capsys):
+    from mindformers_ac.harness.cli import main
+    config = tmp_path / "moe.yaml"
+    config.write_text("recompute:\n  mode: select\n  select_module:\n    '.*router': [0-7]\n"
+                      "recompute_comm:\n  enable: true\n  select_module:\n    '.*all_to_all': [0-7]\n")
+    assert main(["explain", str(config), "--model", MOE_FACTORY]) == 0
+    out = capsys.readouterr().out
+    assert "mlp.router" in out and "mlp.token_dispatcher.dispatch_all_to_all" in out
+    assert main(["train", str(config), "--model", MOE_FACTORY, "--steps", "2", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "bitwise equal in every step: yes" in out
+
+
+@pytest.mark.slow
+def test_plan_on_the_moe_model(tmp_path, capsys):
+    from mindformers_ac.config import AcConfig
+    from mindformers_ac.harness.cli import main
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--budget", "0.3x", *SMALL, "--moe", "--top-k", "1", "--profile-steps", "1",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reference MoE GPT: 2 layers" in text and f"wrote {out}" in text
+    config = AcConfig.from_yaml(str(out))
+    assert config.recompute.enabled or config.swap.enable

@@ -32,6 +32,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
+from ..limits import MAX_PATTERN_CHARS
 from ..plan import recompute_section
 from ..tensors import MiB
 
@@ -271,6 +272,18 @@ def _pattern(paths):
     return "|".join(regex.escape(p, special_only=True) for p in paths)
 
 
+def _patterns(paths):
+    """``_pattern`` of ``paths`` cut into alternations of at most ``MAX_PATTERN_CHARS`` characters each (a MoE
+    layer's linears alone make one longer than a config may hold)."""
+    chunks, current = [], []
+    for path in paths:
+        if current and len(_pattern(current + [path])) > MAX_PATTERN_CHARS:
+            chunks.append(_pattern(current))
+            current = []
+        current.append(path)
+    return chunks + ([_pattern(current)] if current else [])
+
+
 def option_sections(options, prefetch=1):
     """``{layer id: Option}`` -> the ``recompute``, ``recompute_comm``, ``swap`` sections (a dict).
 
@@ -286,8 +299,8 @@ def option_sections(options, prefetch=1):
                 by.setdefault(("select", _pattern([path])), []).append(i)
         elif option.kind == FULL:
             by.setdefault(("full", None), []).append(i)
-            if option.exclude:
-                by.setdefault(("exclude", _pattern(option.exclude)), []).append(i)
+            for pattern in _patterns(option.exclude):
+                by.setdefault(("exclude", pattern), []).append(i)
         elif option.kind == SWAP:
             by.setdefault(("swap", None), []).append(i)
         elif option.kind != NONE:
