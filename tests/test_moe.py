@@ -212,3 +212,22 @@ def test_plan_on_the_moe_model(tmp_path, capsys):
     assert "reference MoE GPT: 2 layers" in text and f"wrote {out}" in text
     config = AcConfig.from_yaml(str(out))
     assert config.recompute.enabled or config.swap.enable
+
+
+def test_comm_output_recompute_reports_what_the_layer_still_keeps():
+    """recompute_comm's hooks hide the outer meter: the layer's kept bytes must still be everything it
+    saved except the all-to-all outputs it dropped (counted as recomputed)."""
+    from mindformers_ac.harness.train import TrainingRun
+    batch = _batch(0)
+    dims = dict(DIMS, dropout=0.0, capacity_factor=1.0)
+    layers = []
+    for config in (None, {"recompute_comm": {"enable": True, "select_module": {".*all_to_all": ["0-1"]}}}):
+        run = TrainingRun(build_moe_gpt(**dims), config)
+        layers.append(run.step(batch)[2].as_dict()["layers"])
+    base, comm = layers
+    t, h, e = BATCH * DIMS["seq_length"], DIMS["hidden_size"], DIMS["num_experts"]
+    buffers = 2 * (e * (t * 2 // e) * h * 4)   # the dispatched and the returned (E * C, h) float32 buffers
+    for layer in ("0", "1"):
+        assert comm[layer]["recomputed_bytes"] == buffers
+        assert comm[layer]["kept_bytes"] == base[layer]["kept_bytes"] - buffers
+    assert comm["other"] == base["other"]

@@ -66,11 +66,15 @@ class _RerunProbe(MsDispatchMode):
 class _ScopeRun:
     """Outputs recorded during one forward of the scope; owns the accounting of that forward."""
 
-    __slots__ = ("stats_bytes", "dropped_any", "__weakref__")
+    __slots__ = ("stats_bytes", "dropped_any", "passed", "weights", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, weights=frozenset()):
         self.stats_bytes = {}   # stats object id -> [stats, kept, dropped, seen ptrs]
         self.dropped_any = {}   # target -> whether a consumer's save of its output was dropped
+        # Our hooks hide an outer meter (accounting.StepMeter): what they let through is kept, and ours
+        # to report. data_ptr -> bytes of every other save in the scope, weights (by data_ptr) excluded.
+        self.passed = {}
+        self.weights = weights
 
 
 class _OutputRecord:
@@ -133,7 +137,7 @@ class _Scope:
                 or not _executor.requires_grad():
             return False
         self.live = {}
-        self.run = _ScopeRun()
+        self.run = _ScopeRun(frozenset(p.data_ptr() for p in self.cell.get_parameters()))
         self._ctx = ms.saved_tensors_hooks(self._pack, _unpack_output)
         self._ctx.__enter__()
         return True
@@ -147,8 +151,12 @@ class _Scope:
         run, self.run = self.run, None
         if failed:
             return   # an abandoned forward: nothing was kept for a backward that won't come
+        counted = {key[1] if isinstance(key, tuple) else key   # the ops' inputs and the dropped outputs
+                   for entry in run.stats_bytes.values() for key in entry[3]}
+        passed = sum(n for ptr, n in run.passed.items() if ptr not in counted)
         for stats, kept, dropped, _ in run.stats_bytes.values():
-            stats.open_region(run, kept, dropped, 0)
+            stats.open_region(run, kept + passed, dropped, 0)
+            passed = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
         for target, dropped in run.dropped_any.items():
             if not dropped:
                 ENGINE.warnings.warning(
@@ -177,17 +185,24 @@ class _Scope:
     def _pack(self, t):
         hit = self.live.get(t.data_ptr())
         if hit is None:
-            return t
+            return self._pass(t)
         rec, j = hit
         out = rec.outs[j]() if rec.outs[j] is not None else None
         if out is None or out.shape != t.shape or out.dtype != t.dtype:
-            return t
+            return self._pass(t)
         entry = rec.run.stats_bytes[id(rec.target.stats)]
         rec.run.dropped_any[rec.target] = True
         if ("out", t.data_ptr()) not in entry[3]:
             entry[3].add(("out", t.data_ptr()))
             entry[2] += storage_nbytes(t)
         return _OutputToken(rec, j)
+
+    def _pass(self, t):
+        """``t`` kept as it is: noted for the accounting (an outer meter can't see it)."""
+        run, ptr = self.run, t.data_ptr()
+        if run is not None and ptr not in run.weights and ptr not in run.passed:
+            run.passed[ptr] = storage_nbytes(t)
+        return t
 
 
 def _unpack_output(obj):
