@@ -199,6 +199,10 @@ def test_explain_and_train_on_the_moe_factory(tmp_path, capsys):
     assert main(["train", str(config), "--model", MOE_FACTORY, "--steps", "2", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "bitwise equal in every step: yes" in out
+    config.write_text("recompute:\n  mode: full\n  full_recompute_layer: [0-1]\n  exclude_op: [AllToAll]\n")
+    assert main(["train", str(config), *SMALL, "--moe", "--top-k", "1", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "AllToAll" in out and "bitwise equal in every step: yes" in out
 
 
 @pytest.mark.slow
