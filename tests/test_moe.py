@@ -188,7 +188,7 @@ def test_ep_that_does_not_divide_the_ranks_exits_2(tmp_path, capsys, monkeypatch
     assert capsys.readouterr().err.startswith("error: --ep: 2 but the job has 4 ranks")
 
 
-def test_explain_and_train_on_the_moe_factory(tmp_path, capsys):
+def test_explain_on_the_moe_factory(tmp_path, capsys):
     from mindformers_ac.harness.cli import main
     config = tmp_path / "moe.yaml"
     config.write_text("recompute:\n  mode: select\n  select_module:\n    '.*router': [0-7]\n"
@@ -196,6 +196,15 @@ def test_explain_and_train_on_the_moe_factory(tmp_path, capsys):
     assert main(["explain", str(config), "--model", MOE_FACTORY]) == 0
     out = capsys.readouterr().out
     assert "mlp.router" in out and "mlp.token_dispatcher.dispatch_all_to_all" in out
+
+
+@pytest.mark.slow
+def test_train_on_the_moe_factory_and_with_moe(tmp_path, capsys):
+    """Both runs of each ``train`` are subprocesses."""
+    from mindformers_ac.harness.cli import main
+    config = tmp_path / "moe.yaml"
+    config.write_text("recompute:\n  mode: select\n  select_module:\n    '.*router': [0-7]\n"
+                      "recompute_comm:\n  enable: true\n  select_module:\n    '.*all_to_all': [0-7]\n")
     assert main(["train", str(config), "--model", MOE_FACTORY, "--steps", "2", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert "bitwise equal in every step: yes" in out
