@@ -8,7 +8,6 @@ router jitter 0.05, dropout 0.1.
 """
 import json
 import os
-import sys
 
 import pytest
 

@@ -54,8 +54,10 @@ from ..recompute import OP_NAME_ATTR, REPLAYABLE_ATTR
 from .models import MLP, GPTConfig, GPTModel, TransformerBlock, TransformerLayer, gpt_config
 from .tp import _registry_cells, _TPComm
 
-__all__ = ["AllToAll", "MoEConfig", "MoEGPTModel", "MoELayer", "build_moe_gpt", "check_moe_config",
-           "expert_owner", "moe_config", "reference_moe_model", "sync_expert_parallel_grads"]
+__all__ = ["AllToAll", "DispatchAllToAll", "MOE_FLAGS", "MoEConfig", "MoEGPTModel", "MoELayer",
+           "add_moe_arguments", "build_moe_gpt", "check_ep_world", "check_moe_config", "expert_owner",
+           "moe_config", "moe_from_args", "reference_moe_model", "sync_expert_parallel_grads"]
+
 
 @dataclass
 class MoEConfig(GPTConfig):
