@@ -46,10 +46,10 @@ def case(name, config, moe, batch):
 
     row = Row(name, step)
 
-    def kept(_row=row):
+    def kept():
         memory = last["memory"].as_dict()
-        layer0 = memory["layers"]["0"]
-        return {"kept MiB": f"{memory['kept_bytes'] / MiB:.3f}", "layer 0 kept MiB": f"{layer0['kept_bytes'] / MiB:.3f}",
+        return {"kept MiB": f"{memory['kept_bytes'] / MiB:.3f}",
+                "layer 0 kept MiB": f"{memory['layers']['0']['kept_bytes'] / MiB:.3f}",
                 "offloaded MiB": f"{memory['offloaded_bytes'] / MiB:.3f}"}
     row.kept = kept
     return row

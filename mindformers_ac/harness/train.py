@@ -73,7 +73,8 @@ class TrainSpec:
 
     def synthetic_batches(self, rank=0):
         """``make_inputs`` of the reference synthetic data for this spec (expert parallel: rank ``rank``'s)."""
-        return SyntheticBatches(self.batch, self.gpt.seq_length, self.gpt.vocab_size, self.seed + EP_DATA_STRIDE * rank)
+        seed = self.seed + EP_DATA_STRIDE * rank
+        return SyntheticBatches(self.batch, self.gpt.seq_length, self.gpt.vocab_size, seed)
 
     def user_model(self):
         """The ``UserModel`` of ``factory`` (None without one)."""
@@ -156,10 +157,10 @@ def spec_from_args(args, **fields):
     integer without ``--model``, and for ``--hidden``/``--heads``/``--dropout``
     with ``--model`` (the factory builds the model).
     """
+    from .moe import moe_from_args
     factory = getattr(args, "model", None)
     flags = [flag for flag, _ in GPT_FLAGS] + ["batch", "seed"]
     given = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
-    from .moe import moe_from_args
     layer_list = None
     if factory is not None:
         for flag in given:
