@@ -500,6 +500,42 @@ def build_llama():
     return init_weights(LlamaForCausalLM())
 
 
+# DeepSeek-style mixture of experts (the harness's reference MoE GPT) ------------------------------
+
+MOE_VOCAB = 24
+
+
+def build_moe():
+    """The reference MoE GPT, MoE in layers 0 and 2 (a dense layer between), top-2 of 4 experts with
+    capacity drops, router jitter and dropout, its layer calls routed through ``run_layer``."""
+    from mindformers_ac.harness.moe import MoEGPTModel, moe_config
+
+    class MoEPatternModel(MoEGPTModel):
+        def run_layer(self, layer, *args, **kwargs):
+            return layer(*args, **kwargs)
+
+        def construct(self, ids, labels, pos, mask):   # MoEGPTModel's, its layer calls through run_layer
+            self.dropout_seeds.step += 1
+            x, aux_total = self.embedding(ids), 0.0
+            for layer in self.decoder.layers:
+                out = self.run_layer(layer, x, self.attention_mask)
+                if layer.is_moe_layer:
+                    x, aux = out
+                    aux_total = aux_total + aux
+                else:
+                    x = out
+            logits = self.output_layer(self.decoder.final_layernorm(x))
+            return self.loss(logits.reshape(-1, MOE_VOCAB), labels) + self.config.aux_loss_coeff * aux_total
+
+    ms.set_seed(0)
+    np.random.seed(0)
+    model = MoEPatternModel(moe_config(num_layers=N_LAYERS, hidden_size=H, num_heads=2, seq_length=S,
+                                       vocab_size=MOE_VOCAB, dropout=0.1, num_experts=4, top_k=2,
+                                       capacity_factor=0.75, moe_layer_freq=2, router_jitter=0.05))
+    model.set_train(True)
+    return model
+
+
 # one cell twice in the layer list (weight-shared layers) -------------------------------------------
 
 def build_shared_layer_cell():
@@ -521,6 +557,8 @@ PATTERNS = {p.name: p for p in [
             comm=r"blocks\.1\.mlp\.all_gather", op_swap=r"blocks\.1", layers="decoder.layers"),
     Pattern("llama", build_llama, token_batch(LLAMA_VOCAB), cell="attention", op=r"feed_forward\.mul",
             comm=r"feed_forward\.all_gather", op_swap="feed_forward", layers="model.layers"),
+    Pattern("moe", build_moe, token_batch(MOE_VOCAB), cell=r"mlp\.experts", op=r"mlp\.shared_experts\.activation_func",
+            comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers"),
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
             refused={mode: SHARED for mode in ("full", "select_cell", "select_op", "exclude_op", "recompute_comm",
                                                "layer_swap", "op_swap", "mixed")}),

@@ -86,15 +86,17 @@ def cmd_train(args):
     from .train import exit_status, spec_from_args, train_and_compare
     if args.model is not None and args.tp > 1:
         raise ConfigError("--tp", "tensor parallel trains the reference GPT only; it can't be combined with --model")
+    if args.tp > 1 and (args.moe or args.ep > 1):
+        raise ConfigError("--tp", "tensor parallel trains the dense reference GPT; use --ep for the MoE model")
     if args.model is not None and args.config is None:
         raise ConfigError("CONFIG", "train --model needs the YAML config to apply: the shipped default config "
                                     "targets the reference GPT's 8 layers")
-    spec = spec_from_args(args, steps=args.steps, tp=args.tp)
+    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep)
     config = args.config or default_config_path()
     AcConfig.from_yaml(config)   # structural errors first, before any model is built
     if args.report:
         prepare_report_dir(args.report)   # before minutes of training, not after
-    if spec.tp > 1:
+    if spec.tp > 1 or spec.ep > 1:
         from .train import train_and_compare_tp
         rank, result = train_and_compare_tp(spec, config)
     else:
@@ -165,6 +167,7 @@ def cmd_plan(args):
 
 
 def build_parser():
+    from .moe import add_moe_arguments
     from .train import add_layer_list_argument, add_model_arguments, ascii_int, positive_int
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +183,10 @@ def build_parser():
     train.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size (default 1); > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
+    train.add_argument("--ep", type=positive_int, default=1,
+                       help="expert-parallel size (default 1; with --moe); > 1 must run under msrun with that "
+                            "many workers")
+    add_moe_arguments(train)
     train.add_argument("--report", default=None, metavar="DIR",
                        help="write report.json and memory.png into this directory, created if missing "
                             "(default: no report files)")
@@ -212,6 +219,7 @@ def build_parser():
     plan.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
                       help=MODEL_HELP + "; default: the reference GPT built from --layers/--hidden/...")
     add_model_arguments(plan, with_model=True)
+    add_moe_arguments(plan)
     plan.add_argument("--prefetch", type=int, default=None,
                       help="swap.default_prefetch (default: CONFIG's, else 1)")
     plan.add_argument("--pp", type=positive_int, default=1,

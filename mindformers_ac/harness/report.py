@@ -37,13 +37,14 @@ def summary_text(result):
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
         verdict_line(s),
-    ] + _collectives_lines(s.get("collectives_per_step")))
+    ] + _collectives_lines(s.get("collectives_per_step"),
+                           "expert parallel" if result["spec"].get("ep", 1) > 1 else "tensor parallel"))
 
 
-def _collectives_lines(per_step):
+def _collectives_lines(per_step, kind):
     if not per_step:
         return []
-    lines = ["collectives in the last step (tensor parallel):"]
+    lines = [f"collectives in the last step ({kind}):"]
     for label, counts in per_step.items():
         lines.append(f"  {label:>8}: forward {counts['forward']}, backward {counts['backward']}, "
                      f"re-run in backward {counts['rerun_in_backward'] or 0}")

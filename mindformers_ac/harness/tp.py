@@ -79,7 +79,7 @@ def init_tp():
 
 # --------------------------------------------------------------------------- comm cells
 
-class _TPComm(nn.Cell):
+class TPComm(nn.Cell):
     """Base of the collectives: rank/size/group, lazily built primitives, call counters."""
 
     fwd_collective = None
@@ -138,7 +138,7 @@ class _TPComm(nn.Cell):
         return f"tp_rank={self.tp_rank}, tp_size={self.tp_size}, dim={self.dim}"
 
 
-class CopyToTP(_TPComm):
+class CopyToTP(TPComm):
     """Enter a tensor-parallel region: forward identity, backward AllReduce (sum)."""
 
     bwd_collective = "AllReduce"
@@ -152,7 +152,7 @@ class CopyToTP(_TPComm):
         return (self.all_reduce(dout),)
 
 
-class ReduceFromTP(_TPComm):
+class ReduceFromTP(TPComm):
     """Leave a row-parallel matmul: forward AllReduce (sum), backward identity."""
 
     fwd_collective = "AllReduce"
@@ -166,7 +166,7 @@ class ReduceFromTP(_TPComm):
         return (dout,)
 
 
-class GatherFromTP(_TPComm):
+class GatherFromTP(TPComm):
     """Forward AllGather along ``dim``; backward depends on who consumes the gathered tensor.
 
     ``grad="reduce_scatter"`` (column-parallel input): every rank's gradient of the
@@ -196,7 +196,7 @@ class GatherFromTP(_TPComm):
         return (self.own_slice(dout),)
 
 
-class ScatterToTP(_TPComm):
+class ScatterToTP(TPComm):
     """Split a replicated tensor along ``dim``: forward own slice, backward AllGather."""
 
     bwd_collective = "AllGather"
@@ -210,7 +210,7 @@ class ScatterToTP(_TPComm):
         return (self.all_gather(dout),)
 
 
-class ReduceScatterToTP(_TPComm):
+class ReduceScatterToTP(TPComm):
     """Forward ReduceScatter along ``dim`` (AllReduce + own slice on CPU), backward AllGather."""
 
     fwd_collective = "AllReduce"
@@ -375,7 +375,7 @@ class TPGPTModel(GPTModel):
         self.grad_sync_calls = 0
         # Comm cells by path, fixed at build time: apply_ac may later put wrappers into the
         # ``_comm_ops`` slots; counting goes to the cells themselves.
-        self._tp_comm_index = dict(_registry_cells(self))
+        self._tp_comm_index = dict(registry_cells(self))
 
     def construct(self, tokens, labels):
         self.dropout_seeds.step += 1   # as GPTModel: one dropout step per forward
@@ -484,10 +484,11 @@ def sync_sequence_parallel_grads(model, params, grads):
 def comm_cells(model):
     """``[(path, comm_cell)]`` for every ``_comm_ops`` slot of ``model`` (``path.slot``), as built."""
     index = vars(model).get("_tp_comm_index")
-    return list(index.items()) if isinstance(index, dict) else _registry_cells(model)
+    return list(index.items()) if isinstance(index, dict) else registry_cells(model)
 
 
-def _registry_cells(model):
+def registry_cells(model):
+    """``(path, op)`` for every collective in a ``_comm_ops`` registry under ``model`` (TP and EP comm cells)."""
     found = []
     for path, cell in model.cells_and_names():
         registry = vars(cell).get("_comm_ops")
@@ -498,7 +499,7 @@ def _registry_cells(model):
 
 
 def _base_comm(op):
-    return op if isinstance(op, _TPComm) else None
+    return op if isinstance(op, TPComm) else None
 
 
 def reset_comm_counters(model):

@@ -36,6 +36,8 @@ GPT_FLAGS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num
 # Flags that shape only the reference synthetic batch and the weights' seed: with ``--model`` they
 # still feed a factory that returns a model only (called as ``model(tokens, labels)``).
 DATA_FLAGS = ("batch", "seq", "vocab", "seed")
+# Expert-parallel rank r trains on the synthetic batches of seed ``seed + EP_DATA_STRIDE * r``.
+EP_DATA_STRIDE = 1000
 
 
 @dataclass
@@ -57,6 +59,8 @@ class TrainSpec:
     seed: int = 0
     lr: float = 0.05
     tp: int = 1
+    ep: int = 1                    # expert-parallel size (MoE model only)
+    moe: Optional[dict] = None     # MoEConfig fields beyond ``gpt``: the reference MoE GPT instead of the dense one
     factory: Optional[str] = None
     layer_list: Optional[str] = None
     data_flags: tuple = ()
@@ -67,9 +71,10 @@ class TrainSpec:
         values = dict(values)
         return cls(gpt=GPTConfig(**values.pop("gpt")), data_flags=tuple(values.pop("data_flags", ())), **values)
 
-    def synthetic_batches(self):
-        """``make_inputs`` of the reference synthetic data for this spec."""
-        return SyntheticBatches(self.batch, self.gpt.seq_length, self.gpt.vocab_size, self.seed)
+    def synthetic_batches(self, rank=0):
+        """``make_inputs`` of the reference synthetic data for this spec (expert parallel: rank ``rank``'s)."""
+        seed = self.seed + EP_DATA_STRIDE * rank
+        return SyntheticBatches(self.batch, self.gpt.seq_length, self.gpt.vocab_size, seed)
 
     def user_model(self):
         """The ``UserModel`` of ``factory`` (None without one)."""
@@ -86,6 +91,10 @@ class TrainSpec:
         """
         if self.factory is not None:
             return self.user_model().build()
+        if self.moe is not None:   # expert parallel is data parallel too: every rank trains on its own batches
+            from .moe import build_moe_gpt, moe_config
+            return (build_moe_gpt(moe_config(self.gpt, **self.moe), self.seed, ep=self.ep, rank=rank),
+                    self.synthetic_batches(rank if self.ep > 1 else 0))
         if self.tp == 1:
             from .models import build_gpt
             return build_gpt(self.gpt, self.seed), self.synthetic_batches()
@@ -97,6 +106,13 @@ class TrainSpec:
         if self.factory is not None:
             return f"--model {self.factory}"
         g = self.gpt
+        if self.moe is not None:
+            from .moe import moe_config
+            m = moe_config(g, **self.moe)
+            return (f"reference MoE GPT: {g.num_layers} layers (MoE every {m.moe_layer_freq}), hidden "
+                    f"{g.hidden_size}, {m.num_experts} experts, top-{m.top_k}, capacity factor "
+                    f"{m.capacity_factor}, seq {g.seq_length}, batch {self.batch}"
+                    + (f", ep {self.ep}" if self.ep > 1 else ""))
         return (f"reference GPT: {g.num_layers} layers, hidden {g.hidden_size}, heads {g.num_heads}, "
                 f"seq {g.seq_length}, batch {self.batch}")
 
@@ -148,6 +164,7 @@ def spec_from_args(args, **fields):
     with ``--model`` (the factory builds the model), and for ``--layer-list``
     without ``--model`` (the reference GPT's layer list is known).
     """
+    from .moe import moe_from_args
     factory = getattr(args, "model", None)
     flags = [flag for flag, _ in GPT_FLAGS] + ["batch", "seed"]
     given = {flag: getattr(args, flag) for flag in flags if getattr(args, flag) is not None}
@@ -163,6 +180,11 @@ def spec_from_args(args, **fields):
                                           "is found by itself (its number of layers is --layers N)")
     values = {**_reference_values(args.model_defaults), **given}
     gpt = GPTConfig(**{name: values[flag] for flag, name in GPT_FLAGS})
+    if hasattr(args, "moe"):   # a command with the MoE flags (moe.add_moe_arguments)
+        if factory is not None and args.moe:
+            raise ConfigError("--moe", f"builds the reference MoE GPT; with --model {factory} the factory builds "
+                                       f"the model")
+        fields.setdefault("moe", moe_from_args(args, gpt, fields.get("ep", 1)))
     return TrainSpec(gpt=gpt, batch=values["batch"], seed=values["seed"], factory=factory, layer_list=layer_list,
                      data_flags=tuple(f for f in DATA_FLAGS if f in given) if factory else (), **fields)
 
@@ -293,16 +315,19 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
     record = {"losses": [], "step_times": [], "memory": [], "collectives": []}
     record_initial_state(record, model, [p.name for p in run.optimizer.parameters])
     sync_grads = None
-    if spec.tp > 1:
+    parallel = spec.tp > 1 or spec.ep > 1
+    if parallel:
+        from .moe import sync_expert_parallel_grads
         from .tp import reset_comm_counters, sync_sequence_parallel_grads
-        sync_grads = functools.partial(sync_sequence_parallel_grads, model)
+        sync = sync_expert_parallel_grads if spec.ep > 1 else sync_sequence_parallel_grads
+        sync_grads = functools.partial(sync, model)
     reset_hwm()
     for step in range(spec.steps):
         inputs = make_inputs(step)
-        if spec.tp > 1:
+        if parallel:
             reset_comm_counters(model)
         loss, grads, memory, seconds = run.step(inputs, sync_grads)
-        if spec.tp > 1:
+        if parallel:
             record["collectives"].append(_collectives(model, ac_state(model)))
         record["losses"].append(float(loss.asnumpy()))
         record_step(record, model, loss, grads)
@@ -439,7 +464,8 @@ def train_and_compare(spec, config_path):
 
 
 def train_and_compare_tp(spec, config_path):
-    """Under msrun: this rank trains its TP slice without and with AC, one run after the other.
+    """Under msrun: this rank trains its TP (or expert-parallel, ``spec.ep``) slice without and with AC,
+    one run after the other.
 
     Both runs share the process (the communication group can be set up only
     once), so the per-run VmHWM figures are not independent; the saved-tensor
@@ -448,8 +474,13 @@ def train_and_compare_tp(spec, config_path):
     ``(rank, comparison)``; rank 0 prints.
     """
     from .tp import init_tp
+    if spec.ep > 1:
+        from .moe import check_ep_world
+        check_ep_world(spec.ep, int(os.environ.get("MS_WORKER_NUM", "0")) or spec.ep)   # before init: exit 2
     rank, world = init_tp()
-    if world != spec.tp:
+    if spec.ep > 1:
+        check_ep_world(spec.ep, world)
+    elif world != spec.tp:
         raise RuntimeError(f"--tp {spec.tp} but the job has {world} ranks: launch it with "
                            f"msrun --worker_num {spec.tp} --local_worker_num {spec.tp}")
     plan = check_config(spec, config_path, rank)

@@ -34,6 +34,7 @@ import yaml
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
 from ..config import config_for_layers
+from ..limits import MAX_PATTERN_CHARS
 from ..tensors import MiB
 
 class OptionKind(str, enum.Enum):
@@ -292,6 +293,18 @@ def _pattern(paths):
     return "|".join(regex.escape(p, special_only=True) for p in paths)
 
 
+def _patterns(paths):
+    """``_pattern`` of ``paths`` cut into alternations of at most ``MAX_PATTERN_CHARS`` characters each (a MoE
+    layer's linears alone make one longer than a config may hold)."""
+    chunks, current = [], []
+    for path in paths:
+        if current and len(_pattern(current + [path])) > MAX_PATTERN_CHARS:
+            chunks.append(_pattern(current))
+            current = []
+        current.append(path)
+    return chunks + ([_pattern(current)] if current else [])
+
+
 def option_sections(options, prefetch=1):
     """``{layer id: Option}`` -> the ``recompute``, ``recompute_comm``, ``swap`` sections (a dict).
 
@@ -307,8 +320,8 @@ def option_sections(options, prefetch=1):
                 select.setdefault(_pattern([path]), []).append(i)
         elif option.kind == OptionKind.FULL:
             full.append(i)
-            if option.exclude:
-                exclude.setdefault(_pattern(option.exclude), []).append(i)
+            for pattern in _patterns(option.exclude):
+                exclude.setdefault(pattern, []).append(i)
         elif option.kind == OptionKind.SWAP:
             swapped.append(i)
     return config_for_layers(full=full, select_module=_specs(select), exclude_op=_specs(exclude),

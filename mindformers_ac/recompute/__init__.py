@@ -15,7 +15,7 @@
 """
 from .api import (checkpoint, checkpoint_wrapper, exclude_policy, get_checkpoint_stats, is_checkpoint_wrapped,
                   is_in_recompute, unwrap)
-from .dispatch import op_name_of
+from .dispatch import OP_NAME_ATTR, op_name_of
 from .output import OpOutputHandle, wrap_op_output
 from .policy import CheckpointPolicy
 from .random_ops import RANDOM_OP_PATTERN, REPLAYABLE_ATTR, is_random_op_name
@@ -23,7 +23,7 @@ from .stats import RecomputeStats
 from .tracking import OpContext
 
 __all__ = [
-    "CheckpointPolicy", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "REPLAYABLE_ATTR", "RecomputeStats",
+    "CheckpointPolicy", "OP_NAME_ATTR", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "REPLAYABLE_ATTR", "RecomputeStats",
     "checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
     "is_in_recompute", "is_random_op_name", "op_name_of", "unwrap", "wrap_op_output",
 ]

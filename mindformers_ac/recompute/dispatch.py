@@ -32,8 +32,20 @@ from .state import ENGINE, FORWARD
 SAVE, SWAP, REBUILD = "save", "swap", "rebuild"
 
 
-def op_name_of(op):
-    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds)."""
+# A primitive that stands in for another op names it here, e.g. an AllGather that implements an
+# all-to-all where the backend has no all-to-all kernel: ``exclude_op`` and the counters see that name.
+OP_NAME_ATTR = "mac_op_name"
+
+
+def op_name_of(op, args=()):
+    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds).
+
+    A legacy op is dispatched with its primitive as ``args[0]``; a str
+    ``mac_op_name`` attribute on that primitive is the name instead.
+    """
+    alias = getattr(args[0], OP_NAME_ATTR, None) if args else None
+    if isinstance(alias, str):
+        return alias
     name = getattr(op, "name", None)
     if callable(name):
         name = name()
@@ -158,7 +170,7 @@ class RegionDispatch(MsDispatchMode):
 
     def _forward_op(self, run, idx, func, args, kwargs):
         region = run.region
-        name = op_name_of(func)
+        name = op_name_of(func, args)
         region.op_names.append(name)
         region.stats.ops_forward += 1
         decision = region.decide(run, idx, name, func, args, kwargs)
@@ -177,7 +189,7 @@ class RegionDispatch(MsDispatchMode):
 
     def _recompute_op(self, run, idx, func, args, kwargs):
         region = run.region
-        name = op_name_of(func)
+        name = op_name_of(func, args)
         if idx >= len(region.op_names) or region.op_names[idx] != name:
             path = run.cell_path()
             raise RuntimeError(

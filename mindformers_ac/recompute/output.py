@@ -58,7 +58,7 @@ class _RerunProbe(MsDispatchMode):
         self.side_effect_ops = []
 
     def __ms_dispatch__(self, func, args, kwargs=None):
-        name = op_name_of(func)
+        name = op_name_of(func, args)
         if is_unreplayable_random_op(name, args):
             self.random_ops.append(name)
         elif may_write(name, args):
@@ -69,11 +69,17 @@ class _RerunProbe(MsDispatchMode):
 class _ScopeRun:
     """Outputs recorded during one forward of the scope; owns the accounting of that forward."""
 
-    __slots__ = ("stats_bytes", "dropped_any", "__weakref__")
+    __slots__ = ("stats_bytes", "dropped_any", "dropped_refs", "passed", "weights", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, weights=frozenset()):
         self.stats_bytes = {}   # stats object id -> [stats, kept, dropped, seen ptrs]
         self.dropped_any = {}   # target -> whether a consumer's save of its output was dropped
+        self.dropped_refs = {}  # data_ptr of an output whose save was dropped -> (target, weakref to it)
+        # Our hooks hide an outer meter (accounting.StepMeter): what they let through is kept, and ours
+        # to report. data_ptr -> (bytes, weakref) of every other save in the scope, weights (by data_ptr)
+        # excluded; only those still alive when the scope returns count (MindSpore drops some saves).
+        self.passed = {}
+        self.weights = weights
 
 
 class _OutputRecord:
@@ -142,7 +148,7 @@ class _Scope:
                 or not _executor.requires_grad():
             return False
         self.live = {}
-        self.run = _ScopeRun()
+        self.run = _ScopeRun(frozenset(p.data_ptr() for p in self.cell.get_parameters()))
         self._ctx = ms.saved_tensors_hooks(self._pack, _unpack_output)
         self._ctx.__enter__()
         return True
@@ -156,8 +162,27 @@ class _Scope:
         run, self.run = self.run, None
         if failed:
             return   # an abandoned forward: nothing was kept for a backward that won't come
-        for stats, kept, dropped, _ in run.stats_bytes.values():
-            stats.open_region(run, kept, dropped, 0)
+        alive = {ptr: n for ptr, (n, ref) in run.passed.items() if ref() is not None}
+        inputs = {key for entry in run.stats_bytes.values() for key in entry[3] if not isinstance(key, tuple)}
+        passed = sum(n for ptr, n in alive.items() if ptr not in inputs)
+        # An output dropped by its consumers but also saved as it is stays alive (a Cell with a custom
+        # bprop saves its output for the bprop, which a proxy around the call sees too late). Same
+        # pointer is not enough: a dropped output freed early leaves its address to later tensors.
+        still_alive = {ptr for ptr, (_, ref) in run.dropped_refs.items() if ptr in alive and ref() is not None}
+        for stats, kept, dropped, keys in run.stats_bytes.values():
+            still = sum(alive[key[1]] for key in keys if isinstance(key, tuple) and key[1] in still_alive)
+            stats.open_region(run, kept + passed, dropped - still, 0)
+            passed = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
+        by_target = {}
+        for ptr, (target, _) in run.dropped_refs.items():
+            by_target.setdefault(target, set()).add(ptr)
+        for target, ptrs in by_target.items():
+            if ptrs <= still_alive:
+                ENGINE.warnings.warning(
+                    ("output_kept_by_op", target.name),
+                    "output recompute of %s saves nothing: its output is saved for backward as it is "
+                    "before the op returns (a Cell with a custom bprop keeps its inputs and output for "
+                    "the bprop); it is still run again in backward", target.name)
         for target, dropped in run.dropped_any.items():
             if not dropped:
                 ENGINE.warnings.warning(
@@ -186,17 +211,25 @@ class _Scope:
     def _pack(self, t):
         hit = self.live.get(t.data_ptr())
         if hit is None:
-            return t
+            return self._pass(t)
         rec, j = hit
         out = rec.outs[j]() if rec.outs[j] is not None else None
         if out is None or out.shape != t.shape or out.dtype != t.dtype:
-            return t
+            return self._pass(t)
         entry = rec.run.stats_bytes[id(rec.target.stats)]
         rec.run.dropped_any[rec.target] = True
+        rec.run.dropped_refs[t.data_ptr()] = (rec.target, rec.outs[j])
         if ("out", t.data_ptr()) not in entry[3]:
             entry[3].add(("out", t.data_ptr()))
             entry[2] += storage_nbytes(t)
         return _OutputToken(rec, j)
+
+    def _pass(self, t):
+        """``t`` kept as it is: noted for the accounting (an outer meter can't see it)."""
+        run, ptr = self.run, t.data_ptr()
+        if run is not None and ptr not in run.weights and ptr not in run.passed:
+            run.passed[ptr] = (storage_nbytes(t), weakref.ref(t))
+        return t
 
 
 def _unpack_output(obj):
@@ -345,9 +378,11 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         logger.warning("output recompute of %s skipped: %s is random; its output is kept", name, op)
         target.keep_output = True
     target.scope.attach(target)
-    if isinstance(op, nn.Cell) and registry is None:
+    if isinstance(op, nn.Cell):
         # A Cell op (e.g. a collective with a custom bprop) keeps its slot: forward hooks are ignored on
-        # cells with a custom bprop, and a non-Cell proxy in the slot would change the cell tree.
+        # cells with a custom bprop, and a non-Cell proxy in the slot would change the cell tree. Its
+        # output is recorded inside the call: a custom bprop saves the output for itself as the call
+        # returns, which a proxy around the call would see too late to drop.
         patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
                                undo="remove() its OpOutputHandle")
         return OpOutputHandle(owner_cell, attr_name, registry, op, target, patch)
