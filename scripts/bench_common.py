@@ -13,7 +13,7 @@ import pstats
 import statistics
 import time
 
-from mindformers_ac.harness.train import add_model_arguments, spec_from_args
+from mindformers_ac.harness.spec import add_model_arguments, spec_from_args
 
 # small: dispatch-bound, per-op and per-tensor Python shows; mid: kernel-bound.
 SHAPES = {"small": {"layers": 8, "hidden": 64, "seq": 32, "batch": 2},

@@ -12,7 +12,7 @@ import mindspore as ms
 
 from bench_common import Row, parse_args, print_table, profile, run_interleaved
 from mindformers_ac.harness.moe import add_moe_arguments, build_moe_gpt, moe_config, moe_from_args
-from mindformers_ac.harness.train import TrainingRun
+from mindformers_ac.training import TrainingRun
 from mindformers_ac.harness.models import synthetic_batch
 from mindformers_ac.tensors import MiB
 

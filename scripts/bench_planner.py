@@ -21,8 +21,8 @@ import numpy as np
 
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.planner.solver import MiB, parse_budget, plan_budget, solve
-from mindformers_ac.planner.profile import measure_configs, profile_reference
-from mindformers_ac.harness.train import add_model_arguments, spec_from_args
+from mindformers_ac.planner.profile import measure_configs
+from mindformers_ac.harness.spec import add_model_arguments, profile_spec, spec_from_args
 
 
 def parse_args():
@@ -56,7 +56,7 @@ def main():
     a = parse_args()
     spec = spec_from_args(a, steps=a.train_steps)
     start = time.perf_counter()
-    profile = profile_reference(spec, steps=a.profile_steps)
+    profile = profile_spec(spec, steps=a.profile_steps)
     print(f"profiled {profile.description} in {time.perf_counter() - start:.1f} s; baseline "
           f"{profile.baseline_peak / MiB:.2f} MiB, {profile.baseline_step_s * 1000:.1f} ms/step")
     for k, option in enumerate(profile.options):

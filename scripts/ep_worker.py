@@ -51,7 +51,7 @@ def parse_args(argv=None):
 
 def make_spec(args, world, dropout=None, jitter=None):
     from mindformers_ac.harness.models import GPTConfig
-    from mindformers_ac.harness.train import TrainSpec
+    from mindformers_ac.harness.spec import TrainSpec
     gpt = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads, seq_length=args.seq,
                     vocab_size=args.vocab, dropout=args.dropout if dropout is None else dropout)
     moe = dict(num_experts=args.num_experts, top_k=args.top_k, capacity_factor=args.capacity_factor,
@@ -61,7 +61,8 @@ def make_spec(args, world, dropout=None, jitter=None):
 
 
 def run_configs(args, spec, rank):
-    from mindformers_ac.harness.train import compare, run_variant
+    from mindformers_ac.harness.train import compare
+    from mindformers_ac.harness.variant import run_variant
     baseline = None
     for item in args.config:
         name, path = item.split("=", 1)

@@ -7,8 +7,10 @@ import sys
 import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mindformers_ac")
-# Tools around the library: they may import it, it never imports them.
+# Tools around the library: they may import it, it never imports them. The planner stands on the
+# library alone (the harness drives it, not the other way round).
 HARNESS = ("mindformers_ac.harness", "mindformers_ac.planner")
+PLANNER, CLI_HARNESS = "mindformers_ac.planner", "mindformers_ac.harness"
 
 
 def _module_name(path):
@@ -100,6 +102,14 @@ def test_library_never_imports_the_harness():
     assert "mindformers_ac.recompute.region" in library and "mindformers_ac.apply" in library
     offenders = {m: sorted(d for d in graph[m] if d.startswith(HARNESS)) for m in library}
     assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def test_the_planner_stands_on_the_library_not_on_the_harness():
+    graph = _graph()
+    planner = [m for m in graph if m.startswith(PLANNER)]
+    assert "mindformers_ac.planner.profile" in planner
+    assert {m: sorted(d for d in graph[m] if d.startswith(CLI_HARNESS)) for m in planner} == \
+        {m: [] for m in planner}
 
 
 def test_engines_live_in_their_subpackages():

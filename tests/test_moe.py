@@ -230,7 +230,7 @@ def test_plan_on_the_moe_model(tmp_path, capsys):
 def test_comm_output_recompute_reports_what_the_layer_still_keeps():
     """recompute_comm's hooks hide the outer meter: the layer's kept bytes must still be everything it
     saved except the all-to-all outputs it dropped (counted as recomputed)."""
-    from mindformers_ac.harness.train import TrainingRun
+    from mindformers_ac.training import TrainingRun
     batch = _batch(0)
     dims = dict(DIMS, dropout=0.0, capacity_factor=1.0)
     layers = []

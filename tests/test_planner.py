@@ -13,8 +13,8 @@ from mindformers_ac.plan import check_layer_ids
 from mindformers_ac.planner.solver import (BudgetPlan, Option, OptionKind, Profile, minimum_peak,
                                     option_sections, parse_budget, plan_budget, solve)
 from mindformers_ac.harness.models import GPTConfig
-from mindformers_ac.harness.train import TrainSpec
-from mindformers_ac.planner.profile import candidate_options, profile_reference
+from mindformers_ac.harness.spec import TrainSpec, profile_spec
+from mindformers_ac.planner.profile import candidate_options
 
 MiB = 2 ** 20
 OPTS = [Option("none", OptionKind.NONE), Option("select mlp", OptionKind.SELECT, select=("mlp",)),
@@ -220,7 +220,7 @@ TINY = TrainSpec(gpt=GPTConfig(num_layers=3, hidden_size=32, num_heads=2, seq_le
 
 @pytest.fixture(scope="module")
 def tiny_profile():
-    return profile_reference(TINY, steps=3, warmup=1)
+    return profile_spec(TINY, steps=3, warmup=1)
 
 
 def test_profile_measures_memory_per_option(tiny_profile):

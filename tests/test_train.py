@@ -84,7 +84,7 @@ def test_bad_config_exits_non_zero_with_the_field_path(tmp_path):
 
 def _parse(*argv, **defaults):
     import argparse
-    from mindformers_ac.harness.train import add_model_arguments
+    from mindformers_ac.harness.spec import add_model_arguments
     parser = argparse.ArgumentParser()
     add_model_arguments(parser, **defaults)
     return parser.parse_args(list(argv))
@@ -92,7 +92,7 @@ def _parse(*argv, **defaults):
 
 def test_flags_set_gpt_config_fields_and_defaults_come_from_gpt_config():
     from mindformers_ac.harness.models import GPTConfig
-    from mindformers_ac.harness.train import GPT_FLAGS, TrainSpec, spec_from_args
+    from mindformers_ac.harness.spec import GPT_FLAGS, TrainSpec, spec_from_args
     spec = spec_from_args(_parse("--layers", "3", "--hidden", "48", "--dropout", "0.25", "--batch", "5"), steps=7)
     assert spec.gpt == GPTConfig(num_layers=3, hidden_size=48, dropout=0.25)   # the rest: GPTConfig's defaults
     assert (spec.batch, spec.steps, spec.seed, spec.factory) == (5, 7, TrainSpec().seed, None)
@@ -104,7 +104,7 @@ def test_flags_set_gpt_config_fields_and_defaults_come_from_gpt_config():
 def test_a_spec_travels_to_a_worker_as_json():
     import dataclasses
     from mindformers_ac.harness.models import GPTConfig
-    from mindformers_ac.harness.train import TrainSpec
+    from mindformers_ac.harness.spec import TrainSpec
     spec = TrainSpec(gpt=GPTConfig(num_layers=2, vocab_size=64), batch=3, factory="m:f", layer_list="model.stack",
                      data_flags=("seq",))
     assert TrainSpec.from_dict(json.loads(json.dumps(dataclasses.asdict(spec)))) == spec

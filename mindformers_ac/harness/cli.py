@@ -27,7 +27,7 @@ from importlib import resources
 
 from ..config import AcConfig, RecomputeMode
 from ..errors import ConfigError, quote
-from .train import RunFailed
+from .variant import RunFailed
 
 DEFAULT_MODEL = "mindformers_ac.harness.models:reference_model"
 MODEL_HELP = ("your model: FUNCTION() returns (model, make_inputs), model(*make_inputs(step)) is the step's loss, "
@@ -72,7 +72,7 @@ def cmd_validate(args):
 
 def cmd_explain(args):
     from ..plan import plan_ac
-    from .train import TrainSpec
+    from .spec import TrainSpec
     config = AcConfig.from_yaml(args.config or default_config_path())
     user = TrainSpec(factory=args.model, layer_list=args.layer_list).user_model()
     model, _ = user.build()   # no step is run: explain only plans
@@ -83,7 +83,8 @@ def cmd_explain(args):
 
 def cmd_train(args):
     from .report import layer_table, summary_text, write_report
-    from .train import exit_status, spec_from_args, train_and_compare
+    from .spec import spec_from_args
+    from .train import exit_status, train_and_compare
     if args.model is not None and args.tp > 1:
         raise ConfigError("--tp", "tensor parallel trains the reference GPT only; it can't be combined with --model")
     if args.tp > 1 and (args.moe or args.ep > 1):
@@ -97,7 +98,7 @@ def cmd_train(args):
     if args.report:
         prepare_report_dir(args.report)   # before minutes of training, not after
     if spec.tp > 1 or spec.ep > 1:
-        from .train import train_and_compare_tp
+        from .parallel import train_and_compare_tp
         rank, result = train_and_compare_tp(spec, config)
     else:
         rank, result = 0, train_and_compare(spec, config)
@@ -136,8 +137,7 @@ def prepare_report_dir(path):
 
 def cmd_plan(args):
     from ..planner.solver import parse_budget, plan_budget
-    from ..planner.profile import profile_model
-    from .train import spec_from_args
+    from .spec import profile_spec, spec_from_args
     from .user_model import describe_exception
     prefetch = args.prefetch
     if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
@@ -146,8 +146,8 @@ def cmd_plan(args):
     spec = spec_from_args(args)
     user = spec.user_model()
     try:   # a --model factory is checked when the profile builds it and on its very first step
-        profile = profile_model(spec.build, layers=spec.layer_list, prefetch=prefetch, steps=args.profile_steps,
-                                description=spec.describe(), check_loss=user.check_loss_value if user else None)
+        profile = profile_spec(spec, prefetch=prefetch, steps=args.profile_steps,
+                               check_loss=user.check_loss_value if user else None)
     except ConfigError:
         raise
     except (Exception, SystemExit) as exc:   # the user's model failed in a step: one line, as train reports
@@ -168,7 +168,7 @@ def cmd_plan(args):
 
 def build_parser():
     from .moe import add_moe_arguments
-    from .train import add_layer_list_argument, add_model_arguments, ascii_int, positive_int
+    from .spec import add_layer_list_argument, add_model_arguments, ascii_int, positive_int
     parser = argparse.ArgumentParser(prog="mindformers-ac", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model (the reference GPT or --model) without and with a "

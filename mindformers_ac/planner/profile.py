@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..layer_specs import swappable_layers
+from ..training import TrainingRun
 from .solver import Option, OptionKind, Profile
 
 # Class names whose outputs "full recompute, keep matmul outputs" keeps: the
@@ -93,7 +94,6 @@ class OptionRun:
     """One fresh model with one option applied, stepped like ``train.run_variant``."""
 
     def __init__(self, factory, option, config, lr, layers=None, check_loss=None):
-        from ..harness.train import TrainingRun
         self.option = option
         model, self.make_inputs = factory()
         self.training = TrainingRun(model, config, lr, layers=layers)
@@ -221,12 +221,3 @@ def _profile_from_runs(runs, num_layers, prefetch, description):
                    swap_copy_s=raw_copy if raw_copy > 0 else None, swap_cost_s=swap_delta if raw_copy > 0 else None,
                    step_times={r.option.name: statistics.median(r.times) for r in runs},
                    description=description)
-
-
-def profile_reference(spec=None, prefetch=1, steps=12, warmup=2):
-    """``profile_model`` on the model of a ``train.TrainSpec`` (default: the reference GPT) with
-    ``train``'s inputs (the same synthetic batches, step by step)."""
-    from ..harness.train import TrainSpec
-    spec = spec if spec is not None else TrainSpec()
-    return profile_model(spec.build, layers=spec.layer_list, prefetch=prefetch, steps=steps, warmup=warmup,
-                         description=spec.describe())
