@@ -1,7 +1,11 @@
 """Step time and kept activation bytes of the recompute engine against baseline and Cell.recompute().
 
-    PYTHONPATH=. python scripts/bench_recompute.py [--shape small|mid] [--dropout 0] [--nn-dropout] [--steps 10]
+    PYTHONPATH=. python scripts/bench_recompute.py [--family gpt|plain|llama] [--shape small|mid] [--dropout 0]
+                                                   [--nn-dropout] [--steps 10]
     PYTHONPATH=. python scripts/bench_recompute.py --shape small --profile full
+
+``--family`` picks the model (``bench_families.py``): the reference GPT, a plain
+pre-LN transformer with another op mix, or the LLaMA of docs/own_model.md.
 
 Rows: baseline, "baseline + 1 forward" (the floor for full recompute), MindSpore's Cell.recompute()
 on each layer and on each layer's mlp (fresh models: it can't be undone), and the engine's full,
@@ -14,18 +18,17 @@ import mindspore as ms
 
 from bench_common import Row, parse_args, print_table, profile, run_interleaved
 from mindformers_ac import recompute as rc
-from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from bench_families import FAMILIES, build
 from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.tensors import MiB
 
 
-def case(a, name, setup, batch, ref=None, extra_forward=False):
-    """A fresh model set up by ``setup(model) -> [RecomputeStats] | None``, as a Row."""
-    model = build_gpt(a.gpt, seed=0)
-    if a.nn_dropout:
-        use_nn_dropout(model)
-    stats = setup(model) or []
+def case(a, name, setup, ref=None, extra_forward=False):
+    """A fresh model set up by ``setup(family) -> [RecomputeStats] | None``, as a Row."""
+    family = build(a.family, a.gpt, a.batch, a.gpt.dropout, a.nn_dropout)
+    model, batch = family.model, family.batch
+    stats = setup(family) or []
     params = model.trainable_params()
     grad_fn = ms.value_and_grad(model, None, params)
 
@@ -43,62 +46,64 @@ def case(a, name, setup, batch, ref=None, extra_forward=False):
         with meter.hooks():
             grad_fn(*batch)
         return {"kept MiB": f"{(meter.peak + sum(s.peak_kept_bytes for s in stats)) / MiB:.2f}",
-                "ops re-run": str(sum(s.ops_rerun for s in stats))}
+                "ops re-run": str(sum(s.ops_rerun for s in stats)),
+                "light / intercepted calls": (f"{sum(s.light_calls for s in stats)} / "
+                                              f"{sum(s.intercepted_calls for s in stats)}") if stats else "-"}
 
     row = Row(name, step, ref)
     row.stats, row.kept_and_rerun = stats, kept_and_rerun
     return row
 
 
-def per_layer(policy=None, sub=None):
-    def setup(model):
+def per_layer(policy=None, cells="layers"):
+    """``checkpoint_wrapper`` on each layer (``cells="layers"``) or each layer's MLP (``"mlp"``)."""
+    def setup(family):
         stats = []
-        for layer in model.decoder.layers:
+        for cell in getattr(family, cells):
             stats.append(rc.RecomputeStats())
-            rc.checkpoint_wrapper(layer if sub is None else sub(layer), policy_fn=policy, stats=stats[-1])
+            rc.checkpoint_wrapper(cell, policy_fn=policy, stats=stats[-1])
         return stats
     return setup
 
 
-def cell_recompute(sub=None):
-    def setup(model):
-        for layer in model.decoder.layers:
-            (layer if sub is None else sub(layer)).recompute()
+def cell_recompute(cells="layers"):
+    def setup(family):
+        for cell in getattr(family, cells):
+            cell.recompute()
     return setup
 
 
 def main():
-    a = parse_args(__doc__)
+    a = parse_args(__doc__, lambda p: p.add_argument("--family", choices=FAMILIES, default="gpt",
+                                                       help="the model (default gpt: the reference GPT)"))
     synchronous_pynative()
-    batch = synthetic_batch(a.batch, a.gpt.seq_length, a.gpt.vocab_size, seed=0)
-    mlp = lambda layer: layer.mlp  # noqa: E731
-    full_rc, mlp_rc = "Cell.recompute() full", "Cell.recompute() mlp"
+    full_rc, mlp_rc, floor = "Cell.recompute() full", "Cell.recompute() mlp", "floor (baseline + 1 forward)"
     rows = [
-        case(a, "baseline", lambda m: None, batch),
-        case(a, "baseline + 1 forward", lambda m: None, batch, extra_forward=True),
-        case(a, full_rc, cell_recompute(), batch),
-        case(a, "full", per_layer(), batch, ref=full_rc),
-        case(a, "full + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"])), batch, ref=full_rc),
-        case(a, mlp_rc, cell_recompute(mlp), batch),
-        case(a, "select mlp", per_layer(sub=mlp), batch, ref=mlp_rc),
-        case(a, "select core_attention", per_layer(sub=lambda layer: layer.self_attention.core_attention), batch),
+        case(a, "baseline", lambda f: None),
+        case(a, floor, lambda f: None, extra_forward=True),
+        case(a, full_rc, cell_recompute(), ref=floor),
+        case(a, "full", per_layer(), ref=floor),
+        case(a, "full + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"])), ref=full_rc),
+        case(a, mlp_rc, cell_recompute("mlp")),
+        case(a, "select mlp", per_layer(cells="mlp"), ref=mlp_rc),
     ]
     if a.profile:
         profile(rows, a.profile, a.warmup, a.steps)
         return
     run_interleaved(rows, a.warmup, a.steps)
-    layer_in = a.batch * a.gpt.seq_length * a.gpt.hidden_size * 4
     g = a.gpt
-    print(f"{g.num_layers} layers, hidden {g.hidden_size}, heads {g.num_heads}, seq {g.seq_length}, batch {a.batch}, "
-          f"dropout {g.dropout} "
-          f"({'nn.Dropout, masks kept' if a.nn_dropout else 'replayable SeededDropout, drawn again'}); median of "
-          f"{a.steps} interleaved steps after {a.warmup} warm-up; cpu = process CPU time (all threads)")
+    dropout = "none" if not g.dropout or a.family == "llama" else (
+        f"{g.dropout} ({'nn.Dropout, masks kept' if a.nn_dropout or a.family == 'plain' else 'replayable SeededDropout, drawn again'})")
+    print(f"{build(a.family, a.gpt, a.batch).describe}: {g.num_layers} layers, hidden {g.hidden_size}, heads "
+          f"{g.num_heads}, seq {g.seq_length}, batch {a.batch}, dropout {dropout}; median of {a.steps} interleaved "
+          f"steps after {a.warmup} warm-up; cpu = process CPU time (all threads)")
     print_table(rows, "baseline", lambda r: r.kept_and_rerun())
-    inputs = layer_in + a.gpt.seq_length ** 2 * 4   # hidden states and the additive attention mask
-    full = next(r for r in rows if r.name == "full")
-    print(f"full: kept per layer {[round(s.peak_kept_bytes / inputs, 3) for s in full.stats]} x the layer's inputs "
-          f"({inputs / MiB:.4f} MiB: hidden states + attention mask; with --nn-dropout also the dropout masks "
-          "at 1 bit per element)")
+    if a.family == "gpt":
+        inputs = a.batch * g.seq_length * g.hidden_size * 4 + g.seq_length ** 2 * 4   # hidden states + mask
+        full = next(r for r in rows if r.name == "full")
+        print(f"full: kept per layer {[round(s.peak_kept_bytes / inputs, 3) for s in full.stats]} x the layer's "
+              f"inputs ({inputs / MiB:.4f} MiB: hidden states + attention mask; with --nn-dropout also the dropout "
+              "masks at 1 bit per element)")
 
 
 if __name__ == "__main__":
