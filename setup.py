@@ -23,6 +23,6 @@ setup(
         "matplotlib",
     ],
     # setuptools and wheel: tests/test_packaging.py builds the wheel offline (--no-build-isolation)
-    extras_require={"test": ["pytest", "hypothesis", "setuptools", "wheel"]},
+    extras_require={"test": ["pytest", "hypothesis", "setuptools", "wheel", "ruff"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )

@@ -108,3 +108,11 @@ def test_the_installed_package_runs_from_another_directory(tmp_path):
         # import works from elsewhere and resolves to that tree (the wheel test covers what pip would copy)
         source = pathlib.Path(direct["url"].removeprefix("file://")).resolve()
         assert all(f.is_relative_to(source / "mindformers_ac") for f in files), (files, source)
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """CI must run exactly what README's quick start tells a user to run (linter included)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    commands = [line for line in readme.splitlines() if line.startswith('pip install ".[test]"')]
+    assert commands == ['pip install ".[test]" && ruff check . && python -m pytest -q']
+    assert commands[0] in (REPO / ".ci" / "run").read_text(encoding="utf-8")
