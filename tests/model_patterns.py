@@ -420,11 +420,14 @@ class LLamaAttention(nn.Cell):
         self.rotary_emb = LlamaRotaryEmbedding()
 
     def construct(self, x, position_ids, mask):
+        return self.attend(x, *self.rotary_emb(position_ids), mask)
+
+    def attend(self, x, cos, sin, mask):
+        """Attention with the rotary tables ``cos``, ``sin`` (B, 1, S, D) given."""
         bs, seq, _ = x.shape
         q = self.wq(x).reshape(bs, seq, N_HEADS, HEAD_DIM).swapaxes(1, 2)
         k = self.wk(x).reshape(bs, seq, N_KV_HEADS, HEAD_DIM).swapaxes(1, 2)
         v = self.wv(x).reshape(bs, seq, N_KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        cos, sin = self.rotary_emb(position_ids)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         rep = N_HEADS // N_KV_HEADS

@@ -33,8 +33,8 @@ import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
 import mindformers_ac as mac
-from model_patterns import (FFN, H, HEAD_DIM, LLAMA_VOCAB, N_HEADS, N_KV_HEADS, LlamaFeedForward, LlamaRMSNorm,
-                            causal_padding_mask, init_weights, mode_config, rope_tables, rotate_half, Pattern)
+from model_patterns import (HEAD_DIM, LLAMA_VOCAB, H, LLamaAttention, LlamaFeedForward, LlamaRMSNorm, Pattern,
+                            causal_padding_mask, init_weights, mode_config, rope_tables)
 
 ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
 
@@ -44,33 +44,13 @@ MODES = ("none", "full", "select_cell", "select_op", "exclude_op", "recompute_co
          "mixed")
 PATTERN = Pattern("training_run", None, None, cell="attention", op=r"feed_forward\.mul",
                   comm=r"feed_forward\.all_gather", op_swap="feed_forward")
-assert FFN and H % N_HEADS == 0
 
 
-class Attention(nn.Cell):
-    """Grouped-query attention; the rotary tables arrive as a tuple computed once per step by the model."""
-
-    def __init__(self):
-        super().__init__()
-        self.wq = mint.nn.Linear(H, N_HEADS * HEAD_DIM, bias=False)
-        self.wk = mint.nn.Linear(H, N_KV_HEADS * HEAD_DIM, bias=False)
-        self.wv = mint.nn.Linear(H, N_KV_HEADS * HEAD_DIM, bias=False)
-        self.wo = mint.nn.Linear(N_HEADS * HEAD_DIM, H, bias=False)
+class Attention(LLamaAttention):
+    """The pattern catalogue's grouped-query attention, its rotary tables given as a per-step tuple."""
 
     def construct(self, x, freqs_cis, mask):
-        bs, seq, _ = x.shape
-        cos, sin = freqs_cis
-        q = self.wq(x).reshape(bs, seq, N_HEADS, HEAD_DIM).swapaxes(1, 2)
-        k = self.wk(x).reshape(bs, seq, N_KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        v = self.wv(x).reshape(bs, seq, N_KV_HEADS, HEAD_DIM).swapaxes(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        k = ops.repeat_interleave(k, N_HEADS // N_KV_HEADS, 1)
-        v = ops.repeat_interleave(v, N_HEADS // N_KV_HEADS, 1)
-        s = ops.matmul(q, k.swapaxes(-1, -2)) * (HEAD_DIM ** -0.5)
-        s = s.masked_fill(mask.expand_dims(1), -1e4)
-        out = ops.matmul(ops.softmax(s.astype(ms.float32), -1).astype(v.dtype), v)
-        return self.wo(out.swapaxes(1, 2).reshape(bs, seq, N_HEADS * HEAD_DIM))
+        return self.attend(x, *freqs_cis, mask)
 
 
 class DecoderLayer(nn.Cell):
