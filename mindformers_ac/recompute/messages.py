@@ -144,3 +144,14 @@ MUST_SWAP_WITHOUT_EXECUTOR = ("policy_fn returned MUST_SWAP but checkpoint() got
                               "those ops instead (pass swap_executor= to offload)")
 KEEP_SIDE_EFFECT = ("%s writes parameters larger than its other inputs: its output is kept instead of copying "
                     "them for the recompute")
+DROPOUT_NOT_REBUILT = ("Dropout output can't be rebuilt bitwise from its mask for %s; keeping Dropout outputs "
+                       "instead (more memory, still exact)")
+OUTPUT_NOTHING_DROPPED = ("output recompute of %s saves nothing: no op in its layer saved its output tensor for "
+                          "backward (a consumer that saves a view or a copy, e.g. of a non-contiguous output, keeps "
+                          "it); return a contiguous tensor from the op or recompute its enclosing module instead")
+OUTPUT_RANDOM_OPS = ("output recompute of %s skipped: it runs random op(s) %s, whose output can't be reproduced; "
+                     "its output is kept")
+OUTPUT_SIDE_EFFECT_OPS = ("output recompute of %s skipped: it runs op(s) %s that write parameters (e.g. BatchNorm's "
+                          "moving statistics), which running it again would update twice; its output is kept "
+                          "(recompute its enclosing module instead, which re-runs it on copies)")
+OUTPUT_RANDOM_OP = "output recompute of %s skipped: %s is random; its output is kept"
