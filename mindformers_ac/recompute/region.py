@@ -85,6 +85,9 @@ class Region(RegionBase):
             self.bytes.swap(t)
         return holder
 
+    def _offload_input(self, run, t, ptr):
+        return self.offload(run, t, key=("input", ptr))
+
     # -- decisions --------------------------------------------------------------
     def ask_policy(self, run, idx, name, func, args, kwargs):
         ctx = OpContext(name, run.cell_path(), run.mode != FORWARD, idx, run.cell(),
@@ -324,10 +327,8 @@ class Region(RegionBase):
         try:
             if self.swap_inputs and self.swap_executor is None:
                 ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
-            offload = None
-            if self.swap_inputs and self.swap_executor is not None:
-                def offload(t, ptr):
-                    return self.offload(run, t, key=("input", ptr))
+            offload = (functools.partial(self._offload_input, run)
+                       if self.swap_inputs and self.swap_executor is not None else None)
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved):
