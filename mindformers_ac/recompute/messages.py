@@ -2,8 +2,12 @@
 
 Both ways into a region (the op-intercepting path and the light path) report
 the same failures with the same words: each function here returns the
-``RecomputeError`` to raise (or the text to log), built from what the caller
-knows (an op described by ``describe_op``, a saved tensor by ``describe_meta``).
+exception to raise, built from what the caller knows (an op described by
+``describe_op``, a saved tensor by ``describe_meta``): a ``RecomputeError``
+for everything the engine finds in backward, a ``TypeError`` for a
+``policy_fn`` that returned something else than a ``CheckpointPolicy``. The
+upper-case constants are the texts of warnings logged once.
+
 A message starts with ``mindformers_ac:``, says what differed between the
 forward and its recompute, and what to change in the region; tests and users
 match on these texts, so a change of wording is a change of interface.
