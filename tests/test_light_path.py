@@ -113,6 +113,11 @@ def test_stats_count_intercepted_calls_with_a_policy_and_exclude_op(light_calls)
     assert all((s.intercepted_calls, s.light_calls) == (3, 0) for s in layer_stats)
 
 
+def test_recompute_error_is_one_runtime_error_type_exported_for_trainers():
+    from mindformers_ac import errors
+    assert rc.RecomputeError is errors.RecomputeError and issubclass(rc.RecomputeError, RuntimeError)
+
+
 class _PrimitiveDropoutLayer(nn.Cell):
     """A Dropout primitive called directly, not through an nn.Dropout cell: no proxy sees it."""
 
@@ -275,6 +280,7 @@ def test_diverging_light_recompute_raises_clear_error(kind):
     """)
     assert res.returncode != 0
     assert "recompute diverged from forward" in res.stderr, res.stderr[-3000:]
+    assert "RecomputeError: mindformers_ac: recompute diverged from forward" in res.stderr
     assert "recompute/light.py" in res.stderr   # raised on the light path
     if kind == "extra_op":
         assert "tensor(s) for backward, the forward" in res.stderr
