@@ -13,7 +13,7 @@ require_mindspore()   # before any engine import: a clear error instead of a mis
 from .accounting import StepMemory, measure_step
 from .apply import ac_state, apply_ac, remove_ac
 from .config import AcConfig, RecomputeCommConfig, RecomputeConfig, SwapConfig
-from .errors import ConfigError
+from .errors import ConfigError, RecomputeError
 from .layer_specs import parse_layer_specs
 from .plan import AcPlan, LayerPlan, plan_ac
 from . import swap   # the swap engine; callable as swap(fn, *args) (HyperParallel's API)
@@ -27,8 +27,8 @@ __version__ = "0.1.0"
 # async_save_on_cpu) and the types they get back; the engines' internals stay in their subpackages.
 __all__ = [
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig",
-    "RecomputeConfig", "RecomputeStats", "StepMemory", "SwapConfig", "SwapManager", "SwapReport", "ac_state",
-    "apply_ac", "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_single_layer_whitelist",
+    "RecomputeConfig", "RecomputeError", "RecomputeStats", "StepMemory", "SwapConfig", "SwapManager", "SwapReport",
+    "ac_state", "apply_ac", "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_single_layer_whitelist",
     "is_in_recompute", "measure_step", "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap",
     "swap_tensor_wrapper", "swap_wrapper", "unwrap",
 ]

@@ -1,4 +1,8 @@
-"""The one exception type for rejected configurations, and how its messages quote values.
+"""The package's two exception types, and how config messages quote values.
+
+``ConfigError`` rejects a configuration before anything is installed;
+``RecomputeError`` reports a recompute that could not rebuild what its forward
+dropped, raised in backward (see ``recompute.messages``).
 
 Values in messages come from untrusted configs: a multi-megabyte string, a
 billion-laughs structure or a self-referencing list. ``quote`` is the one way
@@ -125,3 +129,20 @@ class ConfigError(ValueError):
         self.field = clip(field, MAX_MESSAGE_CHARS // 4) if field else field
         self.reason = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(clip(f"{self.field}: {self.reason}" if field else self.reason, MAX_MESSAGE_CHARS))
+
+
+class RecomputeError(RuntimeError):
+    """The recompute engine could not give backward what the forward dropped; raised during backward.
+
+    Raised when a recomputed region's re-run took another code path than its
+    forward (other ops, fewer ops, other nested regions or ``nn.Dropout``
+    calls), saved other tensors (count, shape or dtype), when a saved tensor is
+    asked for a second time (the graph was backpropagated twice), for a
+    higher-order gradient through a recomputed region, or when the engine's own
+    state was misused (a region exited out of order). The message starts with
+    ``mindformers_ac:``, names the op and its cell path where known, and says
+    what to change. A ``RuntimeError`` subclass, so code that caught
+    ``RuntimeError`` before keeps working. As after any exception inside
+    ``value_and_grad``, MindSpore's executor may need
+    ``_pynative_executor.clear_res()`` before the next step.
+    """

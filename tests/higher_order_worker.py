@@ -62,6 +62,7 @@ def main(mode, warm_first):
         result["equal"] = bool(np.array_equal(grad_of_grad(model, x), expected))
     except RuntimeError as exc:
         result["error"] = str(exc).splitlines()[0]
+        result["error_type"] = type(exc).__name__
     # first-order training still works in this process after a refusal
     result["first_order_equal"] = bool(np.array_equal(ms.grad(model)(x).asnumpy(), ms.grad(Model())(x).asnumpy()))
     print(json.dumps(result))

@@ -158,7 +158,7 @@ def test_weights_are_never_offloaded_after_a_checkpoint_reload(tmp_path, mode):
 
 def test_deepcopy_maps_layers_given_as_cells_and_nn_dropout_proxies_to_the_copy():
     from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
-    from mindformers_ac.recompute.light import DropoutProxy
+    from mindformers_ac.recompute.dropout_proxy import DropoutProxy
 
     model = build_gpt(num_layers=2, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64, dropout=0.1, seed=3)
     use_nn_dropout(model)

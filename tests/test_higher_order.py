@@ -31,6 +31,7 @@ def test_recompute_refuses_grad_of_grad(mode, warm):
     result = run_worker(mode, warm)
     assert "equal" not in result
     assert result["error"].startswith("mindformers_ac: higher-order gradients (a grad of a grad")
+    assert result["error_type"] == "RecomputeError"   # what a trainer catches (a RuntimeError)
     assert result["first_order_equal"], "first-order gradients must stay exact after the refusal"
 
 

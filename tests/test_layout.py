@@ -185,6 +185,7 @@ def test_the_checker_sees_a_private_import(tmp_path):
 # they get back; engine internals live in their subpackages.
 PUBLIC_API = {
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig", "RecomputeConfig",
+    "RecomputeError",
     "RecomputeStats", "StepMemory", "SwapConfig", "SwapManager", "SwapReport", "ac_state", "apply_ac",
     "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_single_layer_whitelist", "is_in_recompute",
     "measure_step", "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap",

@@ -16,8 +16,10 @@ import pytest
 import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
+import mindformers_ac as mac
 from mindformers_ac import recompute as rc
-from mindformers_ac.recompute import light
+from mindformers_ac.harness.models import synthetic_batch
+from mindformers_ac.recompute import dropout_proxy, light
 from mindformers_ac.recompute.api import _wrap_info
 
 from test_recompute_engine import SMALL, assert_bitwise_equal, train, wrap_layers
@@ -50,7 +52,7 @@ def test_light_path_from_second_call_bitwise_equal_to_baseline_and_full_path(lig
     history, stats, _ = train(wrap_layers(sub), stateful_dropout=stateful)
     assert_bitwise_equal(base, history)
     assert_bitwise_equal(slow, history)
-    # 2 layers x 3 steps: the first step of each layer profiles, the other two are light
+    # 2 layers x 3 steps: the first step of each layer checks the path, the other two are light
     assert len(light_calls) == 2 * 2
     for light_stats, full_stats in zip(stats, slow_stats):   # counters as the full path's
         for name in ("ops_forward", "ops_rerun", "ops_reused", "recompute_calls", "peak_kept_bytes"):
@@ -82,6 +84,38 @@ def test_policy_or_disabled_regions_never_go_light(light_calls, kw):
     history, stats, _ = train(wrap_layers(**kw))
     assert_bitwise_equal(base, history)
     assert not light_calls and stats[0].ops_rerun > 0
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["replayable_dropout", "nn_dropout"])
+def test_stats_count_which_path_each_call_took(light_calls, stateful):
+    """A safe full-recompute layer: the first call per signature intercepted, the later ones light."""
+    _, stats, _ = train(wrap_layers(), stateful_dropout=stateful)
+    assert len(light_calls) == 2 * 2
+    for s in stats:   # 3 steps per layer
+        assert (s.intercepted_calls, s.light_calls) == (1, 2)
+        assert s.as_dict()["intercepted_calls"] == 1 and s.as_dict()["light_calls"] == 2
+    s.reset()
+    assert (s.intercepted_calls, s.light_calls) == (0, 0)
+
+
+def test_stats_count_intercepted_calls_with_a_policy_and_exclude_op(light_calls):
+    _, stats, _ = train(wrap_layers(policy_fn=rc.exclude_policy(["matmul"])))
+    assert not light_calls
+    assert all((s.intercepted_calls, s.light_calls) == (3, 0) for s in stats)
+
+    model = build_small()
+    mac.apply_ac(model, {"mode": "full", "full_recompute_layer": [0, 1], "exclude_op": ["MatMul"]})
+    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+    for step in range(3):
+        grad_fn(*synthetic_batch(2, SMALL["seq_length"], SMALL["vocab_size"], seed=step))
+    layer_stats = mac.ac_state(model).recompute_stats.values()
+    assert not light_calls and len(layer_stats) == 2
+    assert all((s.intercepted_calls, s.light_calls) == (3, 0) for s in layer_stats)
+
+
+def test_recompute_error_is_one_runtime_error_type_exported_for_trainers():
+    from mindformers_ac import errors
+    assert rc.RecomputeError is errors.RecomputeError and issubclass(rc.RecomputeError, RuntimeError)
 
 
 class _PrimitiveDropoutLayer(nn.Cell):
@@ -167,15 +201,15 @@ def test_unwrap_restores_dropout_primitives_shared_by_nested_wrappers():
     prim = layer.mlp_dropout.dropout
     rc.checkpoint_wrapper(layer.self_attention)
     rc.checkpoint_wrapper(layer)
-    assert isinstance(layer.self_attention.core_attention.attention_dropout.dropout, light.DropoutProxy)
+    assert isinstance(layer.self_attention.core_attention.attention_dropout.dropout, dropout_proxy.DropoutProxy)
     rc.unwrap(layer.self_attention)   # the layer's wrapper still needs the attention dropout's proxy
-    assert isinstance(layer.self_attention.core_attention.attention_dropout.dropout, light.DropoutProxy)
+    assert isinstance(layer.self_attention.core_attention.attention_dropout.dropout, dropout_proxy.DropoutProxy)
     rc.unwrap(layer)
     assert layer.mlp_dropout.dropout is prim
-    assert not isinstance(layer.self_attention.core_attention.attention_dropout.dropout, light.DropoutProxy)
+    assert not isinstance(layer.self_attention.core_attention.attention_dropout.dropout, dropout_proxy.DropoutProxy)
 
 
-def test_signature_change_profiles_again(light_calls):
+def test_signature_change_checks_the_path_again(light_calls):
     """A new input shape is a new signature: its first call takes the full path again."""
     net = _Net(_NNDropoutLayer)
     net.set_train(True)
@@ -184,7 +218,7 @@ def test_signature_change_profiles_again(light_calls):
     for rows in (4, 4, 6, 6, 6):
         grad_fn(Tensor(np.ones((rows, 16), np.float32)))
     assert len(light_calls) == 3
-    assert len(_wrap_info(net.layers[0]).profiles) == 2
+    assert len(_wrap_info(net.layers[0]).path_checks) == 2
 
 
 # -- in a subprocess: an exception inside grad can break the executor ------------------------
@@ -234,7 +268,7 @@ def test_diverging_light_recompute_raises_clear_error(kind):
             y = inner(x)
             if rc.is_in_recompute():
                 calls[0] += 1
-                if calls[0] >= 2:   # the profiling call's recompute is fine, the light one diverges
+                if calls[0] >= 2:   # the checking call's recompute is fine, the light one diverges
                     return {extra}
             return y
         layer.mlp.construct = construct
@@ -246,6 +280,7 @@ def test_diverging_light_recompute_raises_clear_error(kind):
     """)
     assert res.returncode != 0
     assert "recompute diverged from forward" in res.stderr, res.stderr[-3000:]
+    assert "RecomputeError: mindformers_ac: recompute diverged from forward" in res.stderr
     assert "recompute/light.py" in res.stderr   # raised on the light path
     if kind == "extra_op":
         assert "tensor(s) for backward, the forward" in res.stderr

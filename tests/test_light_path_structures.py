@@ -10,7 +10,7 @@ import pytest
 from mindspore import Tensor, mint, nn, ops
 
 import mindformers_ac as mac
-from mindformers_ac.recompute import light
+from mindformers_ac.recompute import path_choice
 
 from test_light_path import light_calls  # noqa: F401  # pylint: disable=unused-import  # the fixture
 from test_model_patterns import first_difference, run_steps
@@ -88,30 +88,30 @@ def test_light_path_with_structured_per_step_tensors(light_calls, kind):  # noqa
     mac.apply_ac(model, config=FULL)
     history = run_steps(model, batch, steps=STEPS)
     assert first_difference(base, history) is None
-    # Every layer profiles on the first step and is light on all the others.
+    # Every layer checks the path on the first step and is light on all the others.
     assert len(light_calls) == N * (STEPS - 1)
     stats = mac.ac_state(model).recompute_stats.values()
     assert sum(s.recompute_calls for s in stats) == N * STEPS
     gc.collect()
     assert len(model.tables) == 2 * STEPS and all(ref() is None for ref in model.tables)
-    for layer in model.layers:   # one profile per layer: the signature holds no tensor of a step
-        profiles = mac.recompute.api._wrap_info(layer).profiles   # pylint: disable=protected-access
-        assert len(profiles) == 1
+    for layer in model.layers:   # one path check per layer: the signature holds no tensor of a step
+        checks = mac.recompute.api._wrap_info(layer).path_checks   # pylint: disable=protected-access
+        assert len(checks) == 1
     mac.remove_ac(model)
 
 
 def test_an_argument_the_signature_cannot_describe_takes_the_full_path(light_calls):  # noqa: F811
-    """An object of the caller's own kind is neither held nor guessed at: no profile, full path, exact."""
+    """An object of the caller's own kind is neither held nor guessed at: no path check, intercepting path, exact."""
 
     class Tables:
         def __init__(self, cos, sin):
             self.cos, self.sin = cos, sin
 
-    assert light.LightProfiles.key(None, (Tables(1, 2),), {}) is None
-    key = light.LightProfiles.key(None, ((Tensor(np.ones(2, np.float32)), 1, 1.0, True, ms.float16),),
+    assert path_choice.PathChecks.key(None, (Tables(1, 2),), {}) is None
+    key = path_choice.PathChecks.key(None, ((Tensor(np.ones(2, np.float32)), 1, 1.0, True, ms.float16),),
                                   {"d": {"a": [None, "s"]}})
-    assert key == light.LightProfiles.key(None, ((Tensor(np.zeros(2, np.float32)), 1, 1.0, True, ms.float16),),
+    assert key == path_choice.PathChecks.key(None, ((Tensor(np.zeros(2, np.float32)), 1, 1.0, True, ms.float16),),
                                           {"d": {"a": [None, "s"]}})
-    assert key != light.LightProfiles.key(None, ((Tensor(np.zeros(2, np.float32)), True, 1.0, True, ms.float16),),
+    assert key != path_choice.PathChecks.key(None, ((Tensor(np.zeros(2, np.float32)), True, 1.0, True, ms.float16),),
                                           {"d": {"a": [None, "s"]}})
     assert not light_calls

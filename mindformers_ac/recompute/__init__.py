@@ -3,16 +3,23 @@
 * ``api``: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy``,
   ``is_in_recompute`` (HyperParallel's checkpoint API);
 * ``policy``: ``CheckpointPolicy``, the per-op decision;
-* ``region``: one checkpointed call, from its forward to its recompute;
-* ``light``: the light path of a wrapped cell (saved-tensor hooks only, no per-op interception);
-* ``dispatch``: op numbering and decisions inside a region run;
+* ``rerun``: what every region shares (run record, saved inputs, Dropout mask bits, the once-only recompute);
+* ``region``: the op-intercepting way into a region, with ``dispatch`` (op numbering and decisions);
+* ``light``: the light way in (saved-tensor hooks only, tensors matched by position);
+* ``path_choice``: which way a wrapped call takes (per call signature, checked by a first call);
+* ``dropout_proxy``: ``nn.Dropout`` kernels handed to the running region;
+* ``messages``: every error and warning text, and ``RecomputeError``'s uses;
 * ``tracking``: the cell path and op attribute a policy sees;
 * ``saved``: what a region leaves in the autograd graph instead of a tensor;
 * ``random_ops``: which ops can't be run again, and Dropout's exact rebuild;
 * ``side_effects``: ops that write parameters (BatchNorm, Assign ...), written once per step;
 * ``output``: output recompute of one op (``recompute_comm``, op paths);
-* ``stats``: ``RecomputeStats``; ``state``: the per-thread engine state.
+* ``stats``: ``RecomputeStats``, ``RegionBytes``; ``state``: the per-thread engine state.
+
+A recompute that can't rebuild what its forward dropped raises
+``RecomputeError`` (a ``RuntimeError``) in backward.
 """
+from ..errors import RecomputeError
 from .api import (checkpoint, checkpoint_wrapper, exclude_policy, get_checkpoint_stats, is_checkpoint_wrapped,
                   is_in_recompute, unwrap)
 from .dispatch import OP_NAME_ATTR, op_name_of
@@ -23,7 +30,8 @@ from .stats import RecomputeStats
 from .tracking import OpContext
 
 __all__ = [
-    "CheckpointPolicy", "OP_NAME_ATTR", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "REPLAYABLE_ATTR", "RecomputeStats",
+    "CheckpointPolicy", "OP_NAME_ATTR", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "REPLAYABLE_ATTR",
+    "RecomputeError", "RecomputeStats",
     "checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
     "is_in_recompute", "is_random_op_name", "op_name_of", "unwrap", "wrap_op_output",
 ]

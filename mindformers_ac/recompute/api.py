@@ -24,16 +24,18 @@ the outputs and saved tensors of ops the policy keeps (MUST_SAVE / PREFER_SAVE,
 random ops that are not replayable), Dropout masks as bits, copies of what
 side-effect ops write, and tokens. Parameters are never counted.
 
-Failure modes, all raised as errors that name the fix:
+Failure modes, all raised as errors that name the fix (the recompute's as
+``RecomputeError``, a ``RuntimeError``, in backward; texts in ``messages``):
 
 * the re-run takes a different code path (op sequence differs, or fewer ops
-  run): RuntimeError naming the first diverging op and its cell path; a region
-  must be a pure function of its inputs and parameters;
+  run): RecomputeError naming the first diverging op and its cell path; a
+  region must be a pure function of its inputs and parameters;
 * an op saves a different number of tensors, or one of another shape or dtype,
-  in the recompute than in forward: RuntimeError naming the op and what
+  in the recompute than in forward: RecomputeError naming the op and what
   differed (e.g. a tensor read from outside the region's arguments that
   requires grad in only one run);
-* backpropagating the same graph twice: RuntimeError (tokens are single use);
+* backpropagating the same graph twice, or a higher-order gradient through a
+  region: RecomputeError (recomputed tensors are single use);
 * ``policy_fn`` returning anything but a ``CheckpointPolicy``: TypeError;
 * wrapping a cell twice, or a cell that ``swap_wrapper`` wraps: ValueError.
 
@@ -48,7 +50,8 @@ from mindspore import nn
 
 from ..construct_patch import ConstructPatch, find_patch
 from ..tensors import root_cell_of
-from .light import LightProfiles, install_dropout_proxies, run_checkpoint
+from .dropout_proxy import install_dropout_proxies
+from .path_choice import PathChecks, run_checkpoint
 from .policy import CheckpointPolicy
 from .region import run_region
 from .state import ENGINE
@@ -106,11 +109,11 @@ def _tracker_for(root, policy_fn):
 class _WrapInfo:
     """What ``checkpoint_wrapper`` set up for a cell or function, to report and undo it."""
 
-    __slots__ = ("original", "tracker", "stats", "options", "profiles", "remove_proxies")
+    __slots__ = ("original", "tracker", "stats", "options", "path_checks", "remove_proxies")
 
-    def __init__(self, original, tracker, stats, options, profiles=None, remove_proxies=None):
+    def __init__(self, original, tracker, stats, options, path_checks=None, remove_proxies=None):
         self.original, self.tracker, self.stats, self.options = original, tracker, stats, options
-        self.profiles, self.remove_proxies = profiles, remove_proxies
+        self.path_checks, self.remove_proxies = path_checks, remove_proxies
 
 
 _WRAP_ATTR = "__mac_checkpoint__"
@@ -153,9 +156,11 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
     ``light_path`` (default True): without ``policy_fn`` and ``swap_inputs``,
     the first call per call signature runs the op-intercepting path and
-    profiles the region; later calls the profile shows safe run with
-    saved-tensor hooks only (see ``light``): same results, bitwise, and the
-    same errors on a diverging recompute, without Python per op.
+    checks the region (``path_choice.PathCheck``); later calls the check
+    shows safe run with saved-tensor hooks only (see ``light``): same results,
+    bitwise, and the same errors on a diverging recompute, without Python per
+    op. ``RecomputeStats.light_calls`` / ``intercepted_calls`` count which
+    path each call took.
     """
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
@@ -169,12 +174,12 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
         root = root_cell_of(cell_or_fn)
         tracker = _tracker_for(root, policy_fn)
-        profiles = LightProfiles() if light else None
+        checks = PathChecks() if light else None
 
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
-            return run_checkpoint(cell_or_fn, args, kwargs, profiles, root, tracker=tracker, **options)
-        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, profiles))
+            return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
+        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
         return wrapped_fn
     return _wrap_cell(cell_or_fn, options, light)
 
@@ -184,13 +189,13 @@ def _wrap_cell(cell, options, light):
         raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
                          "the two recompute mechanisms can't be combined on one cell")
     tracker = _tracker_for(cell, options["policy_fn"])
-    profiles = LightProfiles() if light else None
+    checks = PathChecks() if light else None
 
     def around(inner, *args, **kwargs):
-        return run_checkpoint(inner, args, kwargs, profiles, cell, tracker=tracker, **options)
+        return run_checkpoint(inner, args, kwargs, checks, cell, tracker=tracker, **options)
 
     patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
-    patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options, profiles,
+    patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options, checks,
                            install_dropout_proxies(cell) if light else None)
     if tracker is not None:
         tracker.install()

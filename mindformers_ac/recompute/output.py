@@ -29,6 +29,7 @@ from mindspore.utils import MsDispatchMode
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
 from ..precision import cell_precision, under_precision
 from ..tensors import output_tensors, storage_nbytes
+from . import messages
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
 from .rerun import refuse_higher_order
@@ -185,13 +186,8 @@ class _Scope:
                     "the bprop); it is still run again in backward", target.name)
         for target, dropped in run.dropped_any.items():
             if not dropped:
-                ENGINE.warnings.warning(
-                    ("nothing_dropped", target.name),
-                    "output recompute of %s saves nothing: no op in its layer saved its "
-                    "output tensor for backward (a consumer that saves a view or a copy, "
-                    "e.g. of a non-contiguous output, keeps it); return a contiguous "
-                    "tensor from the op or recompute its enclosing module instead",
-                    target.name)
+                ENGINE.warnings.warning(("nothing_dropped", target.name), messages.OUTPUT_NOTHING_DROPPED,
+                                        target.name)
 
     def record(self, target, args, kwargs, out):
         if self.run is None:
@@ -255,17 +251,11 @@ class _Target:
         """Decide, from the first recorded call, whether the op can be run again at all."""
         self.keep_output = bool(random_ops) or bool(side_effect_ops)
         if random_ops:
-            ENGINE.warnings.warning(
-                ("random_output", self.name),
-                "output recompute of %s skipped: it runs random op(s) %s, whose output "
-                "can't be reproduced; its output is kept", self.name, random_ops)
+            ENGINE.warnings.warning(("random_output", self.name), messages.OUTPUT_RANDOM_OPS, self.name,
+                                    random_ops)
         elif side_effect_ops:
-            ENGINE.warnings.warning(
-                ("side_effect_output", self.name),
-                "output recompute of %s skipped: it runs op(s) %s that write parameters "
-                "(e.g. BatchNorm's moving statistics), which running it again would update "
-                "twice; its output is kept (recompute its enclosing module instead, which "
-                "re-runs it on copies)", self.name, side_effect_ops)
+            ENGINE.warnings.warning(("side_effect_output", self.name), messages.OUTPUT_SIDE_EFFECT_OPS, self.name,
+                                    side_effect_ops)
 
     def observe(self, args, kwargs, call):
         """Run ``call()`` (the op), recording its output when the scope is collecting."""
@@ -375,7 +365,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     target = _Target(op, name, owner_cell, _scope_of(scope if scope is not None else owner_cell),
                      stats if stats is not None else RecomputeStats())
     if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
-        logger.warning("output recompute of %s skipped: %s is random; its output is kept", name, op)
+        logger.warning(messages.OUTPUT_RANDOM_OP, name, op)
         target.keep_output = True
     target.scope.attach(target)
     if isinstance(op, nn.Cell):

@@ -18,6 +18,7 @@ from mindspore import Tensor, ops
 
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
+from . import messages
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -70,8 +71,7 @@ class DropoutFormulaCheck:
                 ok = np.array_equal(rebuilt.asnumpy(), out.asnumpy())
             self._ok[key] = ok
             if not ok:
-                logger.warning("Dropout output can't be rebuilt bitwise from its mask for %s; "
-                               "keeping Dropout outputs instead (more memory, still exact)", key)
+                logger.warning(messages.DROPOUT_NOT_REBUILT, key)
         return ok
 
 

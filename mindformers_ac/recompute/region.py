@@ -1,4 +1,9 @@
-"""A checkpointed region: what one call of a wrapped function keeps, and how it is rebuilt.
+"""The op-intercepting way into a region: every op numbered and decided before it runs.
+
+What it shares with the light path (inputs, Dropout masks, bytes, the
+recompute itself) is ``rerun.RegionBase``; what is its own is the per-op
+decision (``decide``: a policy, random ops, ops that write parameters) and the
+per-op check of the recompute (``check_recompute``).
 
 Lifetime: a ``Region`` is created per call; the tokens left in the autograd
 graph hold it, so it dies with the graph after backward (nothing global keeps
@@ -7,53 +12,47 @@ child, so that the parent's recompute *replays* it (same kept outputs, same
 dropout masks) instead of drawing new random numbers.
 """
 import contextlib
+import functools
 import weakref
 
 import mindspore as ms
-from mindspore import Parameter, Tensor, ops
+from mindspore import Tensor
 from ..mindspore_compat import pynative_executor as _executor
 
 from ..precision import cell_precision, no_casts
-from ..tensors import is_tracked, output_tensors, param_ptrs, root_cell_of, storage_info
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, RegionRun
+from ..tensors import output_tensors, param_ptrs, root_cell_of
+from . import messages
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch
 from .policy import CheckpointPolicy
-from .random_ops import DropoutRecord, dropout_input, is_unreplayable_random_op
-from .rerun import RerunOnce, SavedInput, recompute_graph, recompute_input
-from .saved import SwappedTensor, drop_saved, keep_saved, unpack_saved
+from .random_ops import dropout_input, is_unreplayable_random_op
+from .rerun import RegionBase, RegionRun, recompute_graph
+from .saved import SwappedTensor, Token, drop_saved, keep_saved, unpack_saved
 from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
 from .tracking import OpContext
 
 
-def _meta(t):
-    """What the divergence check compares of a saved tensor."""
-    return tuple(t.shape), t.dtype
+class Region(RegionBase):
+    """One call on the op-intercepting path, from its forward to the end of its backward.
 
-
-def _describe_meta(meta):
-    return f"{meta[0]} {meta[1]}"
-
-
-class Region(RerunOnce):
-    """State of one checkpointed call, from its forward to the end of its backward."""
+    ``path_check``: a ``path_choice.PathCheck`` to fill when this call is the
+    first of its call signature (it notes every save of forward and recompute
+    and, after the recompute, whether later calls may take the light path).
+    """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 profile=None):
-        super().__init__()   # children: regions nested in this one's forward, in call order
-        self.fn = fn
-        self.policy_fn = policy_fn
-        self.stats = stats
-        self.swap_executor = swap_executor
-        self.swap_inputs = swap_inputs
-        self.context_fn = context_fn
-        self.tracker = tracker
+                 path_check=None):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
+        ptrs = param_ptrs(root.get_parameters()) if root is not None else set()
+        super().__init__(fn, stats, context_fn, ptrs)
+        self.policy_fn = policy_fn
+        self.swap_executor = swap_executor
+        self.swap_inputs = swap_inputs
+        self.tracker = tracker
         self.root = root
-        self.precision = None     # the mixed-precision type the forward ran under (see rerun)
-        self.param_ptrs = param_ptrs(self.root.get_parameters()) if self.root is not None else set()
+        self.param_ptrs = ptrs
         self.input_ptrs = set()
-        self.inputs = None
         self.decisions = {}       # op index -> SAVE / SWAP / REBUILD (absent: recompute)
         self.op_names = []        # forward op names, to detect a diverging recompute
         self.op_paths = {}        # op index -> cell path, for ops that left tokens (for messages)
@@ -64,72 +63,12 @@ class Region(RerunOnce):
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
-        # Profiling for the light path (see light.py): filled only when ``profile`` is given.
-        self.profile = profile    # a LightProfile noting every save of forward and recompute
-        if profile is not None:
-            profile.attach(self)
+        self.path_check = path_check
+        if path_check is not None:
+            path_check.attach(self)
         self.may_write_seen = False   # an op that may write tensors ran in forward
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
-        self.totals = None        # (kept, dropped, swapped) bytes of the forward
-        self._kept, self._swapped = {}, {}   # storage ptr -> bytes, during forward
-        self._dropped = {}    # (storage ptr, producing op index) -> bytes, during forward
-        self._producer = {}   # storage ptr -> index of the latest op whose output lives there
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
-
-    # -- accounting -------------------------------------------------------------
-    def account_kept(self, t):
-        if t.data_ptr() in self.param_ptrs:
-            return
-        ptr, nbytes = storage_info(t)
-        self._kept[ptr] = nbytes
-
-    def note_outputs(self, idx, out):
-        """Remember which op produced each output storage (see ``account_dropped``)."""
-        for t in output_tensors(out):
-            if isinstance(t, Tensor):
-                self._producer[storage_info(t)[0]] = idx
-
-    def account_dropped(self, t):
-        # Dropped storages die during forward and their addresses are reused by later outputs:
-        # keying by address alone would count two different activations once.
-        ptr, nbytes = storage_info(t)
-        self._dropped[(ptr, self._producer.get(ptr))] = nbytes
-
-    def _finish_accounting(self):
-        kept = sum(self._kept.values())
-        dropped = sum(n for (p, _), n in self._dropped.items() if p not in self._kept)
-        swapped = sum(n for p, n in self._swapped.items() if p not in self._kept)
-        # Only the totals are needed from now on.
-        self._kept = self._dropped = self._swapped = self._swap_holders = self._producer = None
-        self.totals = (kept, dropped, swapped)
-        self.stats.open_region(self, kept, dropped, swapped)
-
-    # -- inputs -----------------------------------------------------------------
-    def _save_input(self, run, a):
-        if not isinstance(a, Tensor) or isinstance(a, Parameter):
-            return a
-        ptr = a.data_ptr()
-        self.input_ptrs.add(ptr)
-        tracked = is_tracked(a)
-        detached = ops.stop_gradient(a)
-        if self.swap_inputs and self.swap_executor is not None:
-            return SavedInput(self.offload(run, detached, key=("input", ptr)), tracked)
-        self.account_kept(a)
-        return SavedInput(detached, tracked)
-
-    def save_inputs(self, run, args, kwargs):
-        if self.swap_inputs and self.swap_executor is None:
-            ENGINE.warnings.warning(
-                "swap_inputs", "checkpoint(swap_inputs=True) without a swap_executor: "
-                "the region's inputs stay on the device (pass swap_executor= to offload them)")
-        with no_casts():
-            self.inputs = (tuple(self._save_input(run, a) for a in args),
-                           {k: self._save_input(run, v) for k, v in kwargs.items()})
-
-    def _load_inputs(self):
-        """Inputs for the recompute: loaded if swapped, tracked by autograd exactly as in forward."""
-        args, kwargs = self.inputs
-        return tuple(recompute_input(a) for a in args), {k: recompute_input(v) for k, v in kwargs.items()}
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -143,9 +82,11 @@ class Region(RerunOnce):
             finally:
                 run.in_hook = False
             self._swap_holders[key] = holder
-            sptr, nbytes = storage_info(t)
-            self._swapped[sptr] = nbytes
+            self.bytes.swap(t)
         return holder
+
+    def _offload_input(self, run, t, ptr):
+        return self.offload(run, t, key=("input", ptr))
 
     # -- decisions --------------------------------------------------------------
     def ask_policy(self, run, idx, name, func, args, kwargs):
@@ -157,7 +98,7 @@ class Region(RerunOnce):
         finally:
             run.in_hook = False
         if not isinstance(policy, CheckpointPolicy):
-            raise TypeError(f"policy_fn must return a CheckpointPolicy, got {policy!r} for op {ctx.op_path}")
+            raise messages.bad_policy(policy, ctx.op_path)
         return policy
 
     def decide(self, run, idx, name, func, args, kwargs):
@@ -172,9 +113,7 @@ class Region(RerunOnce):
         if policy is CheckpointPolicy.MUST_SWAP:
             if self.swap_executor is not None:
                 return SWAP
-            ENGINE.warnings.warning(
-                "must_swap", "policy_fn returned MUST_SWAP but checkpoint() got no "
-                "swap_executor: saving those ops instead (pass swap_executor= to offload)")
+            ENGINE.warnings.warning("must_swap", messages.MUST_SWAP_WITHOUT_EXECUTOR)
         return SAVE
 
     # -- ops that write parameters (see side_effects) -----------------------------
@@ -198,13 +137,10 @@ class Region(RerunOnce):
             finally:
                 run.in_hook = False
             self.snapshots[idx] = snapshot
-            self._kept[("state", idx)] = snapshot.nbytes
+            self.bytes.add(("state", idx), snapshot.nbytes)
         elif decision is None:
             decision = SAVE
-            ENGINE.warnings.warning(
-                ("keep_side_effect", name),
-                "%s writes parameters larger than its other inputs: its output is kept "
-                "instead of copying them for the recompute", name)
+            ENGINE.warnings.warning(("keep_side_effect", name), messages.KEEP_SIDE_EFFECT, name)
         for k, ptr in enumerate(slot_ptrs(args, slots)):
             self.written.setdefault(ptr, (idx, snapshot, k))
         return decision
@@ -216,7 +152,7 @@ class Region(RerunOnce):
         were written once, in forward); an op reading such a tensor gets the
         run's copy (as it was at that point of the forward). A read of a tensor
         whose writer kept its output instead, before that write, can't be
-        served: RuntimeError naming both ops.
+        served: ``RecomputeError`` naming both ops.
         """
         run.in_hook = True   # copies are ours, not ops of the region
         try:
@@ -235,31 +171,20 @@ class Region(RerunOnce):
                 first, snap, k = self.written[ptr]
                 if snap is None:
                     if idx < first:
-                        raise RuntimeError(
-                            f"mindformers_ac: op #{idx} {name}{self._in_path(run.cell_path())} of a "
-                            f"recomputed region reads a tensor that op #{first} {self.describe_op(first)} "
-                            "writes later in the region; that op's output is kept instead of a copy of "
-                            "what it writes (too large to copy), so the recompute can't see the value "
-                            f"the forward read. Keep {name}'s output too (exclude_op) or move the "
-                            "write out of the recomputed region.")
+                        raise messages.read_before_kept_write(idx, name, run.cell_path(), first,
+                                                              self.describe_op(first))
                     continue   # after the write: the real tensor holds the written value
                 run.written[ptr] = snap.fresh(k)
             served[pos] = run.written[ptr]
         return replace_at(args, served) if served else args
 
     # -- divergence checks -------------------------------------------------------
-    @staticmethod
-    def _in_path(path):
-        return f" (in {path!r})" if path else ""
-
     def describe_op(self, idx):
         """``Name (in 'cell.path')`` of forward op ``idx``, for messages."""
-        if idx >= len(self.op_names):
-            return "<end of region>"
-        return self.op_names[idx] + self._in_path(self.op_paths.get(idx, ""))
+        return messages.describe_op(self.op_names, self.op_paths, idx)
 
     def check_recompute(self, run):
-        """After a recompute: raise unless it ran every op and re-saved what the forward dropped.
+        """After a recompute: raise ``RecomputeError`` unless it ran every op and re-saved what was dropped.
 
         Each re-run op that left tokens must save as many tensors as in forward,
         and each dropped tensor must come back with its shape and dtype. A
@@ -269,33 +194,18 @@ class Region(RerunOnce):
         n = len(self.op_names)
         if run.op_idx + 1 < n:
             i = run.op_idx + 1
-            raise RuntimeError(
-                f"mindformers_ac: recompute diverged from forward: it ran {i} ops, the forward ran {n}; "
-                f"the first missing op is #{i} {self.describe_op(i)}. A checkpointed region must take the "
-                "same code path when run again (no branching on global state, step counters or "
-                "is_in_recompute() that changes ops).")
+            raise messages.missing_ops(i, n, self.describe_op(i))
         for key, meta in self.token_meta.items():
             idx, k = key
             if self.decisions.get(idx) is not None:
                 continue   # kept or rebuilt: not run again, its tokens are served otherwise
             fwd, rec = self.fwd_npacks.get(idx, 0), run.npacks.get(idx, 0)
             if fwd != rec:
-                raise RuntimeError(
-                    f"mindformers_ac: recompute diverged from forward at op #{idx} {self.describe_op(idx)}: "
-                    f"it saved {fwd} tensor(s) for backward in forward but {rec} in the recompute, so its "
-                    "dropped tensors can't be matched. An op saves different tensors when autograd tracks "
-                    "different inputs: e.g. a tensor the region reads from outside its arguments (a "
-                    "closure or an attribute set by the caller) that requires grad in only one of the runs; "
-                    "pass it as an argument of the region.")
+                raise messages.save_count_at_op(idx, self.describe_op(idx), fwd, rec)
             t = self.recomputed.get(key)
-            got = _meta(t) if t is not None else None
+            got = (tuple(t.shape), t.dtype) if t is not None else None
             if got != meta:
-                raise RuntimeError(
-                    f"mindformers_ac: recompute diverged from forward at op #{idx} {self.describe_op(idx)}: "
-                    f"its saved tensor #{k} was {_describe_meta(meta)} in forward but "
-                    f"{_describe_meta(got) if got else 'not saved'} in the recompute. The region must "
-                    "compute the same shapes and dtypes when run again (no dependence on state that "
-                    "changed since the forward).")
+                raise messages.other_tensor(f"op #{idx} {self.describe_op(idx)}, its saved tensor #{k}", meta, got)
 
     # -- kept outputs -----------------------------------------------------------
     def cache_output(self, run, idx, out):
@@ -305,7 +215,7 @@ class Region(RerunOnce):
             return
         for t in output_tensors(out):
             if isinstance(t, Tensor):
-                self.account_kept(t)
+                self.bytes.keep(t)
         self.cache[idx] = out
 
     def cached_output(self, idx):
@@ -317,31 +227,42 @@ class Region(RerunOnce):
         return items if is_seq else items[0]
 
     def finish_dropout(self, run, idx, args, out):
-        """Keep a Dropout as mask bits when its output can be rebuilt bitwise, else keep its outputs."""
+        """After Dropout op ``idx`` ran: its mask as bits, its packed outputs left for the rebuild.
+
+        What it packed that is not one of its outputs, or everything when its
+        output can't be rebuilt bitwise (then its outputs are kept and it is
+        not run again), is handed to its token as it is.
+        """
         pending, run.pending = run.pending, []
         x, keep_prob = dropout_input(args)
-        output, mask = out
-        if not ENGINE.dropout_formula_ok(x, output, mask, keep_prob):
+        record, where = self.keep_dropout(idx, x, out, keep_prob, [t for _, t in pending])
+        for (token, t), j in zip(pending, where):
+            if j is None:
+                token.tensor = t
+                self.token_meta.pop(token.key, None)
+            else:
+                record.pack_outputs.append((token.key[1], j))
+                self.bytes.drop(t)
+        if record is None:
             self.decisions[idx] = SAVE
-            for token, t in pending:
-                token.tensor = t
-                self.token_meta.pop(token.key, None)
-                self.account_kept(t)
             self.cache_output(run, idx, out)
-            return
-        record = DropoutRecord(mask, keep_prob)
-        ptrs = [output.data_ptr(), mask.data_ptr()]
-        for token, t in pending:
-            ptr = t.data_ptr()
-            if ptr in ptrs:
-                record.pack_outputs.append((token.key[1], ptrs.index(ptr)))
-                self.account_dropped(t)
-            else:   # something other than its outputs: keep it as is
-                token.tensor = t
-                self.token_meta.pop(token.key, None)
-                self.account_kept(t)
-        self.dropouts[idx] = record
-        self._kept[("bits", idx)] = record.nbytes
+        else:
+            self.dropouts[idx] = record
+
+    def dropout_call(self, run, prim, x):
+        """A ``DropoutProxy`` call (an ``nn.Dropout`` cell's kernel): run it, note it for the path check.
+
+        The Dropout op itself goes through the dispatch as usual; a Dropout
+        the region rebuilds from its mask and that was the only op of this
+        call can be handled by the light path's proxy in later calls.
+        """
+        if run.mode != FORWARD or run.in_hook:
+            return prim(x)
+        start = run.op_idx
+        out = prim(x)
+        if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD:
+            self.cell_dropouts.add(run.op_idx)
+        return out
 
     def rebuild_dropout(self, run, idx, args):
         record = self.dropouts[idx]
@@ -356,29 +277,72 @@ class Region(RerunOnce):
                     self.recomputed[(idx, k)] = out[j]
         return out
 
-    # -- runs -------------------------------------------------------------------
+    # -- saved tensors ------------------------------------------------------------
+    def pack_forward(self, run, t):
+        """Forward pack hook: what the autograd graph keeps for ``t`` (itself, a swap holder or a Token)."""
+        if run.in_hook:
+            return t
+        key = run.next_key()   # first: the recompute numbers every pack, weights included
+        decision = self.decisions.get(key[0]) if key is not None else SAVE
+        if self.path_check is not None and decision != REBUILD:   # a light run numbers Dropout packs apart
+            self.path_check.note_forward(t, key)
+        ptr = t.data_ptr()
+        if ptr in self.param_ptrs:
+            return t
+        if decision == SAVE or (ptr in self.input_ptrs and not self.swap_inputs):
+            self.bytes.keep(t)
+            return t
+        if decision == SWAP:
+            return self.offload(run, t)
+        token = Token(self, key)
+        self.token_meta[key] = (tuple(t.shape), t.dtype)   # checked against the recompute's
+        if key[0] not in self.op_paths:
+            self.op_paths[key[0]] = run.cell_path()
+        if decision == REBUILD:
+            run.pending.append((token, t))   # settled when the Dropout returns (finish_dropout)
+        else:
+            self.bytes.drop(t)
+        return token
 
+    def pack_recompute(self, run, t):
+        """Recompute pack hook: file each regenerated tensor under its forward key; the graph keeps nothing."""
+        if run.in_hook:
+            return None
+        key = run.next_key()
+        if self.path_check is not None and (key is None or self.decisions.get(key[0]) != REBUILD):
+            self.path_check.note_recompute(t)   # as in forward: a light run numbers Dropout packs apart
+        if key is not None and key in self.token_meta:
+            self.recomputed[key] = t
+        return None
+
+    # -- runs -------------------------------------------------------------------
     def _tracking(self):
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
 
     def run_forward(self, args, kwargs):
-        run = RegionRun(self, FORWARD)
+        run = RegionRun(self, FORWARD, self.tracker)
         self.precision = cell_precision(self.root)
+        self.stats.intercepted_calls += 1
         ENGINE.push(run)
         try:
-            self.save_inputs(run, args, kwargs)
+            if self.swap_inputs and self.swap_executor is None:
+                ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
+            offload = (functools.partial(self._offload_input, run)
+                       if self.swap_inputs and self.swap_executor is not None else None)
+            self.input_ptrs = set(self.save_inputs(args, kwargs, offload))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(run.pack_forward, unpack_saved):
+                    ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
         self.fwd_npacks = run.npacks
-        self._finish_accounting()
+        self._swap_holders = None
+        self.bytes.close(self.stats, self)
         return out
 
     def replay(self, args, kwargs):
         """Run again inside a parent's recompute, with this region's kept outputs and masks."""
-        run = RegionRun(self, REPLAY)
+        run = RegionRun(self, REPLAY, self.tracker)
         ENGINE.push(run)
         try:
             with self.run_context(REPLAY), self._tracking(), RegionDispatch(run), \
@@ -387,29 +351,23 @@ class Region(RerunOnce):
         finally:
             ENGINE.pop(run)
 
-    def ensure_recomputed(self):
-        if self.done:
-            return
-        self.recompute_once()
-        self.stats.recompute_calls += 1
-        if self.profile is not None:   # this call profiled its signature for the light path
-            profile, self.profile = self.profile, None
-            profile.validate(self)
-
     def _recompute(self):
-        run = RegionRun(self, RECOMPUTE)
-        args, kwargs = self._load_inputs()
+        run = RegionRun(self, RECOMPUTE, self.tracker)
+        args, kwargs = self.load_inputs()
         wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
 
         def pack(t):
             r = wrun()
-            return r.pack_recompute(t) if r is not None else None
+            return r.region.pack_recompute(r, t) if r is not None else None
 
         with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), self._tracking(), \
                 RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             self.fn(*args, **kwargs)
         self.check_recompute(run)
+        if self.path_check is not None:   # this call checked its signature for the light path
+            check, self.path_check = self.path_check, None
+            check.validate(self)
 
 
 def run_region(fn, args, kwargs, **options):

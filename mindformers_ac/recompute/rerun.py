@@ -1,10 +1,26 @@
-"""Running a region's function again in backward: its inputs as they were, in a throw-away graph.
+"""What every recompute region shares, whichever way it was entered: one engine, two ways in.
 
-Both the op-intercepting region and the light path re-run the same way: the
-saved inputs are detached and tracked exactly as in forward
-(``recompute_input``), and the function runs with gradient recording on, in a
-new graph that is never backpropagated (``recompute_graph``), so that its ops
-save what they saved in forward and the hooks can collect it.
+A region is one call of a checkpointed function, from its forward to the end
+of its backward. It is entered one of two ways, which differ only in how they
+decide what to save for backward: the op-intercepting ``Region`` numbers every
+op and decides per op (``dispatch``); the ``LightRegion`` numbers saved
+tensors only, for regions a first intercepted call showed to need no per-op
+decision (``path_choice``). Everything else is here, once:
+
+* the run record (``RegionRun``): the ENGINE stack entry of one forward,
+  recompute or replay, which trackers, proxies and nested regions look at;
+* saving the region's inputs, detached, with whether autograd tracked them,
+  and giving them back to the recompute tracked exactly as in forward
+  (``RegionBase.save_inputs`` / ``load_inputs``);
+* keeping an ``nn.Dropout`` / Dropout kernel call as mask bits
+  (``RegionBase.keep_dropout``), and counting kept bytes (``stats.RegionBytes``);
+* running the function again in backward, once, in a throw-away graph, under
+  the forward's mixed-precision type (``RegionBase.ensure_recomputed``,
+  ``recompute_graph``), and refusing a higher-order gradient;
+* nested regions met in forward, replayed in call order (``next_child``);
+* the user's ``context_fn`` around forward and recompute.
+
+A divergence is described by ``messages`` for both ways in.
 
 Mixed precision (see ``precision``): a recompute calls the region's function
 from backward, outside the region cell's ``__call__`` that pushed its
@@ -16,12 +32,64 @@ in a region (saved-input copies, copies of written parameters) run under
 """
 import contextlib
 
-from mindspore import ops
+from mindspore import Parameter, Tensor, ops
 from ..mindspore_compat import pynative_executor as _executor
 
-from ..precision import under_precision
+from ..precision import no_casts, under_precision
+from ..tensors import is_tracked
+from . import messages
+from .random_ops import DropoutRecord
 from .saved import SwappedTensor
 from .state import ENGINE, FORWARD, RECOMPUTE
+from .stats import RegionBytes
+
+
+class RegionRun:
+    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry.
+
+    ``tracker``: the region's ``PathTracker`` (a policy's cell and attribute
+    paths), or None; path hooks and ``AttrProxy`` act only for runs of their
+    own tracker. The op-numbering fields are used by the intercepting path
+    (``dispatch``), ``dropout_idx`` by the light path.
+    """
+
+    __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
+                 "child_idx", "in_hook", "pending", "written", "dropout_idx", "__weakref__")
+
+    def __init__(self, region, mode, tracker=None):
+        self.region, self.mode, self.tracker = region, mode, tracker
+        self.op_idx = -1
+        self.inside = []       # op indices whose call is in progress (legacy ops pack inside)
+        self.last = None       # index of the op that returned last (pyboost ops pack after)
+        self.npacks = {}       # op index -> packs so far
+        self.path = []         # [(name, cell)] of sub-cells entered, maintained by PathTracker
+        self.attrs = []        # op attribute paths being called, maintained by AttrProxy
+        self.child_idx = 0     # nested regions met so far
+        self.in_hook = False   # our own code running ops (swap offload, Dropout rebuild): not the region's
+        self.pending = []      # (token, tensor) packed inside a Dropout call, settled when it returns
+        self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
+        self.dropout_idx = 0   # nn.Dropout calls so far (light path)
+
+    def dropout_call(self, prim, x):
+        """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""
+        return self.region.dropout_call(self, prim, x)
+
+    def cell_path(self):
+        return self.path[-1][0] if self.path else ""
+
+    def cell(self):
+        return self.path[-1][1] if self.path else self.region.root
+
+    def current_op(self):
+        return self.inside[-1] if self.inside else self.last
+
+    def next_key(self):
+        idx = self.current_op()
+        if idx is None:
+            return None
+        k = self.npacks.get(idx, 0)
+        self.npacks[idx] = k + 1
+        return idx, k
 
 
 class SavedInput:
@@ -55,7 +123,7 @@ def recompute_input(a):
 
 
 def refuse_higher_order():
-    """Raise when this backward is itself being recorded for a gradient (grad of grad).
+    """Raise ``RecomputeError`` when this backward is itself being recorded for a gradient (grad of grad).
 
     The outer gradient differentiates the inner backward, which reads every
     saved tensor a second time; a recomputed tensor is handed out once, and an
@@ -64,21 +132,7 @@ def refuse_higher_order():
     only the outermost re-run checks.
     """
     if not ENGINE.in_recompute() and _executor.requires_grad():
-        raise RuntimeError(
-            "mindformers_ac: higher-order gradients (a grad of a grad, e.g. ms.grad(ms.grad(f))) through a "
-            "recomputed region or op are not supported: the first backward is being recorded for a second "
-            "one. Leave the layers that take part out of recompute (swap is exact here), or compute the "
-            "higher-order gradient without mindformers_ac.")
-
-
-def divergence_hint(forward_op, recompute_op):
-    """What to add to a "diverged" message when the two runs differ by an inserted Cast."""
-    if "Cast" not in (forward_op, recompute_op):
-        return ""
-    return (" The runs differ by a Cast: the region's forward and recompute ran under different mixed-"
-            "precision types. The recompute uses the region cell's own type (set by to_float / amp O2/O3 "
-            "on every cell); a type set on an enclosing cell only is not seen: call to_float on the "
-            "region's cell as well.")
+        raise messages.higher_order()
 
 
 @contextlib.contextmanager
@@ -104,21 +158,95 @@ def recompute_graph(run, precision=None):
         ENGINE.exit_recompute()
 
 
-class RerunOnce:
-    """What both region kinds share: nested regions replayed in call order, one guarded recompute.
+class RegionBase:
+    """One checkpointed call, whichever way it was entered (see the module docstring).
 
-    A subclass keeps ``children`` (regions met in its forward), sets
-    ``context_fn`` (``checkpoint``'s: ``() -> (forward_ctx, recompute_ctx)``, or
-    None) and defines ``_recompute()``; ``recompute_once()`` runs it on the
-    first unpack only and returns its result (None when it already ran).
+    A subclass runs the forward (``save_inputs`` first, ``bytes.close`` at the
+    end), defines ``_recompute()`` (run ``fn`` again on ``load_inputs()`` and
+    check it against the forward; raise ``RecomputeError`` on a divergence)
+    and ``dropout_call``. Lifetime: what a forward leaves in the autograd graph
+    holds the region, so it dies with the graph after backward.
     """
 
-    def __init__(self):
-        self.children = []
+    def __init__(self, fn, stats, context_fn, param_ptrs):
+        self.fn, self.stats, self.context_fn = fn, stats, context_fn
+        self.precision = None     # the mixed-precision type the forward ran under
+        self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
+        self.children = []        # regions nested in this one's forward, in call order
+        self.bytes = RegionBytes(param_ptrs)
         self.done = False
         self._running = False
         self._recompute_ctx = None   # the recompute context made with this call's forward context
 
+    # -- inputs ---------------------------------------------------------------------------------------
+    def save_inputs(self, args, kwargs, offload=None):
+        """Keep the tensor arguments for the recompute; returns their storage pointers.
+
+        Each is detached (the recompute makes its own graph) and remembered
+        with whether autograd tracked it. ``offload(tensor, ptr) -> holder``
+        hands them to a swap executor instead of keeping them on the device;
+        kept ones are counted in ``bytes``. Parameters and non-tensors are
+        passed as they are (a Parameter is read at recompute time).
+        """
+        ptrs = []
+
+        def save(a):
+            if not isinstance(a, Tensor) or isinstance(a, Parameter):
+                return a
+            ptr = a.data_ptr()
+            ptrs.append(ptr)
+            detached = ops.stop_gradient(a)
+            if offload is not None:
+                return SavedInput(offload(detached, ptr), is_tracked(a))
+            self.bytes.keep(a)
+            return SavedInput(detached, is_tracked(a))
+
+        with no_casts():   # the engine's own op: a saved input keeps its dtype
+            self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
+        return ptrs
+
+    def load_inputs(self):
+        """The saved arguments for the recompute: loaded if swapped, tracked as in forward."""
+        args, kwargs = self.inputs
+        return tuple(recompute_input(a) for a in args), {k: recompute_input(v) for k, v in kwargs.items()}
+
+    # -- Dropout ------------------------------------------------------------------------------------
+    def keep_dropout(self, key, x, out, keep_prob, packed):
+        """Settle one Dropout kernel call of the forward: mask bits if its output rebuilds bitwise.
+
+        ``out``: the kernel's ``(output, mask)``; ``packed``: the tensors the
+        call saved for backward, in order. Returns ``(record, where)``:
+        ``record`` is a ``DropoutRecord`` (1 bit per element, counted under
+        ``("bits", key)``), or None when the formula does not reproduce this
+        dtype and keep_prob bitwise: then the outputs and everything packed
+        are kept (counted here; the caller keeps the outputs for the
+        recompute). ``where[i]`` is the index in ``(output, mask)`` that
+        ``packed[i]`` is rebuilt as, or None when it is something else, kept
+        as it is (and counted).
+        """
+        output, mask = out
+        bytes_ = self.bytes
+        if not ENGINE.dropout_formula_ok(x, output, mask, keep_prob):
+            for t in (output, mask, *packed):
+                bytes_.keep(t)
+            return None, [None] * len(packed)
+        record = DropoutRecord(mask, keep_prob)
+        bytes_.add(("bits", key), record.nbytes)
+        ptrs = [output.data_ptr(), mask.data_ptr()]
+        where = []
+        for t in packed:
+            ptr = t.data_ptr()
+            if ptr in ptrs:
+                where.append(ptrs.index(ptr))
+            else:
+                bytes_.keep(t)
+                where.append(None)
+        return record, where
+
+    def dropout_call(self, run, prim, x):
+        raise NotImplementedError
+
+    # -- runs ------------------------------------------------------------------------------------------
     def run_context(self, mode):
         """The user's context for a run in ``mode``: the forward's, or the recompute's made with it."""
         if self.context_fn is None:
@@ -134,22 +262,30 @@ class RerunOnce:
     def next_child(self, run):
         """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""
         if run.child_idx >= len(self.children):
-            raise RuntimeError("mindformers_ac: a checkpointed region called more nested checkpoints in its "
-                               "recompute than in its forward; its code path must not change when re-run")
+            raise messages.nested_regions(len(self.children))
         child = self.children[run.child_idx]
         run.child_idx += 1
         return child
 
-    def recompute_once(self):
+    def ensure_recomputed(self):
+        """Run the recompute on the first unpack of backward; later calls do nothing.
+
+        Raises ``RecomputeError`` for a higher-order gradient, for a recompute
+        that asks for its own saved tensors, and (from ``_recompute``) for one
+        that diverged from its forward; the region then stays not done.
+        """
         if self.done:
-            return None
+            return
         if self._running:
-            raise RuntimeError("mindformers_ac: a region's recompute asked for its own saved tensors")
+            raise messages.recompute_reentered()
         refuse_higher_order()
         self._running = True
         try:
-            result = self._recompute()
+            self._recompute()
         finally:
             self._running = False
         self.done = True
-        return result
+        self.stats.recompute_calls += 1
+
+    def _recompute(self):
+        raise NotImplementedError

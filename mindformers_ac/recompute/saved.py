@@ -4,6 +4,7 @@ A ``Token`` stands for a tensor dropped for recompute (it holds the region,
 not the tensor, until backward); a ``SwappedTensor`` for one handed to a swap
 executor. ``unpack_saved`` turns either back into a tensor.
 """
+from . import messages
 
 
 class SwappedTensor:
@@ -36,10 +37,7 @@ class Token:
             # The recompute checked that it regenerated every dropped tensor (Region.check_recompute),
             # so a missing one was handed out already.
             idx, k = self.key
-            raise RuntimeError(
-                f"mindformers_ac: saved tensor #{k} of op #{idx} {region.describe_op(idx)} of a checkpointed "
-                "region was already used: its recompute regenerated it once and an earlier backward took it. "
-                "Was the graph backpropagated twice? Run backward once per forward.")
+            raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}")
         return t
 
 

@@ -10,6 +10,7 @@ import logging
 import threading
 
 from ..logs import OnceLogger
+from . import messages
 from .random_ops import DropoutFormulaCheck
 
 # What a run of a region's function is doing.
@@ -41,7 +42,7 @@ class EngineState:
     def pop(self, run):
         runs = self._state().runs
         if not runs or runs[-1] is not run:
-            raise RuntimeError("mindformers_ac: region stack corrupted (a region exited out of order)")
+            raise messages.stack_corrupted()
         runs.pop()
 
     def in_recompute(self):

@@ -1,6 +1,77 @@
-"""Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run."""
+"""Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run, which path ran.
+
+``RegionBytes`` is the one way a region counts its bytes during its forward
+(both paths); ``RecomputeStats`` sums the regions that are alive.
+"""
 import collections
 import weakref
+
+from mindspore import Tensor
+
+from ..tensors import output_tensors, storage_info
+
+
+class RegionBytes:
+    """Bytes one region forward keeps, drops and swaps, each storage counted once; weights never.
+
+    ``param_ptrs``: ``data_ptr`` of the region's weights, which are alive
+    anyway. Keys are storage pointers, so a tensor kept twice (a saved input
+    that an op saves again) counts once; engine-owned bytes (mask bits, copies
+    of written parameters) go in under their own keys with ``add``. ``close``
+    hands the totals to a ``RecomputeStats`` and frees the per-storage maps.
+    """
+
+    __slots__ = ("param_ptrs", "kept", "dropped", "swapped", "producer", "totals")
+
+    def __init__(self, param_ptrs):
+        self.param_ptrs = param_ptrs
+        self.kept, self.dropped, self.swapped = {}, {}, {}
+        self.producer = {}   # storage ptr -> index of the latest op whose output lives there
+        self.totals = None   # (kept, dropped, swapped) once closed
+
+    def keep(self, t):
+        """``t`` stays alive until backward because the region keeps it."""
+        if t.data_ptr() in self.param_ptrs:
+            return
+        ptr, nbytes = storage_info(t)
+        self.kept[ptr] = nbytes
+
+    def add(self, key, nbytes):
+        """Bytes the engine made itself and keeps (a Dropout's mask bits, copies of written parameters)."""
+        self.kept[key] = nbytes
+
+    def note_outputs(self, idx, out):
+        """Remember which op produced each output storage (see ``drop``)."""
+        for t in output_tensors(out):
+            if isinstance(t, Tensor):
+                self.producer[storage_info(t)[0]] = idx
+
+    def drop(self, t):
+        """``t`` was saved by an op and left for the recompute to rebuild."""
+        # Dropped storages die during forward and their addresses are reused by later outputs:
+        # keying by address alone would count two different activations once.
+        ptr, nbytes = storage_info(t)
+        self.dropped[(ptr, self.producer.get(ptr))] = nbytes
+
+    def swap(self, t):
+        """``t`` was handed to a swap executor."""
+        ptr, nbytes = storage_info(t)
+        self.swapped[ptr] = nbytes
+
+    def close(self, stats, owner, dropped=None):
+        """Report the forward's totals to ``stats`` until ``owner`` (the region) is garbage.
+
+        ``dropped``: the dropped bytes when the caller knows them better than
+        what it recorded (the light path sees no dropped tensor: its path check's
+        figure stands for them).
+        """
+        kept = sum(self.kept.values())
+        if dropped is None:
+            dropped = sum(n for (p, _), n in self.dropped.items() if p not in self.kept)
+        swapped = sum(n for p, n in self.swapped.items() if p not in self.kept)
+        self.kept = self.dropped = self.swapped = self.producer = None   # only the totals are needed now
+        self.totals = (kept, dropped, swapped)
+        stats.open_region(owner, kept, dropped, swapped)
 
 
 class RecomputeStats:
@@ -17,10 +88,16 @@ class RecomputeStats:
     forwards; ``ops_rerun``: ops run again in backward (``rerun_by_op`` by name);
     ``ops_reused``: ops whose kept outputs replaced a re-run (policy saves,
     excluded ops, random ops); ``recompute_calls``: backward-time re-runs.
+    ``intercepted_calls`` / ``light_calls``: region forwards that ran on the
+    op-intercepting path / on the light path (see ``path_choice``); a wrapped
+    cell without a per-op decision is intercepted on its first call per call
+    signature and light afterwards, so ``light_calls`` staying 0 means it
+    never left the slower path.
     """
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
-                 "ops_rerun", "ops_reused", "recompute_calls", "live_bytes", "live_regions")
+                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "live_bytes",
+                 "live_regions")
 
     def __init__(self):
         self._generation = 0

@@ -90,7 +90,7 @@ class AttrProxy:
 
     def __call__(self, *args, **kwargs):
         run = ENGINE.top()
-        if run is None or run.region.tracker is not self.mac_tracker:
+        if run is None or run.tracker is not self.mac_tracker:
             return self.mac_inner(*args, **kwargs)
         run.attrs.append(self.mac_path)
         try:
@@ -171,7 +171,7 @@ class PathTracker:
         @drop_on_copy
         def enter(cell, _args):
             run = ENGINE.top()
-            if run is not None and run.region.tracker is self:
+            if run is not None and run.tracker is self:
                 run.path.append((name, cell))
         return enter
 
@@ -179,7 +179,7 @@ class PathTracker:
         @drop_on_copy
         def leave(cell, _args, _output):
             run = ENGINE.top()
-            if run is not None and run.region.tracker is self and run.path and run.path[-1][1] is cell:
+            if run is not None and run.tracker is self and run.path and run.path[-1][1] is cell:
                 run.path.pop()
         return leave
 

@@ -1,0 +1,161 @@
+"""Every error and warning text of the recompute engine, written once.
+
+Both ways into a region (the op-intercepting path and the light path) report
+the same failures with the same words: each function here returns the
+exception to raise, built from what the caller knows (an op described by
+``describe_op``, a saved tensor by ``describe_meta``): a ``RecomputeError``
+for everything the engine finds in backward, a ``TypeError`` for a
+``policy_fn`` that returned something else than a ``CheckpointPolicy``. The
+upper-case constants are the texts of warnings logged once.
+
+A message starts with ``mindformers_ac:``, says what differed between the
+forward and its recompute, and what to change in the region; tests and users
+match on these texts, so a change of wording is a change of interface.
+"""
+from ..errors import RecomputeError
+
+# Why a recompute must repeat its forward; appended to every "diverged" message about the ops run.
+SAME_PATH = ("A checkpointed region must take the same code path when run again (no branching on global "
+             "state, step counters or is_in_recompute() that changes ops).")
+_SAME_SHAPES = ("The region must compute the same shapes and dtypes when run again (no dependence on state "
+                "that changed since the forward; a tensor read from outside the region's arguments must be "
+                "passed as an argument).")
+_DIVERGED = "mindformers_ac: recompute diverged from forward"
+
+
+def in_path(path):
+    """`` (in 'cell.path')``, or nothing at the region root."""
+    return f" (in {path!r})" if path else ""
+
+
+def describe_op(op_names, op_paths, idx):
+    """``MatMulExt (in 'mlp')`` for op ``idx`` of a forward that ran ``op_names``; ``op_paths``: index -> path."""
+    if idx >= len(op_names):
+        return "<end of region>"
+    return op_names[idx] + in_path(op_paths.get(idx, ""))
+
+
+def describe_meta(meta):
+    """``(2, 8, 32) Float32`` for a saved tensor's ``(shape, dtype)``; ``not saved`` for None."""
+    return f"{tuple(meta[0])} {meta[1]}" if meta is not None else "not saved"
+
+
+def cast_hint(forward_op, recompute_op):
+    """What to add to a "diverged" message when the two runs differ by an inserted Cast."""
+    if "Cast" not in (forward_op, recompute_op):
+        return ""
+    return (" The runs differ by a Cast: the region's forward and recompute ran under different mixed-"
+            "precision types. The recompute uses the region cell's own type (set by to_float / amp O2/O3 "
+            "on every cell); a type set on an enclosing cell only is not seen: call to_float on the "
+            "region's cell as well.")
+
+
+# -- a recompute that took another code path -----------------------------------------------------
+
+def other_op(idx, forward_desc, forward_name, name, path):
+    """The recompute's op ``idx`` is not the forward's."""
+    return RecomputeError(
+        f"{_DIVERGED} at op #{idx}: forward ran {forward_desc}, recompute runs {name}{in_path(path)}. "
+        f"{SAME_PATH}{cast_hint(forward_name, name)}")
+
+
+def missing_ops(ran, n, first_missing):
+    """The recompute ran fewer ops than the forward."""
+    return RecomputeError(
+        f"{_DIVERGED}: it ran {ran} ops, the forward ran {n}; the first missing op is #{ran} {first_missing}. "
+        f"{SAME_PATH}")
+
+
+def save_count_at_op(idx, desc, fwd, rec):
+    """Op ``idx`` saved another number of tensors than in forward (the intercepting path knows the op)."""
+    return RecomputeError(
+        f"{_DIVERGED} at op #{idx} {desc}: it saved {fwd} tensor(s) for backward in forward but {rec} in the "
+        "recompute, so its dropped tensors can't be matched. An op saves different tensors when autograd "
+        "tracks different inputs: e.g. a tensor the region reads from outside its arguments (a closure or an "
+        "attribute set by the caller) that requires grad in only one of the runs; pass it as an argument of "
+        "the region.")
+
+
+def save_count(rec, fwd, first_unmatched):
+    """The recompute saved another number of tensors than the forward (the light path counts saves only)."""
+    return RecomputeError(
+        f"{_DIVERGED}: it saved {rec} tensor(s) for backward, the forward {fwd}; the first unmatched one is "
+        f"{first_unmatched}. {SAME_PATH} It must read tensors only from its arguments.")
+
+
+def other_tensor(where, fwd_meta, rec_meta):
+    """A saved tensor (or a Dropout input) ``where`` had another shape or dtype in the recompute."""
+    return RecomputeError(
+        f"{_DIVERGED} at {where}: it was {describe_meta(fwd_meta)} in forward but {describe_meta(rec_meta)} in "
+        f"the recompute. {_SAME_SHAPES}")
+
+
+def dropout_calls(rec, fwd):
+    """The recompute called ``nn.Dropout`` another number of times than the forward."""
+    return RecomputeError(f"{_DIVERGED}: it called nn.Dropout {rec} time(s), the forward {fwd}. {SAME_PATH}")
+
+
+def nested_regions(fwd):
+    """The recompute met more nested regions than the forward did."""
+    return RecomputeError(
+        f"{_DIVERGED}: a checkpointed region called more nested checkpoints in its recompute than in its "
+        f"forward ({fwd}). {SAME_PATH}")
+
+
+def read_before_kept_write(idx, name, path, writer_idx, writer_desc):
+    """A re-run op reads a tensor that a later op writes, and that writer's output was kept (no copy)."""
+    return RecomputeError(
+        f"mindformers_ac: op #{idx} {name}{in_path(path)} of a recomputed region reads a tensor that op "
+        f"#{writer_idx} {writer_desc} writes later in the region; that op's output is kept instead of a copy of "
+        "what it writes (too large to copy), so the recompute can't see the value the forward read. Keep "
+        f"{name}'s output too (exclude_op) or move the write out of the recomputed region.")
+
+
+# -- the engine used the wrong way ---------------------------------------------------------------
+
+def already_used(what):
+    """A recomputed tensor (``what``: which one) was asked for a second time."""
+    return RecomputeError(
+        f"mindformers_ac: {what} of a checkpointed region was already used: its recompute regenerated it once "
+        "and an earlier backward took it. Was the graph backpropagated twice? Run backward once per forward.")
+
+
+def higher_order():
+    return RecomputeError(
+        "mindformers_ac: higher-order gradients (a grad of a grad, e.g. ms.grad(ms.grad(f))) through a "
+        "recomputed region or op are not supported: the first backward is being recorded for a second "
+        "one. Leave the layers that take part out of recompute (swap is exact here), or compute the "
+        "higher-order gradient without mindformers_ac.")
+
+
+def recompute_reentered():
+    return RecomputeError("mindformers_ac: a region's recompute asked for its own saved tensors")
+
+
+def stack_corrupted():
+    return RecomputeError("mindformers_ac: region stack corrupted (a region exited out of order)")
+
+
+def bad_policy(policy, op_path):
+    return TypeError(f"policy_fn must return a CheckpointPolicy, got {policy!r} for op {op_path}")
+
+
+# -- warnings (logged once per key) ---------------------------------------------------------------
+
+SWAP_INPUTS_WITHOUT_EXECUTOR = ("checkpoint(swap_inputs=True) without a swap_executor: the region's inputs "
+                                "stay on the device (pass swap_executor= to offload them)")
+MUST_SWAP_WITHOUT_EXECUTOR = ("policy_fn returned MUST_SWAP but checkpoint() got no swap_executor: saving "
+                              "those ops instead (pass swap_executor= to offload)")
+KEEP_SIDE_EFFECT = ("%s writes parameters larger than its other inputs: its output is kept instead of copying "
+                    "them for the recompute")
+DROPOUT_NOT_REBUILT = ("Dropout output can't be rebuilt bitwise from its mask for %s; keeping Dropout outputs "
+                       "instead (more memory, still exact)")
+OUTPUT_NOTHING_DROPPED = ("output recompute of %s saves nothing: no op in its layer saved its output tensor for "
+                          "backward (a consumer that saves a view or a copy, e.g. of a non-contiguous output, keeps "
+                          "it); return a contiguous tensor from the op or recompute its enclosing module instead")
+OUTPUT_RANDOM_OPS = ("output recompute of %s skipped: it runs random op(s) %s, whose output can't be reproduced; "
+                     "its output is kept")
+OUTPUT_SIDE_EFFECT_OPS = ("output recompute of %s skipped: it runs op(s) %s that write parameters (e.g. BatchNorm's "
+                          "moving statistics), which running it again would update twice; its output is kept "
+                          "(recompute its enclosing module instead, which re-runs it on copies)")
+OUTPUT_RANDOM_OP = "output recompute of %s skipped: %s is random; its output is kept"

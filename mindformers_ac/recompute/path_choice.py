@@ -1,0 +1,199 @@
+"""Which way into the engine a wrapped call takes: the light path, or the op-intercepting region.
+
+On a host-bound step every microsecond of Python per op shows, and the
+intercepting path (``region`` + ``dispatch``) runs Python for every op, in
+forward and recompute. Most regions need no per-op decision (full recompute
+without a policy: every op is run again); for those the light path
+(``light``) matches saved tensors by position alone.
+
+A call goes light only after the first call of its *call signature* ran on
+the intercepting path and its ``PathCheck`` showed it safe. The signature is
+the root cell's training flag and mixed-precision type and the structure of
+the arguments: tuples, lists and dicts (nested), each tensor's shape, dtype,
+whether autograd tracks it, and the value of each plain scalar, string or
+dtype. It holds no argument itself (a per-step rotary table passed in a tuple
+must die with its step); a call with an argument of any other kind is not
+checked and takes the intercepting path. The check requires:
+
+* no policy and no swapped inputs (``checkpoint_wrapper`` without
+  ``policy_fn``; ``exclude_op`` is a policy);
+* no op that may write tensors (``side_effect_mem`` primitives such as
+  BatchNorm in training, ``Inplace*`` ops), no nested region;
+* no kept op: no unreplayable random op except the Dropout kernel of an
+  ``nn.Dropout`` cell called through its ``DropoutProxy``; replayable random
+  primitives (``mac_replayable``) are recomputed like any op;
+* a recompute that saved exactly what its forward saved (count, shapes and
+  dtypes, in order).
+
+Failure modes: none raised here. A signature the check refused stays on the
+intercepting path; a checking call whose region died without a recompute (a
+forward without backward) is checked again by the next call; beyond
+``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay intercepted.
+The light path's counters that it can't measure without intercepting
+(``ops_forward``, ``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are the
+checking call's, which ran the same ops.
+"""
+import collections
+import enum
+import weakref
+
+import numpy as np
+
+import mindspore as ms
+from mindspore import Parameter, Tensor
+from ..mindspore_compat import pynative_executor as _executor
+
+from ..precision import cell_precision
+from ..tensors import is_tracked
+from . import messages
+from .dispatch import REBUILD
+from .light import LightRegion
+from .region import run_region
+from .state import ENGINE
+
+
+class PathCheck:
+    """What the first (intercepted) call of one call signature showed about the region.
+
+    ``ok`` is None until that call's recompute finished, then whether later
+    calls with this signature may take the light path. It also keeps what the
+    light path reports in its place: op names and paths (to name an op in a
+    "diverged" message), op counts and the dropped bytes.
+    """
+
+    __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
+                 "n_dropouts", "dropped", "param_ptrs", "_owner")
+
+    def __init__(self):
+        self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
+        self.keys = []                # (op index, pack number) of each forward save, for messages
+        self.ok = None
+        self.op_names, self.op_paths = [], {}
+        self.n_forward = self.n_rerun = self.n_dropouts = self.dropped = 0
+        self.rerun_counts = collections.Counter()
+        self.param_ptrs = frozenset()
+        self._owner = None
+
+    def attach(self, region):
+        self._owner = weakref.ref(region)
+
+    def note_forward(self, t, key):
+        self.fwd.append((tuple(t.shape), t.dtype))
+        self.keys.append(key)
+
+    def note_recompute(self, t):
+        self.rec.append((tuple(t.shape), t.dtype))
+
+    def validate(self, region):
+        """After the checking call's recompute: may this signature take the light path?"""
+        decisions = region.decisions
+        rebuilt = {i for i, d in decisions.items() if d == REBUILD}
+        self.ok = (region.policy_fn is None and not region.swap_inputs and not region.may_write_seen
+                   and not region.snapshots and not region.written and not region.cache
+                   and not region.children and len(rebuilt) == len(decisions)
+                   and rebuilt <= region.cell_dropouts and self.fwd == self.rec)
+        self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
+        self.n_forward = len(self.op_names)
+        self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names) if i not in decisions)
+        self.n_rerun = sum(self.rerun_counts.values())
+        self.n_dropouts = len(rebuilt)
+        self.dropped = region.bytes.totals[1] if region.bytes.totals is not None else 0
+        self.param_ptrs = frozenset(region.param_ptrs)
+        self.rec = None
+        self._owner = None
+
+    def abandoned(self):
+        """A checking call whose region died without a recompute (a forward without backward)."""
+        return self.ok is None and (self._owner is None or self._owner() is None)
+
+    def describe_save(self, i):
+        """``op #3 MatMulExt (in 'mlp'), its saved tensor #0`` for forward save ``i``, as the checking call
+        numbered it."""
+        key = self.keys[i] if i < len(self.keys) else None
+        if key is None:
+            return f"saved tensor #{i}"
+        idx, k = key
+        return f"op #{idx} {messages.describe_op(self.op_names, self.op_paths, idx)}, its saved tensor #{k}"
+
+
+# Arguments keyed by value: immutable, and holding no tensor.
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, np.generic, ms.dtype.Type, type)
+_MAX_DEPTH = 8
+
+
+class _NoSignature(Exception):
+    """An argument the signature can't describe without holding it."""
+
+
+def _signature(v, depth=_MAX_DEPTH):
+    """A hashable description of ``v`` that holds no tensor and no object of the caller."""
+    if isinstance(v, Tensor):
+        return Tensor, v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)
+    if isinstance(v, _VALUE_TYPES):
+        return type(v), v   # the type too: 1, 1.0 and True are equal keys otherwise
+    if depth > 0:
+        if isinstance(v, (tuple, list)):
+            return type(v), tuple(_signature(x, depth - 1) for x in v)
+        if isinstance(v, dict):
+            return type(v), tuple((_signature(k, 0), _signature(x, depth - 1)) for k, x in v.items())
+    raise _NoSignature
+
+
+class PathChecks:
+    """Per-wrapper cache: call signature -> ``PathCheck`` (bounded; beyond it calls stay intercepted)."""
+
+    MAX_KEYS = 32
+
+    def __init__(self):
+        self._checks = {}
+
+    @staticmethod
+    def key(root, args, kwargs):
+        """The call signature (see the module docstring), or None when an argument can't be described
+        without holding it (that call is not checked and takes the intercepting path)."""
+        try:
+            # The mixed-precision type changes which Casts run and what is saved (to_float after some steps).
+            return (root.training if root is not None else None, cell_precision(root),
+                    tuple(_signature(a) for a in args),
+                    tuple((k, _signature(kwargs[k])) for k in sorted(kwargs)))
+        except _NoSignature:
+            return None
+
+    def lookup(self, key):
+        check = self._checks.get(key)
+        if check is not None and check.abandoned():
+            del self._checks[key]
+            check = None
+        return check
+
+    def start(self, key):
+        if len(self._checks) >= self.MAX_KEYS:
+            return None
+        check = self._checks[key] = PathCheck()
+        return check
+
+    def forget(self, key):
+        self._checks.pop(key, None)
+
+    def __len__(self):
+        return len(self._checks)
+
+
+def run_checkpoint(fn, args, kwargs, checks, root, **options):
+    """Entry point of a wrapped cell: the light path when its signature's check allows, else ``run_region``.
+
+    ``checks``: the wrapper's ``PathChecks``, or None when the light path is
+    off (a policy, swapped inputs, ``light_path=False``). Nested calls (inside
+    another region's run) and calls without gradient recording always go to
+    ``run_region``, which replays or runs them plainly.
+    """
+    if checks is None or ENGINE.top() is not None or not _executor.requires_grad():
+        return run_region(fn, args, kwargs, root=root, **options)
+    key = checks.key(root, args, kwargs)
+    check = checks.lookup(key) if key is not None else None
+    if check is not None and check.ok:
+        return LightRegion(fn, check, checks, key, options["stats"], options["context_fn"],
+                           cell_precision(root)).run_forward(args, kwargs)
+    if key is not None and check is None:
+        options["path_check"] = checks.start(key)
+    return run_region(fn, args, kwargs, root=root, **options)
