@@ -74,7 +74,11 @@ class LayerMeter(SavedTensorMeter):
 
 @dataclass
 class LayerMemory:
-    """One layer's figures for one step (bytes; ``ops_rerun`` a count)."""
+    """One layer's figures for one step (bytes; ``ops_rerun`` and the region calls are counts).
+
+    ``light_calls`` / ``intercepted_calls``: the layer's recompute-region calls
+    that took the light path / intercepted every op (see ``recompute.path_choice``).
+    """
 
     layer: object
     kept_bytes: int = 0          # on the device for backward at the end of forward
@@ -83,6 +87,8 @@ class LayerMemory:
     prefetched_bytes: int = 0    # back on the device in time (prefetch finished before use)
     on_demand_bytes: int = 0     # loaded when backward needed it (no or late prefetch)
     ops_rerun: int = 0
+    light_calls: int = 0
+    intercepted_calls: int = 0
 
     def as_dict(self):
         return dict(self.__dict__)
@@ -121,6 +127,8 @@ def _engine_figures(state, memory):
         lm.kept_bytes += stats.kept_bytes
         lm.recomputed_bytes += stats.dropped_bytes
         lm.ops_rerun += stats.ops_rerun
+        lm.light_calls += stats.light_calls
+        lm.intercepted_calls += stats.intercepted_calls
     report = state.swap_report
     if report is None:
         return

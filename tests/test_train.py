@@ -65,6 +65,10 @@ def test_train_matches_losses_and_saves_memory(tmp_path, name, text):
     if name == "recompute":
         assert rows["0"]["applied"] == ["full recompute"] and rows["0"]["ops_rerun"] > 0
         assert rows["2"]["recomputed_bytes"] > 0 and rows["3"]["recomputed_bytes"] == 0
+        # which path each call took, over the 3 steps: the first intercepts, the next two go light
+        assert (rows["0"]["light_calls"], rows["0"]["intercepted_calls"]) == (2, 1)
+        assert (rows["3"]["light_calls"], rows["3"]["intercepted_calls"]) == (0, 0)
+        assert "calls light/intercepted" in proc.stdout
     else:
         assert rows["0"]["offloaded_bytes"] > 0.9 * rows["0"]["baseline_kept_bytes"]
         assert rows["0"]["prefetched_bytes"] + rows["0"]["on_demand_bytes"] == rows["0"]["offloaded_bytes"]

@@ -12,12 +12,14 @@ def _mib(nbytes):
 def layer_table(result):
     """The per-layer table as text: what was applied and where the bytes went."""
     header = ("layer", "applied", "baseline MiB", "kept MiB", "recomputed MiB", "offloaded MiB",
-              "in time MiB", "on demand MiB", "ops re-run")
+              "in time MiB", "on demand MiB", "ops re-run", "calls light/intercepted")
     rows = [header]
     for row in result["layers"]:
+        calls = row["light_calls"] + row["intercepted_calls"]
         rows.append((str(row["layer"]), "; ".join(row["applied"]) or "-", _mib(row["baseline_kept_bytes"]),
                      _mib(row["kept_bytes"]), _mib(row["recomputed_bytes"]), _mib(row["offloaded_bytes"]),
-                     _mib(row["prefetched_bytes"]), _mib(row["on_demand_bytes"]), str(row["ops_rerun"])))
+                     _mib(row["prefetched_bytes"]), _mib(row["on_demand_bytes"]), str(row["ops_rerun"]),
+                     f"{row['light_calls']}/{row['intercepted_calls']}" if calls else "-"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) if c >= 2 else cell.ljust(w)
                                for c, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows)

@@ -83,7 +83,11 @@ def compare(spec, config_path, baseline, ac, rerun_baseline=None):
     ac_time = statistics.median(ac["step_times"][warm])
     layers = []
     for key, figures in ac_mem["layers"].items():
-        layers.append({**figures, "layer": key, "applied": ac["plan"].get(key, []),
+        # which recompute path the layer's calls took, over the whole run (the first call per signature
+        # intercepts; a layer that never goes light pays the slower path every step)
+        calls = {name: sum(step["layers"][key][name] for step in ac["memory"])
+                 for name in ("light_calls", "intercepted_calls")}
+        layers.append({**figures, **calls, "layer": key, "applied": ac["plan"].get(key, []),
                        "baseline_kept_bytes": base_mem["layers"][key]["kept_bytes"]})
     exactness, again = judge(baseline, ac, rerun_baseline)
     result = {
