@@ -30,7 +30,7 @@ synchronous_pynative("CPU")
 from mindformers_ac.recompute.state import ENGINE  # noqa: E402
 from conftest import model_fingerprint  # noqa: E402
 from model_patterns import PATTERNS, init_weights, mode_config  # noqa: E402
-from test_model_patterns import first_difference, run_steps  # noqa: E402
+from steps import first_difference, run_steps  # noqa: E402
 
 PATTERN = PATTERNS["batchnorm"]
 FAIL_STEP = 1

@@ -15,7 +15,7 @@ from mindformers_ac.construct_patch import patches
 
 from conftest import model_fingerprint
 from model_patterns import PATTERNS, RECOMPUTE_MODES, SWAP_MODES, mode_config
-from test_model_patterns import first_difference, run_steps
+from steps import first_difference, run_steps
 
 PATTERN = PATTERNS["llama"]
 CONFIG_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
@@ -37,7 +37,7 @@ def _work(model):
     return rerun, offloaded
 
 
-def _assert_acted(mode, before, after):
+def assert_acted(mode, before, after):
     if mode in RECOMPUTE_MODES:
         assert after[0] > before[0]
     if mode in SWAP_MODES:
@@ -76,7 +76,7 @@ def test_deepcopy_trains_with_its_own_ac_and_leaves_the_original_alone(copy_base
     original_work = _work(model)
     assert first_difference(base_copy, run_steps(dup, PATTERN.batch)) is None
     assert _work(model) == original_work                 # the copy never ran the original's layers
-    _assert_acted(mode, (0, 0), _work(dup))
+    assert_acted(mode, (0, 0), _work(dup))
 
     fingerprint = model_fingerprint(model)
     mac.remove_ac(dup)                                   # touches the copy only
@@ -84,7 +84,7 @@ def test_deepcopy_trains_with_its_own_ac_and_leaves_the_original_alone(copy_base
     assert _library_leftovers(dup) == [] and mac.ac_state(dup) is None
 
     assert first_difference(base_original, run_steps(model, PATTERN.batch)) is None
-    _assert_acted(mode, original_work, _work(model))
+    assert_acted(mode, original_work, _work(model))
     mac.remove_ac(model)
     assert _library_leftovers(model) == []
 

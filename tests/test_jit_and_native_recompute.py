@@ -16,7 +16,7 @@ import mindformers_ac as mac
 
 from conftest import model_fingerprint
 from model_patterns import B, H, S, init_weights
-from test_model_patterns import first_difference, run_steps
+from steps import first_difference, run_steps
 
 ALL = ["0-2"]
 FULL = {"recompute": {"mode": "full", "full_recompute_layer": ALL}}

@@ -13,7 +13,7 @@ import mindformers_ac as mac
 from mindformers_ac.recompute import path_choice
 
 from test_light_path import light_calls  # noqa: F401  # pylint: disable=unused-import  # the fixture
-from test_model_patterns import first_difference, run_steps
+from steps import first_difference, run_steps
 
 H, B, S, N, STEPS = 32, 2, 8, 3, 6
 

@@ -36,7 +36,7 @@ import mindformers_ac as mac
 
 from conftest import model_fingerprint
 from model_patterns import B, FFN, H, MLP, PATTERNS, S, Pattern, init_weights, mode_config
-from test_model_patterns import _assert_acted, _install_api, first_difference, run_steps
+from steps import assert_acted, first_difference, install_api, run_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AC_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
@@ -91,7 +91,7 @@ def _check(baselines, key, pattern, prepare, mode, order):
     history, model = _train_with_ac(pattern, mode, prepare, order)
     diff = first_difference(baselines(key, pattern, prepare), history)
     assert diff is None, f"{key} {mode} ({order} apply_ac): {diff}"
-    _assert_acted(mode, model, None)
+    assert_acted(mode, model, None)
     mac.remove_ac(model)
     assert all("construct" not in cell.__dict__ for _, cell in model.cells_and_names())
 
@@ -107,10 +107,10 @@ def test_to_float_fp16_is_bitwise_in_every_mode(baselines, mode, order):
 def test_to_float_fp16_through_the_checkpoint_and_swap_api(baselines, mode):
     pattern = PATTERNS["int_bool_inputs"]
     model = pattern.build().to_float(ms.float16)
-    counter = _install_api(mode, model)
+    counter = install_api(mode, model)
     history = run_steps(model, pattern.batch)
     assert first_difference(baselines("fp16", pattern, _to_float(ms.float16)), history) is None
-    _assert_acted(mode, model, counter)
+    assert_acted(mode, model, counter)
 
 
 @pytest.mark.slow
@@ -340,7 +340,7 @@ def test_a_type_set_on_an_enclosing_cell_only_fails_naming_the_cast():
             "ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)\n"
             "import mindformers_ac as mac\n"
             "from model_patterns import PATTERNS, mode_config\n"
-            "from test_model_patterns import run_steps\n"
+            "from steps import run_steps\n"
             "p = PATTERNS['int_bool_inputs']\n"
             "model = p.build(); model.add_flags(fp16=True)\n"
             "mac.apply_ac(model, config=mode_config('full', p))\n"

@@ -6,13 +6,15 @@ expert-parallel runs under msrun are in test_ep.py.
 import numpy as np
 import mindspore as ms
 import pytest
-from mindspore import Tensor, nn
+from mindspore import Tensor
 
 import mindformers_ac as mac
 from mindformers_ac.harness.models import synthetic_batch
 from mindformers_ac.harness.moe import build_moe_gpt, check_moe_config, moe_config
 from mindformers_ac.recompute import is_in_recompute
 from mindformers_ac.whitelist import get_single_layer_whitelist
+
+from steps import run_steps
 
 DIMS = dict(num_layers=2, hidden_size=16, num_heads=2, seq_length=8, vocab_size=24, dropout=0.1, num_experts=4,
             top_k=2, capacity_factor=0.5)
@@ -24,17 +26,10 @@ def _batch(step):
 
 
 def _train(model, steps=2, config=None):
-    """Loss and gradient bytes per step (SGD), after applying ``config`` if given."""
+    """``run_steps`` (loss, gradients and parameters per step), after applying ``config`` if given."""
     if config is not None:
         mac.apply_ac(model, config=config)
-    opt = nn.SGD(model.trainable_params(), learning_rate=0.05)
-    grad_fn = ms.value_and_grad(model, None, opt.parameters)
-    history = []
-    for step in range(steps):
-        loss, grads = grad_fn(*_batch(step))
-        opt(grads)
-        history.append((loss.asnumpy().tobytes(), [g.asnumpy().tobytes() for g in grads]))
-    return history
+    return run_steps(model, _batch, steps)
 
 
 def test_layout_names_and_moe_layer_frequency():
@@ -122,7 +117,7 @@ def test_recompute_routes_near_tied_tokens_as_forward_did(jitter):
     model = _near_tied(build_moe_gpt(**dims))
     records = _trace_routing(model)
     history = _train(model, config={"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}})
-    assert history == base   # bitwise: loss and every gradient
+    assert history == base   # bitwise: loss, every gradient and every parameter
     forward = [r for r in records if not r[1]]
     again = [r for r in records if r[1]]
     assert len(forward) == len(again) == 2 * 2   # 2 layers x 2 steps, each recomputed once

@@ -17,7 +17,7 @@ from mindspore import Tensor, mint, nn, ops
 import mindformers_ac as mac
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
 
-from test_model_patterns import first_difference, run_steps
+from steps import first_difference, run_steps
 
 H, B, S, N = 32, 2, 8, 3
 
