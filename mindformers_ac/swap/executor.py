@@ -185,20 +185,21 @@ class SwapHandle:
         """The tensor ``load`` returned (or the kept one); None before the load and after ``drop_loaded``."""
         return self._loaded
 
-    def _expect(self, state, action):
-        if self.state is not state:
-            raise RuntimeError(f"swap handle of {self.key!r} cannot {action} in state {self.state.value} "
-                               f"(expected {state.value}); this is a bug in the caller of SwapExecutor")
+    def _refuse(self, state, action):
+        raise RuntimeError(f"swap handle of {self.key!r} cannot {action} in state {self.state.value} "
+                           f"(expected {state.value}); this is a bug in the caller of SwapExecutor")
 
     def start_offload(self, ticket, tensor, buf, give_back):
         """KEPT -> COPYING: the copy of ``tensor`` into ``buf`` started; ``give_back(buf, nbytes)`` frees it."""
-        self._expect(HandleState.KEPT, "start an offload")
+        if self.state is not HandleState.KEPT:   # checked inline: one call less per saved tensor
+            self._refuse(HandleState.KEPT, "start an offload")
         self._ticket, self._device, self._buf, self._give_back = ticket, tensor, buf, give_back
         self.state = HandleState.COPYING
 
     def finish_offload(self):
         """COPYING -> OFFLOADED: drop and return the device tensor (the caller checks it, then may ``watch``)."""
-        self._expect(HandleState.COPYING, "finish an offload")
+        if self.state is not HandleState.COPYING:   # checked inline: one call less per saved tensor
+            self._refuse(HandleState.COPYING, "finish an offload")
         tensor, self._device = self._device, None
         self.state = HandleState.OFFLOADED
         return tensor
@@ -212,7 +213,8 @@ class SwapHandle:
 
     def start_load(self, load):
         """OFFLOADED -> LOADING: ``load`` (a ``PendingLoad``) is in flight."""
-        self._expect(HandleState.OFFLOADED, "start a load")
+        if self.state is not HandleState.OFFLOADED:   # checked inline: one call less per saved tensor
+            self._refuse(HandleState.OFFLOADED, "start a load")
         self._load = load
         self.state = HandleState.LOADING
 

@@ -25,7 +25,7 @@ import weakref
 import mindspore as ms
 
 from ..recompute.policy import CheckpointPolicy
-from ..tensors import WeightPointers, storage_nbytes, storage_ptr
+from ..tensors import WeightPointers, storage_info, storage_ptr
 from .executor import SwapExecutor, SwapHandle
 
 
@@ -239,7 +239,7 @@ class SwapScheduler:
         params = self.param_ptrs
         if ptr in params:
             return t
-        sptr = storage_ptr(t)
+        sptr, snbytes = storage_info(t)
         if sptr in params:
             return t
         stats = g.stats
@@ -270,10 +270,9 @@ class SwapScheduler:
                 self.report.hold(nbytes)
                 return h
             reason = "over_budget"
-        return self._keep(g, t, sptr, reason, stats)
+        return self._keep(g, t, sptr, snbytes, reason, stats)
 
-    def _keep(self, g, t, sptr, reason, stats):
-        nbytes = storage_nbytes(t)
+    def _keep(self, g, t, sptr, nbytes, reason, stats):
         if sptr not in g.kept:
             g.kept.add(sptr)
             stats.resident_bytes += nbytes
