@@ -6,8 +6,11 @@
     tensor = executor.load(handle)        # a device tensor with the same values
 
 The scheduler (``scheduler.py``) uses the split form (``start_offload`` in pack,
-``finish_offload`` at the end of the layer's forward, ``prefetch`` when the
-trigger layer's backward starts, ``load`` in unpack) so copies overlap compute.
+``finish_offloads`` of the group's handles at the end of the layer's forward,
+``prefetch`` when the trigger layer's backward starts, ``load`` in unpack) so
+copies overlap compute. Each ``SwapHandle`` owns its state (``HandleState``)
+and the transitions between states; the executor decides when they happen and
+talks to the backend only through the ``SwapBackend`` Protocol.
 """
 import collections
 import enum
