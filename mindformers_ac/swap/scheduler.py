@@ -8,8 +8,12 @@ of its most recent call.
 
 Per saved tensor, in order:
 1. weights (``data_ptr`` or storage equal to a known parameter) are returned as is;
-   the pointers are checked for changes (a checkpoint reload, ``set_data``) each
-   time a swap region starts outside any other, so reloaded weights stay weights;
+   the pointers are checked for changes (a checkpoint reload, ``set_data``) at the
+   first outermost swap region of each forward pass (after a backward, or when an
+   outermost key comes again), so reloaded weights stay weights. A change inside
+   a pass is seen at the next one; until then it costs copies, never exactness
+   (a weight taken for an activation is copied and loaded back with its values;
+   an activation at a stale weight address is kept on the device);
 2. a view already offloaded in this group shares that handle (one copy per view);
 3. kept on device, with a reason counted in the report: ``input`` (storage of a
    tensor the group, layer or model received as input), ``unmarked`` (group
