@@ -663,6 +663,7 @@ def _assert_satisfies(obj, protocol):
     """``obj`` is an instance of the runtime-checkable ``protocol`` and every method of it can be called as the
     Protocol's callers call it: its positional parameters by position, any extra parameter with a default."""
     import inspect
+
     from mindformers_ac.swap.backends import protocol_members
 
     assert isinstance(obj, protocol), type(obj).__name__
