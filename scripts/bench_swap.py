@@ -2,11 +2,22 @@
 
     PYTHONPATH=. python scripts/bench_swap.py [--shape small|mid] [--dropout 0] [--nn-dropout] [--steps 10]
     PYTHONPATH=. python scripts/bench_swap.py --shape small --profile "layer swap, prefetch=1"
+    PYTHONPATH=. python scripts/bench_swap.py --shape small --against REV   # + the swap rows of git revision REV
+
+``--against REV`` adds the two swap-all rows with the swap engine of another revision of this repository
+(``git archive REV mindformers_ac``, imported under another package name), interleaved with the others in
+the same process: before/after ratios that the load of a shared machine cannot skew.
 
 Swaps layers 0..L-2 (the last layer triggers layer L-2's prefetch). Prints a table: median step time
 (forward + backward + SGD update) in wall and process CPU time, ratios to the baseline, and the per-step
 MiB offloaded, prefetched in time, late, loaded on demand and left resident.
 """
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+
 import mindspore as ms
 from mindspore import nn
 
@@ -17,14 +28,14 @@ from mindformers_ac.swap import install_layer_swap
 from mindformers_ac.tensors import MiB
 
 
-def swap_row(a, name, prefetch, layer_ids=None):
+def swap_row(a, name, prefetch, layer_ids=None, install=install_layer_swap):
     """A fresh model + SGD, with layer swap of ``layer_ids`` (default: all but the last) unless ``prefetch``
-    is None; the row keeps the last report."""
+    is None; the row keeps the last report. ``install``: the ``install_layer_swap`` to use."""
     model = build_gpt(a.gpt, seed=0)
     if a.nn_dropout:
         use_nn_dropout(model)
     layer_ids = range(a.gpt.num_layers - 1) if layer_ids is None else layer_ids
-    inst = None if prefetch is None else install_layer_swap(model.decoder.layers, layer_ids, prefetch=prefetch,
+    inst = None if prefetch is None else install(model.decoder.layers, layer_ids, prefetch=prefetch,
                                                             model=model)
     batch = synthetic_batch(a.batch, a.gpt.seq_length, a.gpt.vocab_size, seed=1)
     grad_fn = ms.value_and_grad(model, None, model.trainable_params())
@@ -41,6 +52,19 @@ def swap_row(a, name, prefetch, layer_ids=None):
     return row
 
 
+def installer_of(rev, workdir):
+    """``install_layer_swap`` of git revision ``rev`` of this repository, extracted into ``workdir`` under the
+    package name ``mac_<rev>`` (the package imports itself only relatively). Raises CalledProcessError for an
+    unknown revision."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = "mac_" + "".join(c if c.isalnum() else "_" for c in rev)
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, "mindformers_ac"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", workdir], input=archive.stdout, check=True)
+    os.rename(os.path.join(workdir, "mindformers_ac"), os.path.join(workdir, name))
+    sys.path.insert(0, workdir)
+    return importlib.import_module(f"{name}.swap").install_layer_swap
+
+
 def mib_columns(row):
     keys = {"offloaded": "offloaded_bytes", "in time": "prefetched_bytes", "late": "late_bytes",
             "on demand": "on_demand_bytes", "resident": "resident_bytes"}
@@ -48,13 +72,21 @@ def mib_columns(row):
 
 
 def main():
-    a = parse_args(__doc__, lambda p: p.add_argument("--prefetch", type=int, default=1))
+    def add_arguments(p):
+        p.add_argument("--prefetch", type=int, default=1)
+        p.add_argument("--against", metavar="REV", help="also run the swap rows with the engine of git revision REV")
+    a = parse_args(__doc__, add_arguments)
     synchronous_pynative()
     ms.set_seed(1)
     rows = [swap_row(a, "baseline", None), swap_row(a, f"layer swap, prefetch={a.prefetch}", a.prefetch),
             swap_row(a, "layer swap, on demand", 0),
             # the other layers have nothing installed: this row costs 1/(L-1) of the swap-all row, or less
             swap_row(a, "layer 0 only, prefetch=1", 1, layer_ids=[0])]
+    if a.against:
+        workdir = tempfile.TemporaryDirectory(prefix="bench_swap_")   # removed when main returns
+        other = installer_of(a.against, workdir.name)
+        rows += [swap_row(a, f"{a.against}: layer swap, prefetch={a.prefetch}", a.prefetch, install=other),
+                 swap_row(a, f"{a.against}: layer swap, on demand", 0, install=other)]
     if a.profile:
         profile(rows, a.profile, a.warmup, a.steps)
         return

@@ -655,3 +655,82 @@ def test_failed_swap_group_closes_groups_opened_inside_and_is_not_prefetched():
     sched.close_group(a)
     sched.close()
     del held
+
+
+# --- contracts: the backend Protocol and the handle's state machine ------------------------------
+
+def _assert_satisfies(obj, protocol):
+    """``obj`` is an instance of the runtime-checkable ``protocol`` and every method of it can be called as the
+    Protocol's callers call it: its positional parameters by position, any extra parameter with a default."""
+    import inspect
+
+    from mindformers_ac.swap.backends import protocol_members
+
+    assert isinstance(obj, protocol), type(obj).__name__
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for name in protocol_members(protocol):
+        assert hasattr(obj, name), f"{type(obj).__name__} lacks {name}"
+        spec = getattr(protocol, name, None)
+        if not callable(spec):
+            continue
+        want = list(inspect.signature(spec).parameters.values())[1:]          # without self
+        assert all(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in want)
+        have = list(inspect.signature(getattr(obj, name)).parameters.values())
+        takes = [p for p in have if p.kind in positional]
+        where = f"{type(obj).__name__}.{name}{inspect.signature(getattr(obj, name))}"
+        assert len(takes) >= len(want) or any(p.kind is p.VAR_POSITIONAL for p in have), where
+        assert all(p.default is not inspect.Parameter.empty for p in takes[len(want):]), where
+        assert all(p.default is not inspect.Parameter.empty for p in have if p.kind is p.KEYWORD_ONLY), where
+
+
+def test_backends_and_the_fake_runtime_satisfy_their_protocols():
+    from mindformers_ac.swap.backends import DeviceOps, DeviceRuntime, PendingLoad, SwapBackend
+
+    rt = _FakeRuntime()
+    host, device = HostCopyBackend(), DeviceCopyBackend(runtime=rt, ops=_FakeOps(rt))
+    for backend in (host, device):
+        _assert_satisfies(backend, SwapBackend)
+    _assert_satisfies(rt, DeviceRuntime)
+    _assert_satisfies(_FakeOps(rt), DeviceOps)
+    t = Tensor(np.arange(256, dtype=np.float32))
+    for backend in (host, device):   # what start_h2d returns is a PendingLoad too
+        buf = backend.alloc_host(1024)
+        _assert_satisfies(backend.start_h2d(backend.start_d2h(t, buf, 1024)), PendingLoad)
+    host.close()
+
+
+def test_a_backend_missing_a_member_is_refused_by_name():
+    from mindformers_ac.swap.backends import SwapBackend
+
+    class Partial:
+        name, loads_alias_host = "partial", False
+
+        def alloc_host(self, nbytes):
+            return bytearray(nbytes)
+
+    with pytest.raises(TypeError, match="lacks .*start_d2h"):
+        SwapExecutor(backend=Partial())
+    assert not isinstance(Partial(), SwapBackend)
+
+
+def test_handle_state_transitions():
+    from mindformers_ac.swap.executor import HandleState
+
+    ex = SwapExecutor()
+    t = Tensor(np.arange(256, dtype=np.float32))
+    h = ex.start_offload(t, key="k")
+    assert h.state is HandleState.COPYING
+    ex.finish_offload(h)
+    assert h.state is HandleState.OFFLOADED and not h.on_device and not h.prefetched
+    assert ex.prefetch(h) and h.state is HandleState.LOADING and h.prefetched
+    assert not ex.prefetch(h)                                   # already loading: no second load
+    loaded = ex.load(h)
+    assert h.state is HandleState.LOADED and ex.load(h) is loaded   # the host backend's buffer stays with it
+    h.drop_loaded()
+    with pytest.raises(RuntimeError, match="loaded in state loaded"):
+        ex.load(h)                                              # unpacked more often than packed
+    with pytest.raises(RuntimeError, match="cannot start an offload in state loaded"):
+        h.start_offload(None, t, None, None)
+    over = SwapExecutor(max_pool_bytes=0).offload(t, key="k")    # the pool refuses it: never leaves the device
+    assert over.state is HandleState.KEPT and over.on_device
+    ex.close()

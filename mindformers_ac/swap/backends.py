@@ -1,17 +1,22 @@
 """Copy backends and the host buffer pool behind the activation swap engine.
 
-Two backends share one small interface, used only by ``SwapExecutor``:
+``SwapBackend`` (a ``typing.Protocol``) is the whole interface ``SwapExecutor``
+uses; both backends satisfy it, and ``tests/test_swap_engine.py`` checks that
+every member exists with the Protocol's signature:
 
+``name``, ``loads_alias_host``   what it is; True: a load returns a tensor that aliases the host buffer
 ``alloc_host(nbytes)``            a host buffer the pool keeps and reuses
-``start_d2h(tensor, buffer)``     start copying a device tensor into the buffer; returns a ticket
+``fence()``                       wait until no queued kernel can still read a buffer a load aliased
+``start_d2h(tensor, buffer, nbytes)``  start copying a device tensor into the buffer; returns a ticket
 ``wait_d2h(ticket)``              after it returns the caller may drop the device tensor
 ``matches(ticket, tensor)``       True/False: does the device tensor still equal its host copy?
                                   None when the backend cannot tell cheaply
-``start_h2d(ticket)``             start the copy back; returns an object with ``result() -> Tensor``
+``start_h2d(ticket)``             start the copy back; returns a ``PendingLoad`` (``done()``, ``result()``)
 ``load_now(ticket)``              copy back synchronously (an on-demand load)
+``reusable(load)``                block until the load no longer reads the host buffer
 ``close()``                       stop worker threads; idempotent
 
-* ``HostCopyBackend`` (CPU build): numpy copies of the tensor's bytes (CPU
+* ``HostCopyBackend`` (CPU build): one ``memmove`` of the tensor's bytes (CPU
   device memory is host memory) into a pool buffer; small ones on the
   caller's thread, large ones on one worker thread. A load is
   ``Tensor.from_numpy`` of that buffer: on CPU host memory is the device's, so
@@ -22,13 +27,15 @@ Two backends share one small interface, used only by ``SwapExecutor``:
   events ordering copies against the compute stream both ways, pinned host
   buffers, non-blocking copies. It has NOT yet run on a device (the CPU build
   has no working streams, events or pinned memory); its scheduling is tested
-  with a fake runtime that records the calls.
+  with a fake runtime (a ``DeviceRuntime`` and ``DeviceOps``) that records the calls.
 
 ``select_backend()`` picks one from ``ms.get_context("device_target")``.
 """
 import ctypes
+import ctypes.util
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ContextManager, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import mindspore as ms
@@ -36,6 +43,79 @@ from mindspore import Tensor
 
 from ..mindspore_compat import pynative_executor
 from ..precision import no_casts
+
+
+def protocol_members(protocol):
+    """Names a class must have to satisfy ``protocol``: its annotated attributes and its public methods."""
+    names = list(getattr(protocol, "__annotations__", {}))
+    names += [n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")]
+    return names
+
+
+@runtime_checkable
+class PendingLoad(Protocol):
+    """A load in flight: ``done()`` without blocking, ``result()`` the device tensor (once)."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> Tensor: ...
+
+
+@runtime_checkable
+class SwapBackend(Protocol):
+    """What ``SwapExecutor`` needs from a copy backend (see the module docstring for each member).
+
+    Arguments are passed by position (the names are free).
+
+    Failure modes a backend must keep: ``start_d2h`` raises ``UnsupportedTensorError`` for a tensor
+    it cannot copy (the executor then keeps it on the device); every method but ``close`` may raise
+    RuntimeError once the backend is closed.
+    """
+
+    name: str
+    loads_alias_host: bool
+
+    def alloc_host(self, nbytes: int, /) -> Any: ...
+
+    def fence(self) -> None: ...
+
+    def start_d2h(self, tensor: Tensor, buffer: Any, nbytes: int, /) -> Any: ...
+
+    def wait_d2h(self, ticket: Any, /) -> None: ...
+
+    def matches(self, ticket: Any, tensor: Tensor, /) -> Optional[bool]: ...
+
+    def start_h2d(self, ticket: Any, /) -> PendingLoad: ...
+
+    def load_now(self, ticket: Any, /) -> Tensor: ...
+
+    def reusable(self, load: PendingLoad, /) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class DeviceRuntime(Protocol):
+    """The stream API ``DeviceCopyBackend`` drives: ``mindspore.runtime``, or a fake that records calls."""
+
+    def Stream(self) -> Any: ...  # noqa: N802  (mirrors mindspore.runtime.Stream)
+
+    def Event(self) -> Any: ...  # noqa: N802
+
+    def StreamCtx(self, stream: Any, /) -> ContextManager: ...  # noqa: N802
+
+    def current_stream(self) -> Any: ...
+
+
+@runtime_checkable
+class DeviceOps(Protocol):
+    """The three tensor primitives ``DeviceCopyBackend`` needs (``MindSporeDeviceOps`` on a device)."""
+
+    def empty_pinned(self, nbytes: int, /) -> Any: ...
+
+    def copy_to_host(self, src: Tensor, host_buffer: Any, nbytes: int, /) -> Any: ...
+
+    def copy_to_device(self, host: Any, /) -> Tensor: ...
 
 
 class UnsupportedTensorError(TypeError):
@@ -145,36 +225,43 @@ class HostBufferPool:
                     "pool_reuses": self.reuses, "pool_refusals": self.refusals}
 
 
+def _libc_memcmp():
+    """libc's ``memcmp`` through ctypes, or None where no C library can be found (numpy compares then)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_int
+    return fn
+
+
 class _HostTicket:
-    """One host copy: ``host`` (the buffer's bytes), the dtype and shape to load it back as, the copy's
-    future (None: copied on the caller's thread), and, until the offload is verified, ``src``: the
-    device bytes it was copied from (an alias, valid only while the device tensor is held) at ``ptr``."""
+    """One host copy, and its own load (a ``PendingLoad`` that is done when issued).
 
-    __slots__ = ("host", "dtype", "shape", "future", "src", "ptr")
+    ``host``: the pool buffer (uint8, exactly the tensor's bytes); ``addr`` its address; ``dtype`` and
+    ``shape`` to load it back as; ``future``: the worker's copy (None: copied on the caller's thread);
+    ``raw``: the bytes were read through the tensor's address (contiguous, dtype seen before), so a
+    check can compare memory directly while the caller holds the tensor.
+    """
 
-    def __init__(self, host, dtype, shape, future, src, ptr):
-        self.host, self.dtype, self.shape = host, dtype, shape
-        self.future, self.src, self.ptr = future, src, ptr
+    __slots__ = ("host", "addr", "dtype", "shape", "future", "raw")
+
+    def __init__(self, host, addr, dtype, shape, future, raw):
+        self.host, self.addr, self.dtype, self.shape = host, addr, dtype, shape
+        self.future, self.raw = future, raw
 
     def typed(self):
         """The host copy as an array of the tensor's dtype and shape (a view of the buffer)."""
         return self.host.view(self.dtype).reshape(self.shape)
-
-
-class _DoneLoad:
-    """A load that finished when it was issued (the part of a future ``SwapExecutor`` reads)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
 
     @staticmethod
     def done():
         return True
 
     def result(self):
-        return self.tensor
+        # Tensor.from_numpy (a microsecond, no copy): on CPU the host buffer is device memory.
+        return Tensor.from_numpy(self.host.view(self.dtype).reshape(self.shape))
 
 
 def _same_bytes(a, b):
@@ -193,18 +280,20 @@ _WORDS = ((np.uint64, 8), (np.uint32, 4), (np.uint16, 2))
 
 
 class HostCopyBackend:
-    """CPU backend: numpy copies, on the caller's thread or one worker thread (no streams on CPU).
+    """CPU backend: ``memmove`` of the tensor's bytes, on the caller's thread or one worker thread.
 
-    Offload: the tensor's bytes are read in place (CPU device memory is host
-    memory) and copied into a pool buffer. A contiguous tensor of a dtype seen
-    before is read through its ``data_ptr`` as raw bytes; otherwise, and the
-    first time a dtype comes, through ``Tensor.asnumpy()`` (~8 us: numpy parses
+    Offload: a contiguous tensor of a dtype seen before is read in place
+    through its ``data_ptr`` (CPU device memory is host memory; ``data_ptr``
+    waits for the op that writes it) with one ``ctypes.memmove`` into the pool
+    buffer, and checked later with one ``memcmp``: per saved tensor the copy
+    and the check are one C call each, because at a dispatch-bound shape the
+    Python around each tensor is the cost. The first tensor of a dtype, and
+    non-contiguous ones, go through ``Tensor.asnumpy()`` (~8 us: numpy parses
     a PEP 3118 format string each call). Copies under ``sync_bytes`` run on the
-    caller's thread (a few KiB copy in about a microsecond; a worker round trip
-    costs tens); larger ones on the worker, overlapping compute. Load:
-    ``Tensor.from_numpy`` of the host buffer (no copy), on the caller's thread.
-    Only MindSpore's own thread calls MindSpore: the worker only runs
-    ``np.copyto``.
+    caller's thread (a worker round trip costs tens of microseconds); larger
+    ones on the worker, overlapping compute (``memmove`` releases the GIL).
+    Load: ``Tensor.from_numpy`` of the host buffer (no copy), on the caller's
+    thread. Only MindSpore's own thread calls MindSpore.
     """
 
     name = "host"
@@ -219,7 +308,7 @@ class HostCopyBackend:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mac-swap")
         self._closed = False
         self._np_dtypes = {}      # MindSpore dtype -> numpy dtype, learnt from asnumpy()
-        self._raw_types = {}      # nbytes -> ctypes array type
+        self._memcmp = _libc_memcmp()
 
     @staticmethod
     def fence():
@@ -231,7 +320,9 @@ class HostCopyBackend:
 
     @staticmethod
     def alloc_host(nbytes):
-        return np.empty(nbytes, dtype=np.uint8)
+        """(uint8 array of ``nbytes``, its address): the address is taken once per buffer, not per copy."""
+        buf = np.empty(nbytes, dtype=np.uint8)
+        return buf, buf.ctypes.data
 
     @staticmethod
     def host_view(tensor):
@@ -241,38 +332,28 @@ class HostCopyBackend:
         except (TypeError, RuntimeError, ValueError) as err:
             raise UnsupportedTensorError(f"cannot view dtype {tensor.dtype} as numpy: {err}") from err
 
-    def _device_bytes(self, tensor):
-        """(the bytes of ``tensor`` as a uint8 array, its numpy dtype, the tensor's address if the
-        array aliases its memory, else None). A contiguous tensor of a known dtype is read through its address
-        (``data_ptr`` waits for the op that writes it): valid only while the caller holds it."""
-        np_dtype = self._np_dtypes.get(tensor.dtype)
-        if np_dtype is not None and tensor.is_contiguous():
-            nbytes = tensor.nbytes
-            raw = self._raw_types.get(nbytes)
-            if raw is None:
-                raw = self._raw_types[nbytes] = ctypes.c_uint8 * nbytes
-            ptr = tensor.data_ptr()
-            return np.frombuffer(raw.from_address(ptr), np.uint8), np_dtype, ptr
-        view = self.host_view(tensor)
-        self._np_dtypes[tensor.dtype] = view.dtype
-        return view.reshape(-1).view(np.uint8), view.dtype, tensor.data_ptr() if tensor.is_contiguous() else None
-
     def _check_open(self):
         if self._closed:
             raise RuntimeError("swap backend is closed; create a new SwapExecutor (or SwapManager().reset())")
 
-    def start_d2h(self, tensor, buffer):
+    def start_d2h(self, tensor, buffer, nbytes):
         if self._closed:
             self._check_open()
-        src, np_dtype, ptr = self._device_bytes(tensor)
-        dst = buffer[:src.nbytes]
-        if src.nbytes < self.sync_bytes:
-            np.copyto(dst, src)
-            future = None
-        else:
-            future = self._worker.submit(np.copyto, dst, src)
-        # The alias is kept for the check at the end of forward (the tensor is held until then).
-        return _HostTicket(dst, np_dtype, tuple(tensor.shape), future, None if ptr is None else src, ptr)
+        host, addr = buffer
+        np_dtype = self._np_dtypes.get(tensor.dtype)
+        if np_dtype is not None and tensor.is_contiguous():
+            # Read through the address: valid while the caller holds the tensor (until wait_d2h and the check).
+            src = tensor.data_ptr()
+            if nbytes < self.sync_bytes:
+                ctypes.memmove(addr, src, nbytes)
+                future = None
+            else:
+                future = self._worker.submit(ctypes.memmove, addr, src, nbytes)
+            return _HostTicket(host, addr, np_dtype, tensor.shape, future, True)
+        view = self.host_view(tensor)
+        self._np_dtypes[tensor.dtype] = view.dtype
+        np.copyto(host, view.reshape(-1).view(np.uint8))
+        return _HostTicket(host, addr, view.dtype, tensor.shape, None, False)
 
     @staticmethod
     def wait_d2h(ticket):
@@ -280,30 +361,23 @@ class HostCopyBackend:
             ticket.future.result()
             ticket.future = None
 
-    @staticmethod
-    def drop_source(ticket):
-        """The offload is verified and the device tensor may go: forget the alias of its memory."""
-        ticket.src = None
-
     def matches(self, ticket, tensor):
-        # The alias taken at offload still shows the tensor's memory while its address is unchanged;
-        # otherwise (an op gave it new storage, or the check comes at load) read it afresh.
-        src = ticket.src
-        if src is None or tensor.data_ptr() != ticket.ptr:
-            try:
-                src = self._device_bytes(tensor)[0]
-            except UnsupportedTensorError:
-                return None
-        return _same_bytes(ticket.host, src)
+        if self._memcmp is not None and ticket.raw and tensor.is_contiguous():
+            return self._memcmp(ticket.addr, tensor.data_ptr(), ticket.host.nbytes) == 0
+        try:   # an op gave the tensor another layout, or no memcmp: compare as arrays
+            current = self.host_view(tensor)
+        except UnsupportedTensorError:
+            return None
+        return _same_bytes(ticket.host, current)
 
     def start_h2d(self, ticket):
-        # Tensor.from_numpy (a microsecond, no copy): handing it to the worker would only cost time.
+        # Nothing to start: the ticket loads itself with Tensor.from_numpy when the tensor is asked for.
         self._check_open()
-        return _DoneLoad(Tensor.from_numpy(ticket.typed()))
+        return ticket
 
     @staticmethod
     def load_now(ticket):
-        return Tensor.from_numpy(ticket.typed())
+        return ticket.result()
 
     @staticmethod
     def reusable(load):
@@ -387,6 +461,7 @@ class DeviceCopyBackend:
     """
 
     name = "device"
+    loads_alias_host = False   # a load is a device copy: the pinned buffer is free once it has been read
 
     def __init__(self, runtime=None, ops=None, device_target=None):
         if runtime is None:
@@ -399,12 +474,16 @@ class DeviceCopyBackend:
     def alloc_host(self, nbytes):
         return self._ops.empty_pinned(nbytes)
 
-    def start_d2h(self, tensor, buffer):
+    @staticmethod
+    def fence():
+        """Nothing to wait for: no load aliases a pinned buffer (``reusable`` orders each H2D read)."""
+
+    def start_d2h(self, tensor, buffer, nbytes):
         produced = self._rt.Event()
         produced.record(self._rt.current_stream())
         self.d2h_stream.wait_event(produced)
         with self._rt.StreamCtx(self.d2h_stream):
-            host = self._ops.copy_to_host(tensor, buffer, int(tensor.nbytes))
+            host = self._ops.copy_to_host(tensor, buffer, nbytes)
             done = self._rt.Event()
             done.record(self.d2h_stream)
         # The ticket keeps the device tensor until wait_d2h has ordered its reuse after the copy.

@@ -6,14 +6,18 @@
     tensor = executor.load(handle)        # a device tensor with the same values
 
 The scheduler (``scheduler.py``) uses the split form (``start_offload`` in pack,
-``finish_offload`` at the end of the layer's forward, ``prefetch`` when the
-trigger layer's backward starts, ``load`` in unpack) so copies overlap compute.
+``finish_offloads`` of the group's handles at the end of the layer's forward,
+``prefetch`` when the trigger layer's backward starts, ``load`` in unpack) so
+copies overlap compute. Each ``SwapHandle`` owns its state (``HandleState``)
+and the transitions between states; the executor decides when they happen and
+talks to the backend only through the ``SwapBackend`` Protocol.
 """
 import collections
+import enum
 import logging
 import weakref
 
-from .backends import HostBufferPool, UnsupportedTensorError, select_backend
+from .backends import HostBufferPool, SwapBackend, UnsupportedTensorError, protocol_members, select_backend
 
 logger = logging.getLogger("mindformers_ac.swap")
 
@@ -118,31 +122,131 @@ class SwapReport:
         return snap
 
 
+class HandleState(enum.Enum):
+    """Where one ``SwapHandle``'s data is. Transitions (anything else raises RuntimeError)::
+
+        KEPT                                   never offloaded: the handle holds the device tensor
+        COPYING -> OFFLOADED -> LOADING -> LOADED -> RELEASED (host buffer given back)
+                   OFFLOADED ------------> LOADED    (an on-demand load)
+
+    A backend whose loads alias the host buffer gives it back when the handle
+    dies (``loads_alias_host``), so such a handle stays LOADED until then.
+    """
+
+    KEPT = "kept"
+    COPYING = "copying"
+    OFFLOADED = "offloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    RELEASED = "released"
+
+
 class SwapHandle:
     """One offloaded tensor. Returned by ``SwapExecutor.offload``; pass it to ``load``.
 
-    Holds the host copy (a pool buffer, given back after the load or, when the
-    backend's loads alias it, when the handle dies), the device tensor until ``finish_offload``, and a weak
-    reference to it for the late in-place check at load time.
+    It owns its state (``state``, a ``HandleState``) and the transitions; the
+    executor decides when they happen. It holds the host copy (a pool buffer,
+    given back after the load or, when the backend's loads alias it, when the
+    handle dies), the device tensor until ``finish_offload``, a weak reference
+    to it for the late in-place check at load time, and the loaded tensor
+    until ``drop_loaded``.
     """
 
-    __slots__ = ("key", "tag", "nbytes", "owner", "refs", "_ticket", "_buf", "_give_back", "_device", "_probe",
-                 "_load", "_loaded", "__weakref__")
+    __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
+                 "_probe", "_load", "_loaded", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
         self.owner = None          # the scheduler group, if any
         self.refs = 1              # packs sharing this handle (dedup); the cached load is dropped at 0
+        self.state = HandleState.KEPT
         self._ticket = self._buf = self._give_back = self._device = self._probe = None
         self._load = self._loaded = None
 
+    @classmethod
+    def kept(cls, key, tag, tensor):
+        """A handle that never left the device (``load`` returns ``tensor``)."""
+        h = cls(key, tag, int(tensor.nbytes))
+        h._loaded = tensor
+        return h
+
     @property
     def on_device(self):
-        return self._ticket is None
+        return self.state is HandleState.KEPT
 
     @property
     def prefetched(self):
-        return self._load is not None or self._loaded is not None
+        return self.state is HandleState.LOADING or self.state is HandleState.LOADED
+
+    @property
+    def ticket(self):
+        """The backend's ticket of the host copy (None while KEPT)."""
+        return self._ticket
+
+    @property
+    def loaded(self):
+        """The tensor ``load`` returned (or the kept one); None before the load and after ``drop_loaded``."""
+        return self._loaded
+
+    def _refuse(self, state, action):
+        raise RuntimeError(f"swap handle of {self.key!r} cannot {action} in state {self.state.value} "
+                           f"(expected {state.value}); this is a bug in the caller of SwapExecutor")
+
+    def start_offload(self, ticket, tensor, buf, give_back):
+        """KEPT -> COPYING: the copy of ``tensor`` into ``buf`` started; ``give_back(buf, nbytes)`` frees it."""
+        if self.state is not HandleState.KEPT:   # checked inline: one call less per saved tensor
+            self._refuse(HandleState.KEPT, "start an offload")
+        self._ticket, self._device, self._buf, self._give_back = ticket, tensor, buf, give_back
+        self.state = HandleState.COPYING
+
+    def finish_offload(self):
+        """COPYING -> OFFLOADED: drop and return the device tensor (the caller checks it, then may ``watch``)."""
+        if self.state is not HandleState.COPYING:   # checked inline: one call less per saved tensor
+            self._refuse(HandleState.COPYING, "finish an offload")
+        tensor, self._device = self._device, None
+        self.state = HandleState.OFFLOADED
+        return tensor
+
+    def watch(self, tensor):
+        """Keep a weak reference to the offloaded device tensor, for ``probe`` at load time."""
+        try:
+            self._probe = weakref.ref(tensor)
+        except TypeError:  # tensor kinds without weakref support: only the forward-time check applies
+            pass
+
+    def start_load(self, load):
+        """OFFLOADED -> LOADING: ``load`` (a ``PendingLoad``) is in flight."""
+        if self.state is not HandleState.OFFLOADED:   # checked inline: one call less per saved tensor
+            self._refuse(HandleState.OFFLOADED, "start a load")
+        self._load = load
+        self.state = HandleState.LOADING
+
+    def take_load(self):
+        """The pending load (LOADING, it is taken) or None (OFFLOADED: load on demand)."""
+        if self.state is HandleState.LOADING:
+            load, self._load = self._load, None
+            return load
+        if self.state is not HandleState.OFFLOADED:
+            raise RuntimeError(f"swap handle of {self.key!r} loaded in state {self.state.value}, after its host "
+                               "copy was released (unpacked more often than packed?); this is a bug in the caller "
+                               "of SwapExecutor.load")
+        return None
+
+    def finish_load(self, tensor, release):
+        """-> LOADED: cache ``tensor``; ``release``: give the host buffer back now (RELEASED, data in ``tensor``)."""
+        self._loaded = tensor
+        self.state = HandleState.LOADED
+        if release:
+            self._release()
+            self.state = HandleState.RELEASED
+
+    def probe(self):
+        """The device tensor saved at offload, if something else still holds it (for the late in-place check)."""
+        return self._probe() if self._probe is not None else None
+
+    def drop_loaded(self):
+        """Forget the loaded tensor (autograd holds it now); a later ``load`` raises instead of returning it."""
+        self._loaded = None
 
     def _release(self):
         # Once: after the load, or when the handle dies (always, when loads alias the buffer).
@@ -160,7 +264,7 @@ class SwapExecutor:
     """Offloads tensors to host buffers and loads them back through a copy backend.
 
     Args:
-        backend: a copy backend (default: ``select_backend()`` from the device target).
+        backend: a ``SwapBackend`` (default: ``select_backend()`` from the device target).
         max_pool_bytes: bound of the host buffer pool (None: unbounded). A tensor that
             does not fit stays on the device and is counted as ``over_budget``.
         verify: compare the device tensor with its host copy when the offload finishes
@@ -173,14 +277,16 @@ class SwapExecutor:
 
     def __init__(self, backend=None, max_pool_bytes=None, verify=True, report=None):
         self.backend = backend if backend is not None else select_backend()
-        self._aliased = getattr(self.backend, "loads_alias_host", False)
-        self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes,
-                                   fence=getattr(self.backend, "fence", None))
+        if not isinstance(self.backend, SwapBackend):
+            missing = [m for m in protocol_members(SwapBackend) if not hasattr(self.backend, m)]
+            raise TypeError(f"swap backend {type(self.backend).__name__} lacks {', '.join(missing)} "
+                            "(see mindformers_ac.swap.backends.SwapBackend)")
+        self._aliased = self.backend.loads_alias_host
+        self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes, fence=self.backend.fence)
         self.verify = verify
         self.report = report if report is not None else SwapReport()
         self.report.pool_stats = self.pool.stats
         self._give_back = self.pool.release_later if self._aliased else self.pool.release
-        self._drop_source = getattr(self.backend, "drop_source", None)
         self._closer = weakref.finalize(self, self.backend.close)
 
     # --- offload -------------------------------------------------------------------------
@@ -192,33 +298,42 @@ class SwapExecutor:
         if buf is None:
             return None
         try:
-            ticket = self.backend.start_d2h(tensor, buf)
+            ticket = self.backend.start_d2h(tensor, buf, nbytes)
         except UnsupportedTensorError as err:
             self.pool.release(buf, nbytes)
             logger.debug("keeping tensor on device: %s", err)
             return None
         h = SwapHandle(key, tag, nbytes)
-        h._ticket, h._device, h._buf, h._give_back = ticket, tensor, buf, self._give_back
+        h.start_offload(ticket, tensor, buf, self._give_back)
         return h
 
     def finish_offload(self, handle):
-        """Wait for the copy, check the tensor was not modified meanwhile, drop the device reference."""
-        tensor, handle._device = handle._device, None
-        if handle.on_device or tensor is None:
+        """Wait for the copy, check the tensor was not modified meanwhile, drop the device reference.
+
+        Raises RuntimeError if it was modified in place since ``start_offload`` (the handle is
+        finished all the same: it loads the host copy, taken when the tensor was saved)."""
+        if handle.state is not HandleState.COPYING:
             return
-        self.backend.wait_d2h(handle._ticket)
+        self.backend.wait_d2h(handle.ticket)
+        tensor = handle.finish_offload()
         if self.verify:
             self._check_unchanged(handle, tensor, "before its layer's forward ended")
-        if self._drop_source is not None:
-            self._drop_source(handle._ticket)
-        if self.verify:
+            handle.watch(tensor)
+
+    def finish_offloads(self, handles):
+        """``finish_offload`` of each handle (a group's, at its close): every handle is finished even if
+        one fails the in-place check, and the first such RuntimeError is raised at the end."""
+        error = None
+        for h in handles:
             try:
-                handle._probe = weakref.ref(tensor)
-            except TypeError:  # tensor kinds without weakref support: only the forward-time check applies
-                pass
+                self.finish_offload(h)
+            except RuntimeError as err:
+                error = error or err
+        if error is not None:
+            raise error
 
     def _check_unchanged(self, handle, tensor, when):
-        if self.backend.matches(handle._ticket, tensor) is False:
+        if self.backend.matches(handle.ticket, tensor) is False:
             raise RuntimeError(
                 f"a tensor saved for backward (shape {tuple(tensor.shape)}, dtype {tensor.dtype}, "
                 f"swap group {handle.key!r}, tag {handle.tag!r}) was modified in place {when}, after it "
@@ -231,8 +346,7 @@ class SwapExecutor:
         If the pool is full the handle keeps the tensor on the device (counted as over budget)."""
         h = self.start_offload(tensor, key, tag)
         if h is None:
-            h = SwapHandle(key, tag, int(tensor.nbytes))
-            h._loaded = tensor
+            h = SwapHandle.kept(key, tag, tensor)
             self.report.layers[key].over_budget_bytes += h.nbytes
             return h
         self.finish_offload(h)
@@ -243,42 +357,45 @@ class SwapExecutor:
     # --- load ----------------------------------------------------------------------------
     def prefetch(self, handle):
         """Start loading ``handle`` on the copy worker/stream; no-op if already loading or loaded."""
-        if handle.on_device or handle.prefetched:
+        if handle.state is not HandleState.OFFLOADED:
             return False
-        handle._load = self.backend.start_h2d(handle._ticket)
+        handle.start_load(self.backend.start_h2d(handle.ticket))
         return True
 
     def load(self, handle):
-        """The device tensor for ``handle``: waits for its own prefetch only, or loads on demand."""
-        if handle._loaded is not None:
-            return handle._loaded
-        if handle._buf is None:
-            raise RuntimeError("swap handle loaded after its host copy was released (unpacked more often "
-                               "than packed?); this is a bug in the caller of SwapExecutor.load")
+        """The device tensor for ``handle``: waits for its own prefetch only, or loads on demand.
+
+        Raises RuntimeError if the handle's host copy was already released (loaded more often than
+        offloaded), or if the tensor, still alive, was modified in place since its offload."""
+        tensor = handle.loaded
+        if tensor is not None:
+            return tensor
+        pending = handle.take_load()
         stats = self.report.layers[handle.key]
-        if handle._load is not None:
-            how = "in_time" if handle._load.done() else "late"
-            tensor = handle._load.result()
-            self.backend.reusable(handle._load)
-            handle._load = None
-            if how == "in_time":
+        if pending is not None:
+            in_time = pending.done()
+            tensor = pending.result()
+            self.backend.reusable(pending)
+            if in_time:
+                how = "in_time"
                 stats.prefetched_bytes += handle.nbytes
             else:
+                how = "late"
                 stats.late_bytes += handle.nbytes
         else:
             how = "on_demand"
-            tensor = self.backend.load_now(handle._ticket)
+            tensor = self.backend.load_now(handle.ticket)
             stats.on_demand_bytes += handle.nbytes
             stats.num_on_demand += 1
         self.report.events.append(("load", handle.key, how))
-        probe = handle._probe() if handle._probe is not None else None
+        probe = handle.probe()
         if probe is not None:
             self._check_unchanged(handle, probe, "after its layer's forward")
-        if not self._aliased:
-            handle._release()      # the data is in `tensor` now: the host buffer can serve the next offload
-        handle._loaded = tensor
+        # Not aliased: the data is in `tensor` now, so the host buffer can serve the next offload.
+        handle.finish_load(tensor, release=not self._aliased)
         return tensor
 
     def close(self):
         """Stop the copy worker. Handles not yet loaded can still be loaded on demand."""
         self._closer()
+

@@ -8,8 +8,12 @@ of its most recent call.
 
 Per saved tensor, in order:
 1. weights (``data_ptr`` or storage equal to a known parameter) are returned as is;
-   the pointers are checked for changes (a checkpoint reload, ``set_data``) each
-   time a swap region starts outside any other, so reloaded weights stay weights;
+   the pointers are checked for changes (a checkpoint reload, ``set_data``) at the
+   first outermost swap region of each forward pass (after a backward, or when an
+   outermost key comes again), so reloaded weights stay weights. A change inside
+   a pass is seen at the next one; until then it costs copies, never exactness
+   (a weight taken for an activation is copied and loaded back with its values;
+   an activation at a stale weight address is kept on the device);
 2. a view already offloaded in this group shares that handle (one copy per view);
 3. kept on device, with a reason counted in the report: ``input`` (storage of a
    tensor the group, layer or model received as input), ``unmarked`` (group
@@ -25,7 +29,7 @@ import weakref
 import mindspore as ms
 
 from ..recompute.policy import CheckpointPolicy
-from ..tensors import WeightPointers, storage_nbytes, storage_ptr
+from ..tensors import WeightPointers, storage_info, storage_ptr
 from .executor import SwapExecutor, SwapHandle
 
 
@@ -47,7 +51,7 @@ class _Kept:
 
 class _Group:
     __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "kept", "pending",
-                 "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats")
+                 "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats", "pending_bytes", "plain")
 
     def __init__(self, key, gen, mode, policy_fn, check_fn, exclude, on_first_unpack):
         self.key, self.gen, self.mode = key, gen, mode
@@ -56,6 +60,9 @@ class _Group:
         self.seen = {}          # view key -> SwapHandle (live only while the group is open)
         self.kept = set()       # storage ptrs counted as resident in this group
         self.pending = []       # handles whose offload is not finished
+        self.pending_bytes = 0  # their bytes, held on the device until the group closes
+        # No rule but the size threshold: the pack hook decides without calling _keep_reason.
+        self.plain = mode == "all" and policy_fn is None
         self.handles = []       # weakrefs to every handle of this group, for prefetch
         self.marked = {}        # storage ptr -> (tensor, tag) from swap_tensor_wrapper
         self.hooks = None
@@ -89,6 +96,8 @@ class SwapScheduler:
         self._gen = {}
         self._prefetchable = set()
         self._waiting = {}              # key -> closed groups awaiting prefetch
+        # Outermost keys opened since the weights were last checked; None: check at the next outermost group.
+        self._opened_since_check = None
 
     def add_params(self, params):
         """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
@@ -112,6 +121,17 @@ class SwapScheduler:
         if waiting:  # groups never prefetched (e.g. forward without backward) whose handles are all gone
             waiting[:] = [g for g in waiting if any(r() is not None for r in g.handles)]
 
+    def _check_weights(self, key):
+        # Weights change between passes (an optimizer's set_data, a checkpoint reload), never inside one:
+        # check them at the first outermost group of each forward pass, not at every layer's (one
+        # data_ptr per parameter each time). A pass ends at a backward (the first unpack) or when an
+        # outermost key comes again (a forward without backward).
+        seen = self._opened_since_check
+        if seen is None or key in seen:
+            self.weights.refresh()
+            self._opened_since_check = seen = set()
+        seen.add(key)
+
     # --- groups ------------------------------------------------------------------------
     def open_group(self, key, mode="all", exclude=(), policy_fn=None, check_fn=None, on_first_unpack=None):
         """Start a region whose saved tensors follow ``mode``: 'all' (every candidate, filtered by
@@ -119,7 +139,7 @@ class SwapScheduler:
         (only ``swap_tensor_wrapper`` tensors; inside another group it follows that group's rule)."""
         parent = self.current_group()
         if parent is None:
-            self.weights.refresh()
+            self._check_weights(key)
         excl = set(exclude) | self.extra_exclude
         if parent is not None:
             excl |= parent.exclude
@@ -159,12 +179,12 @@ class SwapScheduler:
         g = self._stack.pop()
         g.hooks.__exit__(None, None, None)
         error = None
-        for h in g.pending:
-            try:
-                self.executor.finish_offload(h)
-            except RuntimeError as err:
-                error = error or err
-            self.report.release(h.nbytes)
+        try:
+            self.executor.finish_offloads(g.pending)
+        except RuntimeError as err:
+            error = err
+        self.report.release(g.pending_bytes)
+        g.pending_bytes = 0
         g.pending.clear()
         g.seen.clear()
         g.marked.clear()
@@ -213,40 +233,50 @@ class SwapScheduler:
         return "small" if t.nbytes < self.min_bytes else None
 
     def _pack(self, t):
-        g = self.current_group()
-        ptr = t.data_ptr()
-        if g is None or ptr in self.param_ptrs:
+        # Runs once per tensor saved for backward: at a dispatch-bound shape its Python is the cost of
+        # swap, so the common case (no user rule) is decided inline.
+        stack = self._stack
+        if not stack:
             return t
-        sptr = storage_ptr(t)
-        if sptr in self.param_ptrs:
+        g = stack[-1]
+        ptr = t.data_ptr()
+        params = self.param_ptrs
+        if ptr in params:
+            return t
+        sptr, snbytes = storage_info(t)
+        if sptr in params:
             return t
         stats = g.stats
         if stats is None:
             stats = g.stats = self.report.layers[g.key]
-        view = (ptr, tuple(t.shape), t.dtype)
+        view = (ptr, t.shape, t.dtype)
         prev = g.seen.get(view)
         if prev is not None:
             prev.refs += 1
             stats.dedup_hits += 1
             return prev
-        reason = self._keep_reason(g, t, sptr)
+        if g.plain:
+            reason = "input" if sptr in g.exclude else ("small" if t.nbytes < self.min_bytes else None)
+        else:
+            reason = self._keep_reason(g, t, sptr)
         if reason is None:
-            tag = g.marked.get(sptr, (None, None))[1]
-            h = self.executor.start_offload(t, g.key, tag)
+            marked = g.marked.get(sptr) if g.marked else None
+            h = self.executor.start_offload(t, g.key, marked[1] if marked is not None else None)
             if h is not None:
                 h.owner = g
                 g.seen[view] = h
                 g.pending.append(h)
                 g.handles.append(weakref.ref(h))
-                stats.offloaded_bytes += h.nbytes
+                nbytes = h.nbytes
+                g.pending_bytes += nbytes
+                stats.offloaded_bytes += nbytes
                 stats.num_offloaded += 1
-                self.report.hold(h.nbytes)
+                self.report.hold(nbytes)
                 return h
             reason = "over_budget"
-        return self._keep(g, t, sptr, reason, stats)
+        return self._keep(g, t, sptr, snbytes, reason, stats)
 
-    def _keep(self, g, t, sptr, reason, stats):
-        nbytes = storage_nbytes(t)
+    def _keep(self, g, t, sptr, nbytes, reason, stats):
         if sptr not in g.kept:
             g.kept.add(sptr)
             stats.resident_bytes += nbytes
@@ -258,22 +288,25 @@ class SwapScheduler:
         return _Kept(t, g, self.report, sptr)
 
     def _unpack(self, packed):
-        if isinstance(packed, _Kept):
-            self._first_unpack(packed.group)
-            return packed.tensor
         if isinstance(packed, SwapHandle):
-            self._first_unpack(packed.owner)
+            g = packed.owner
+            if g is not None and not g.unpacked:
+                self._first_unpack(g)
             tensor = self.executor.load(packed)
             packed.refs -= 1
             if packed.refs <= 0:
-                packed._loaded = None   # pylint: disable=protected-access  # autograd holds it now
+                packed.drop_loaded()   # autograd holds it now
             return tensor
+        if isinstance(packed, _Kept):
+            if not packed.group.unpacked:
+                self._first_unpack(packed.group)
+            return packed.tensor
         return packed
 
-    @staticmethod
-    def _first_unpack(g):
-        if g is not None and g.on_first_unpack is not None and not g.unpacked:
-            g.unpacked = True
+    def _first_unpack(self, g):
+        g.unpacked = True
+        self._opened_since_check = None   # a backward: the optimizer may change the weights next
+        if g.on_first_unpack is not None:
             g.on_first_unpack()
 
     def close(self):
