@@ -10,13 +10,13 @@ from .mindspore_compat import require_mindspore
 
 require_mindspore()   # before any engine import: a clear error instead of a missing attribute later
 
+from . import swap  # the swap engine; callable as swap(fn, *args) (HyperParallel's API)
 from .accounting import StepMemory, measure_step
 from .apply import ac_state, apply_ac, remove_ac
 from .config import AcConfig, RecomputeCommConfig, RecomputeConfig, SwapConfig
 from .errors import ConfigError, RecomputeError
 from .layer_specs import parse_layer_specs
 from .plan import AcPlan, LayerPlan, plan_ac
-from . import swap   # the swap engine; callable as swap(fn, *args) (HyperParallel's API)
 from .recompute import CheckpointPolicy, RecomputeStats, checkpoint, checkpoint_wrapper, is_in_recompute, unwrap
 from .swap import SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper, swap_tensor_wrapper, swap_wrapper
 from .whitelist import get_single_layer_whitelist

@@ -20,7 +20,6 @@ step and returns a ``StepMemory`` with the per-layer figures.
 import contextlib
 from dataclasses import dataclass, field
 
-
 from .apply import ac_state
 from .layers import find_layer_stack
 from .meter import SavedTensorMeter

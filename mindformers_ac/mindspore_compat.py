@@ -36,8 +36,8 @@ MIN_MINDSPORE = "2.9.0"
 def require_mindspore():
     """Raise ImportError naming ``MIN_MINDSPORE`` when the installed MindSpore lacks what the engines use."""
     try:
-        from mindspore.utils import MsDispatchMode  # noqa: F401
         from mindspore.graph.api import _pynative_executor
+        from mindspore.utils import MsDispatchMode  # noqa: F401
         _pynative_executor.new_empty_graph   # noqa: B018  (the attribute is the check)
     except (ImportError, AttributeError) as exc:
         raise ImportError(f"mindformers-ac needs MindSpore >= {MIN_MINDSPORE}, found {mindspore.__version__} "

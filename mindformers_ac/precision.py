@@ -11,7 +11,8 @@ even writes into a cast copy and leaves its target unchanged).
 """
 import contextlib
 
-from .mindspore_compat import MixedPrecisionType, pynative_executor as _executor
+from .mindspore_compat import MixedPrecisionType
+from .mindspore_compat import pynative_executor as _executor
 
 
 def cell_precision(cell):

@@ -19,8 +19,8 @@ import re
 import types
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout

@@ -8,13 +8,14 @@ config), each on a fresh model, stepped interleaved (``bench_common``). Kept byt
 accounting (``accounting.StepMeter``, as ``mindformers-ac train`` reports them): the whole step, and
 layer 0 (a MoE layer) alone.
 """
-import mindspore as ms
+
+from mindformers_ac.harness.models import synthetic_batch
+from mindformers_ac.harness.moe import add_moe_arguments, build_moe_gpt, moe_config, moe_from_args
+from mindformers_ac.mindspore_compat import synchronous_pynative
+from mindformers_ac.tensors import MiB
+from mindformers_ac.training import TrainingRun
 
 from bench_common import Row, parse_args, print_table, profile, run_interleaved
-from mindformers_ac.harness.moe import add_moe_arguments, build_moe_gpt, moe_config, moe_from_args
-from mindformers_ac.training import TrainingRun
-from mindformers_ac.harness.models import synthetic_batch
-from mindformers_ac.tensors import MiB
 
 
 def modes(num_layers):
@@ -58,7 +59,7 @@ def case(name, config, moe, batch):
 def main():
     a = parse_args(__doc__, add_moe_arguments)
     a.moe = True
-    ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)
+    synchronous_pynative()
     moe = moe_config(a.gpt, **moe_from_args(a, a.gpt))
     batch = synthetic_batch(a.batch, a.gpt.seq_length, a.gpt.vocab_size, seed=0)
     rows = [case(name, config, moe, batch) for name, config in modes(moe.num_layers).items()]

@@ -16,12 +16,13 @@ regions, so for engine rows the meter is run too and the bytes outside the regio
 """
 import mindspore as ms
 
-from bench_common import Row, parse_args, print_table, profile, run_interleaved
 from mindformers_ac import recompute as rc
-from bench_families import FAMILIES, build
 from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.tensors import MiB
+
+from bench_common import Row, parse_args, print_table, profile, run_interleaved
+from bench_families import FAMILIES, build
 
 
 def case(a, name, setup, ref=None, extra_forward=False):

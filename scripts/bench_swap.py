@@ -21,11 +21,12 @@ import tempfile
 import mindspore as ms
 from mindspore import nn
 
-from bench_common import Row, parse_args, print_table, profile, run_interleaved
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.swap import install_layer_swap
 from mindformers_ac.tensors import MiB
+
+from bench_common import Row, parse_args, print_table, profile, run_interleaved
 
 
 def swap_row(a, name, prefetch, layer_ids=None, install=install_layer_swap):

@@ -83,6 +83,7 @@ def equivalence(args, spec, rank, world):
     """EP run against the single-process model on the same per-rank batches (see the module docstring)."""
     import mindspore as ms
     from mindspore import nn, ops
+
     from mindformers_ac.harness.moe import build_moe_gpt, expert_owner, moe_config, sync_expert_parallel_grads
     config = moe_config(spec.gpt, **spec.moe)
     full = build_moe_gpt(config, spec.seed)
@@ -122,9 +123,9 @@ def equivalence(args, spec, rank, world):
 
 def main(argv=None):
     args = parse_args(argv)
-    import mindspore as ms
-    ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
     from mindformers_ac.harness.tp import init_tp
+    from mindformers_ac.mindspore_compat import synchronous_pynative
+    synchronous_pynative("CPU")
     rank, world = init_tp()
     os.makedirs(args.out, exist_ok=True)
     if args.config:

@@ -77,6 +77,7 @@ def sgd_step(params, grads, lr):
 def gather_full_grads(model, params, grads, world):
     """Every parameter's full gradient, rebuilt from all ranks' shards (forward AllGather only)."""
     from mindspore import ops
+
     from mindformers_ac.harness.tp import unshard_param
     gather = ops.AllGather()
     full = {}
@@ -97,10 +98,11 @@ def main(argv=None):
         raise RuntimeError(f"--fail-rank {args.fail_rank}: failing before communication init")
 
     import mindspore as ms
+
     from mindformers_ac.mindspore_compat import synchronous_pynative
     synchronous_pynative("CPU")
-    from mindformers_ac.harness.models import build_gpt, synthetic_batch
     from mindformers_ac.harness import tp as T
+    from mindformers_ac.harness.models import build_gpt, synthetic_batch
 
     rank, world = T.init_tp() if args.tp > 1 else (0, 1)
     if world != args.tp:

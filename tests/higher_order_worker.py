@@ -6,13 +6,14 @@ MindSpore's backward, which can leave the executor broken for the process.
 import json
 import sys
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 import mindformers_ac as mac
+from mindformers_ac.mindspore_compat import synchronous_pynative
 
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+synchronous_pynative("CPU")
 
 MODES = {
     "full": {"recompute": {"mode": "full", "full_recompute_layer": ["0-2"]}},

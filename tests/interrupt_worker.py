@@ -16,11 +16,11 @@ import json
 import os
 import sys
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
-from mindspore.graph.api import _pynative_executor
 from mindspore._c_expression import _DispatchGuardStack
+from mindspore.graph.api import _pynative_executor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import mindformers_ac as mac  # noqa: E402
@@ -28,6 +28,7 @@ from mindformers_ac.mindspore_compat import synchronous_pynative  # noqa: E402
 
 synchronous_pynative("CPU")
 from mindformers_ac.recompute.state import ENGINE  # noqa: E402
+
 from conftest import model_fingerprint  # noqa: E402
 from model_patterns import PATTERNS, init_weights, mode_config  # noqa: E402
 from steps import first_difference, run_steps  # noqa: E402

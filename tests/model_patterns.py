@@ -16,8 +16,8 @@ Every model routes its layer calls through ``model.run_layer(layer, *args,
 import zlib
 from dataclasses import dataclass, field
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 H, S, B, FFN, N_LAYERS, MAX_POS = 32, 8, 2, 64, 3, 16

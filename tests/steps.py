@@ -6,8 +6,8 @@ names the first place two such histories differ. ``install_api`` routes a
 pattern model's layer calls through ``checkpoint`` / ``swap`` (the API modes);
 ``assert_acted`` fails a mode that silently did nothing.
 """
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import nn
 
 import mindformers_ac as mac

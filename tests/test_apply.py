@@ -9,8 +9,8 @@ from mindspore import nn, ops
 
 import mindformers_ac as mac
 from mindformers_ac.accounting import StepMeter, measure_step
-from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.meter import SavedTensorMeter
 
 from conftest import model_fingerprint
 

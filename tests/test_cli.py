@@ -94,6 +94,7 @@ def test_console_script_exits_non_zero_without_traceback(tmp_path):
 
 def _subcommand_options():
     import argparse
+
     from mindformers_ac.harness.cli import build_parser
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     for command, parser in sub.choices.items():

@@ -12,7 +12,6 @@ import time
 
 import psutil
 import pytest
-
 from test_train import TINY
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

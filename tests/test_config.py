@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 import mindformers_ac as mac
-from mindformers_ac import AcConfig, ConfigError, RecomputeConfig, RecomputeCommConfig, SwapConfig
+from mindformers_ac import AcConfig, ConfigError, RecomputeCommConfig, RecomputeConfig, SwapConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -10,10 +10,9 @@ import json
 import os
 
 import pytest
+from test_tp import ENV, ROOT, _cli, _tail
 
 from mindformers_ac.harness.launch import launch_msrun
-
-from test_tp import ENV, ROOT, _cli, _tail
 
 WORKER = os.path.join(ROOT, "scripts", "ep_worker.py")
 MOE_LAYERS = 2   # layers 0 and 2

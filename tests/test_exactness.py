@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, nn, ops
 
-from mindformers_ac.harness.exactness import (first_difference, judge, record_initial_state, record_step, tensor_digest,
-                                      verdict_line)
+from mindformers_ac.harness.exactness import (
+    first_difference,
+    judge,
+    record_initial_state,
+    record_step,
+    tensor_digest,
+    verdict_line,
+)
 
 HEAD = "losses, gradients and all parameters bitwise equal in every step: "
 

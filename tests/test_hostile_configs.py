@@ -24,13 +24,21 @@ from mindspore import nn
 
 import mindformers_ac as mac
 from mindformers_ac import AcConfig, ConfigError, RecomputeConfig, parse_layer_specs
-from mindformers_ac.harness.cli import main
 from mindformers_ac.errors import quote
-from mindformers_ac.layer_specs import format_layer_specs
-from mindformers_ac.limits import (MATCH_BUDGET_S, MAX_CONFIG_BYTES, MAX_LAYERS, MAX_MESSAGE_CHARS,
-                                   MAX_NUMBER_CHARS, MAX_PATTERN_CHARS, MAX_REPEAT_PRODUCT, MAX_YAML_DEPTH,
-                                   MAX_YAML_NODES)
+from mindformers_ac.harness.cli import main
 from mindformers_ac.harness.models import build_gpt
+from mindformers_ac.layer_specs import format_layer_specs
+from mindformers_ac.limits import (
+    MATCH_BUDGET_S,
+    MAX_CONFIG_BYTES,
+    MAX_LAYERS,
+    MAX_MESSAGE_CHARS,
+    MAX_NUMBER_CHARS,
+    MAX_PATTERN_CHARS,
+    MAX_REPEAT_PRODUCT,
+    MAX_YAML_DEPTH,
+    MAX_YAML_NODES,
+)
 
 from conftest import model_fingerprint
 

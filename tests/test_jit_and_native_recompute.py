@@ -7,8 +7,8 @@ untouched; the allowed combinations train 3 steps bitwise equal to the same mode
 """
 import logging
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Tensor, mint, nn, ops
 

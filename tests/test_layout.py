@@ -206,6 +206,7 @@ def test_public_api_is_what_users_call():
 @pytest.mark.parametrize("first", ["checkpoint", "swap"])
 def test_checkpoint_and_swap_wrappers_refuse_each_other_alike(first):
     from mindspore import nn
+
     import mindformers_ac as mac
 
     cell = nn.Dense(4, 4)
@@ -221,6 +222,7 @@ def test_checkpoint_and_swap_wrappers_refuse_each_other_alike(first):
 
 def test_too_old_mindspore_fails_at_import_naming_the_version(monkeypatch):
     import mindspore.utils
+
     from mindformers_ac.mindspore_compat import MIN_MINDSPORE, require_mindspore
 
     require_mindspore()   # the installed one is recent enough

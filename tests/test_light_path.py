@@ -11,19 +11,17 @@ import sys
 import textwrap
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
+from test_recompute_engine import SMALL, assert_bitwise_equal, train, wrap_layers
 
 import mindformers_ac as mac
 from mindformers_ac import recompute as rc
 from mindformers_ac.harness.models import synthetic_batch
 from mindformers_ac.recompute import dropout_proxy, light
 from mindformers_ac.recompute.api import _wrap_info
-
-from test_recompute_engine import SMALL, assert_bitwise_equal, train, wrap_layers
-
 
 REPO = Path(__file__).resolve().parents[1]
 

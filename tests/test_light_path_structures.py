@@ -4,15 +4,15 @@ stays bitwise equal to training without recompute."""
 import gc
 import weakref
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Tensor, mint, nn, ops
+from test_light_path import light_calls  # noqa: F401  # pylint: disable=unused-import  # the fixture
 
 import mindformers_ac as mac
 from mindformers_ac.recompute import path_choice
 
-from test_light_path import light_calls  # noqa: F401  # pylint: disable=unused-import  # the fixture
 from steps import first_difference, run_steps
 
 H, B, S, N, STEPS = 32, 2, 8, 3, 6

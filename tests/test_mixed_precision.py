@@ -27,15 +27,15 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 import mindformers_ac as mac
 
 from conftest import model_fingerprint
-from model_patterns import B, FFN, H, MLP, PATTERNS, S, Pattern, init_weights, mode_config
+from model_patterns import FFN, MLP, PATTERNS, B, H, Pattern, S, init_weights, mode_config
 from steps import assert_acted, first_difference, install_api, run_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -317,7 +317,7 @@ def test_amp_o1_after_apply_ac_is_refused(config, in_tmp_dir):
 def test_forward_of_a_network_rewritten_after_apply_ac_raises(tmp_path):
     """Its layers would run the original cells' code (without O1's casts) through the copied patches."""
     code = ("import mindspore as ms, numpy as np\n"
-            "ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)\n"
+            "from mindformers_ac.mindspore_compat import synchronous_pynative\nsynchronous_pynative()\n"
             f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n"
             "import mindformers_ac as mac\n"
             "from test_mixed_precision import _plain, _bf16_batch, FULL\n"
@@ -337,7 +337,7 @@ def test_a_type_set_on_an_enclosing_cell_only_fails_naming_the_cast():
     which the recompute of a layer can't see; it fails in backward with a hint, not silently."""
     code = ("import sys; sys.path.insert(0, 'tests')\n"
             "import mindspore as ms\n"
-            "ms.set_context(mode=ms.PYNATIVE_MODE, pynative_synchronize=True)\n"
+            "from mindformers_ac.mindspore_compat import synchronous_pynative\nsynchronous_pynative()\n"
             "import mindformers_ac as mac\n"
             "from model_patterns import PATTERNS, mode_config\n"
             "from steps import run_steps\n"
@@ -358,6 +358,7 @@ def test_engine_copies_under_a_cells_fp16_type_reach_their_target():
     MindSpore 2.10 runs ``dst.copy_(src)`` on a cast copy of ``dst`` and leaves ``dst`` unchanged;
     ``no_casts`` (what those copies run under) gives the exact bytes."""
     from mindspore._c_expression import MixedPrecisionType
+
     from mindformers_ac.precision import no_casts, under_precision
 
     src = Tensor(np.array([1.0001, 2.00001, 3.3333333], np.float32))

@@ -16,11 +16,11 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
-from mindspore.graph.api import _pynative_executor
 from mindspore import nn
+from mindspore.graph.api import _pynative_executor
 
 import mindformers_ac as mac
 from mindformers_ac.recompute import wrap_op_output
@@ -28,7 +28,7 @@ from mindformers_ac.recompute.state import ENGINE
 from mindformers_ac.tensors import storage_nbytes
 
 from conftest import model_fingerprint
-from model_patterns import B, H, MODES, PATTERNS, S, init_weights, mode_config
+from model_patterns import MODES, PATTERNS, B, H, S, init_weights, mode_config
 from steps import assert_acted, first_difference, install_api, run_steps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

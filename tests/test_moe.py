@@ -3,8 +3,8 @@
 The matrix of AC modes on the MoE model is in test_model_patterns.py (pattern ``moe``); the
 expert-parallel runs under msrun are in test_ep.py.
 """
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Tensor
 

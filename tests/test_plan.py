@@ -2,13 +2,13 @@ import logging
 
 import pytest
 from mindspore import nn
+from test_config import STRUCTURAL_ERRORS
 
 import mindformers_ac as mac
 from mindformers_ac import AcConfig, ConfigError
 from mindformers_ac.harness.models import GPTConfig, TransformerLayer, build_gpt
 
 from conftest import model_fingerprint
-from test_config import STRUCTURAL_ERRORS
 
 
 def full(layers, **extra):

@@ -9,12 +9,21 @@ import yaml
 from mindformers_ac import AcConfig, ConfigError, plan_ac
 from mindformers_ac.accounting import measure_step
 from mindformers_ac.apply import apply_ac, remove_ac
-from mindformers_ac.plan import check_layer_ids
-from mindformers_ac.planner.solver import (BudgetPlan, Option, OptionKind, Profile, minimum_peak,
-                                    option_sections, parse_budget, plan_budget, solve)
 from mindformers_ac.harness.models import GPTConfig
 from mindformers_ac.harness.spec import TrainSpec, profile_spec
+from mindformers_ac.plan import check_layer_ids
 from mindformers_ac.planner.profile import candidate_options
+from mindformers_ac.planner.solver import (
+    BudgetPlan,
+    Option,
+    OptionKind,
+    Profile,
+    minimum_peak,
+    option_sections,
+    parse_budget,
+    plan_budget,
+    solve,
+)
 
 MiB = 2 ** 20
 OPTS = [Option("none", OptionKind.NONE), Option("select mlp", OptionKind.SELECT, select=("mlp",)),
@@ -239,8 +248,9 @@ def test_profile_measures_memory_per_option(tiny_profile):
 
 
 def test_planned_yaml_measures_the_predicted_peak(tiny_profile, tmp_path):
-    from mindformers_ac.harness.models import build_gpt, synthetic_batch
     import mindspore as ms
+
+    from mindformers_ac.harness.models import build_gpt, synthetic_batch
     p = tiny_profile
     plan = plan_budget(p, int(0.45 * p.baseline_peak))
     assert plan.predicted_peak <= 0.45 * p.baseline_peak

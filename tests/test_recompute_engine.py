@@ -15,20 +15,19 @@ import textwrap
 import types
 from pathlib import Path
 
+import mindspore as ms
 import numpy as np
 import pytest
-import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
 from mindformers_ac import recompute as rc
-from mindformers_ac.meter import SavedTensorMeter, peak_saved_bytes
-from mindformers_ac.tensors import storage_nbytes
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from mindformers_ac.meter import SavedTensorMeter, peak_saved_bytes
 from mindformers_ac.recompute.policy import CheckpointPolicy
 from mindformers_ac.recompute.region import Region
 from mindformers_ac.recompute.saved import Token
 from mindformers_ac.recompute.state import ENGINE
-
+from mindformers_ac.tensors import storage_nbytes
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)

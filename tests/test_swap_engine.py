@@ -7,19 +7,27 @@ import sys
 import textwrap
 import threading
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Tensor, nn, ops
 
-from mindformers_ac.meter import SavedTensorMeter
+from mindformers_ac import swap  # the swap engine package, callable as HyperParallel's swap(fn, *args)
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.recompute.policy import CheckpointPolicy
-from mindformers_ac import swap   # the swap engine package, callable as HyperParallel's swap(fn, *args)
-from mindformers_ac.swap import (SwapExecutor, SwapManager, SwapReport, async_save_on_cpu, install_layer_swap,
-                                 install_op_swap, remove_swap_wrapper, swap_tensor_wrapper, swap_wrapper)
+from mindformers_ac.swap import (
+    SwapExecutor,
+    SwapManager,
+    SwapReport,
+    async_save_on_cpu,
+    install_layer_swap,
+    install_op_swap,
+    remove_swap_wrapper,
+    swap_tensor_wrapper,
+    swap_wrapper,
+)
 from mindformers_ac.swap.backends import DeviceCopyBackend, HostBufferPool, HostCopyBackend
-
 
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 3, 32, 4, 32, 128, 2
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -629,6 +637,7 @@ def test_bracket_calls_tells_leave_the_call_failed_and_keeps_the_original_error(
 
 def test_failed_swap_group_closes_groups_opened_inside_and_is_not_prefetched():
     from mindspore.graph.api import _pynative_executor
+
     from mindformers_ac.swap.scheduler import SwapScheduler
 
     sched = SwapScheduler(min_bytes=0)

@@ -9,8 +9,8 @@ import gc
 import logging
 import weakref
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 import pytest
 from mindspore import Tensor, mint, nn, ops
 

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
+from mindformers_ac.harness import tp as T
 from mindformers_ac.harness.launch import launch_msrun
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
-from mindformers_ac.harness import tp as T
 from mindformers_ac.whitelist import get_single_layer_whitelist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

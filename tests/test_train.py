@@ -88,6 +88,7 @@ def test_bad_config_exits_non_zero_with_the_field_path(tmp_path):
 
 def _parse(*argv, **defaults):
     import argparse
+
     from mindformers_ac.harness.spec import add_model_arguments
     parser = argparse.ArgumentParser()
     add_model_arguments(parser, **defaults)
@@ -107,6 +108,7 @@ def test_flags_set_gpt_config_fields_and_defaults_come_from_gpt_config():
 
 def test_a_spec_travels_to_a_worker_as_json():
     import dataclasses
+
     from mindformers_ac.harness.models import GPTConfig
     from mindformers_ac.harness.spec import TrainSpec
     spec = TrainSpec(gpt=GPTConfig(num_layers=2, vocab_size=64), batch=3, factory="m:f", layer_list="model.stack",
@@ -124,6 +126,7 @@ def test_the_reference_model_is_gpt_config_defaults():
 
 def test_synchronous_pynative_uses_the_api_mindspore_recommends_where_it_has_it(monkeypatch):
     import mindspore as ms
+
     from mindformers_ac.mindspore_compat import synchronous_pynative
     calls = []
     monkeypatch.setattr(ms, "set_context", lambda **kw: calls.append(kw))

@@ -28,15 +28,28 @@ import json
 import os
 import sys
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 import mindformers_ac as mac
-from model_patterns import (HEAD_DIM, LLAMA_VOCAB, H, LLamaAttention, LlamaFeedForward, LlamaRMSNorm, Pattern,
-                            causal_padding_mask, init_weights, mode_config, rope_tables)
+from mindformers_ac.mindspore_compat import synchronous_pynative
 
-ms.set_context(mode=ms.PYNATIVE_MODE, device_target="CPU", pynative_synchronize=True)
+from model_patterns import (
+    HEAD_DIM,
+    LLAMA_VOCAB,
+    H,
+    LLamaAttention,
+    LlamaFeedForward,
+    LlamaRMSNorm,
+    Pattern,
+    causal_padding_mask,
+    init_weights,
+    mode_config,
+    rope_tables,
+)
+
+synchronous_pynative("CPU")
 
 STEPS, SAVE_AT, N_LAYERS, B, S = 6, 3, 3, 2, 8
 LOSS_SCALE = 1024.0

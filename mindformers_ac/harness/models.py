@@ -34,8 +34,8 @@ user's factory would, so that every call builds the same weights.
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 

@@ -45,14 +45,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
 from ..errors import ConfigError
 from ..recompute import OP_NAME_ATTR, REPLAYABLE_ATTR
 from .models import MLP, GPTConfig, GPTModel, TransformerBlock, TransformerLayer, gpt_config
-from .tp import registry_cells, TPComm
+from .tp import TPComm, registry_cells
 
 __all__ = ["AllToAll", "DispatchAllToAll", "MOE_FLAGS", "MoEConfig", "MoEGPTModel", "MoELayer",
            "add_moe_arguments", "build_moe_gpt", "check_ep_world", "check_moe_config", "expert_owner",

@@ -12,7 +12,6 @@ from typing import Optional
 from ..errors import ConfigError, quote
 from .models import GPTConfig, SyntheticBatches
 
-
 # The reference GPT's command-line flags and the ``GPTConfig`` field each one sets: the one mapping
 # between the short flag names and the model's (MindFormers') field names.
 GPT_FLAGS = (("layers", "num_layers"), ("hidden", "hidden_size"), ("heads", "num_heads"),

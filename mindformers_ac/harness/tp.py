@@ -54,8 +54,8 @@ With ``world_size == 1`` (or before communication is initialised, as long as
 the model is not run with ``tp > 1``) the comm cells are identities, so TP
 cells can be built and inspected in a single process.
 """
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 from ..recompute import is_in_recompute

@@ -31,11 +31,12 @@ import numpy as np
 import regex
 import yaml
 
+from ..config import config_for_layers
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
-from ..config import config_for_layers
 from ..limits import MAX_PATTERN_CHARS
 from ..tensors import MiB
+
 
 class OptionKind(str, enum.Enum):
     """What an ``Option`` does to a layer."""

@@ -20,8 +20,15 @@ A recompute that can't rebuild what its forward dropped raises
 ``RecomputeError`` (a ``RuntimeError``) in backward.
 """
 from ..errors import RecomputeError
-from .api import (checkpoint, checkpoint_wrapper, exclude_policy, get_checkpoint_stats, is_checkpoint_wrapped,
-                  is_in_recompute, unwrap)
+from .api import (
+                  checkpoint,
+                  checkpoint_wrapper,
+                  exclude_policy,
+                  get_checkpoint_stats,
+                  is_checkpoint_wrapped,
+                  is_in_recompute,
+                  unwrap,
+)
 from .dispatch import OP_NAME_ATTR, op_name_of
 from .output import OpOutputHandle, wrap_op_output
 from .policy import CheckpointPolicy

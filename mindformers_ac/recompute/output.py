@@ -23,10 +23,11 @@ import weakref
 
 import mindspore as ms
 from mindspore import Tensor, nn
-from ..mindspore_compat import no_grad, pynative_executor as _executor
 from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
+from ..mindspore_compat import no_grad
+from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, under_precision
 from ..tensors import output_tensors, storage_nbytes
 from . import messages

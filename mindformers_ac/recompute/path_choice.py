@@ -37,12 +37,11 @@ import collections
 import enum
 import weakref
 
-import numpy as np
-
 import mindspore as ms
+import numpy as np
 from mindspore import Parameter, Tensor
-from ..mindspore_compat import pynative_executor as _executor
 
+from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision
 from ..tensors import is_tracked
 from . import messages

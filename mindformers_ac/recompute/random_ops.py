@@ -12,8 +12,8 @@ and is recomputed like any other op.
 import logging
 import re
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, ops
 
 from ..mindspore_compat import no_grad

@@ -17,8 +17,8 @@ import weakref
 
 import mindspore as ms
 from mindspore import Tensor
-from ..mindspore_compat import pynative_executor as _executor
 
+from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of
 from . import messages

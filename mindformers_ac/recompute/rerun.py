@@ -33,8 +33,8 @@ in a region (saved-input copies, copies of written parameters) run under
 import contextlib
 
 from mindspore import Parameter, Tensor, ops
-from ..mindspore_compat import pynative_executor as _executor
 
+from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import is_tracked
 from . import messages

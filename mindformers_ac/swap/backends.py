@@ -37,8 +37,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ContextManager, Optional, Protocol, runtime_checkable
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor
 
 from ..mindspore_compat import pynative_executor

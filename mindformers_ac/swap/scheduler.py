@@ -32,7 +32,6 @@ from ..recompute.policy import CheckpointPolicy
 from ..tensors import WeightPointers, storage_info, storage_ptr
 from .executor import SwapExecutor, SwapHandle
 
-
 DEFAULT_MIN_BYTES = 1024
 
 
