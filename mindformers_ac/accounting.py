@@ -25,56 +25,84 @@ from .layers import find_layer_stack
 from .meter import SavedTensorMeter
 
 OTHER = "other"
+LAYER_ITSELF = "(layer)"            # bytes a layer packs outside all of its modules
+ENGINE_REGIONS = "(recompute regions)"   # what the recompute engine keeps: inputs, excluded ops, masks
+SWAP_RESIDENT = "(swap, on device)"  # what swap left on the device
+# How deep into a layer the per-module figures go: "mlp" and "mlp.experts", not deeper.
+MODULE_DEPTH = 2
 
 
 class LayerMeter(SavedTensorMeter):
-    """A ``SavedTensorMeter`` that attributes each storage to the layer that packed it first."""
+    """A ``SavedTensorMeter`` that attributes each storage to the layer that packed it first, and within
+    the layer to the innermost of its modules (sub-cells up to ``MODULE_DEPTH`` deep) that was running.
+
+    ``by_module_at_peak``: ``{layer id: {module path: bytes}}`` at the peak; bytes packed by the layer
+    outside every module are under ``LAYER_ITSELF``. Inside recompute and swap regions the engines'
+    hooks hide this meter: what they keep is reported by the engines (``_engine_figures``).
+    """
 
     def __init__(self, params, layer_cells):
         super().__init__(params)
         self.layer_cells = layer_cells        # global id -> cell
-        self._running = []                    # stack of layer ids currently in forward
-        self._owner = {}                      # data_ptr -> layer id
-        self.by_layer = {}                    # layer id -> bytes held now
-        self.by_layer_at_peak = {}
+        self._running = []                    # stack of (layer id, module path) currently in forward
+        self._owner = {}                      # data_ptr -> (layer id, module path)
+        self.by_module = {}                   # (layer id, module path) -> bytes held now
+        self.by_module_at_peak = {}
         self._handles = []
 
-    def _enter(self, layer_id):
+    def _enter(self, owner):
         def pre(cell, args):
-            self._running.append(layer_id)
+            self._running.append(owner)
         return pre
 
     def _exit(self, cell, args, output):
         if self._running:
             self._running.pop()
 
+    def _hook(self, cell, owner):
+        self._handles.append(cell.register_forward_pre_hook(self._enter(owner)))
+        self._handles.append(cell.register_forward_hook(self._exit))
+
     def attach(self):
         self._running = []   # a step that raised may have left layers open
         for layer_id, cell in self.layer_cells.items():
-            self._handles.append(cell.register_forward_pre_hook(self._enter(layer_id)))
-            self._handles.append(cell.register_forward_hook(self._exit))
+            self._hook(cell, (layer_id, LAYER_ITSELF))
+            for path, sub in cell.cells_and_names():
+                if path and path.count(".") < MODULE_DEPTH:
+                    self._hook(sub, (layer_id, path))
 
     def detach(self):
         while self._handles:
             self._handles.pop().remove()
 
     def storage_added(self, ptr, nbytes):
-        owner = self._running[-1] if self._running else OTHER
+        owner = self._running[-1] if self._running else (OTHER, LAYER_ITSELF)
         self._owner[ptr] = owner
-        self.by_layer[owner] = self.by_layer.get(owner, 0) + nbytes
+        self.by_module[owner] = self.by_module.get(owner, 0) + nbytes
         if self.current == self.peak:
-            self.by_layer_at_peak = dict(self.by_layer)
+            self.by_module_at_peak = dict(self.by_module)
 
     def storage_released(self, ptr, nbytes):
         owner = self._owner.pop(ptr, None)
         if owner is not None:
-            self.by_layer[owner] -= nbytes
+            self.by_module[owner] -= nbytes
+
+    @property
+    def by_layer_at_peak(self):
+        """``{layer id: bytes}`` at the peak (the modules' bytes added up)."""
+        totals = {}
+        for (layer, _), nbytes in self.by_module_at_peak.items():
+            totals[layer] = totals.get(layer, 0) + nbytes
+        return totals
 
 
 @dataclass
 class LayerMemory:
     """One layer's figures for one step (bytes; ``ops_rerun`` and the region calls are counts).
 
+    ``kept_by_module`` splits ``kept_bytes`` by where it was kept: the
+    layer's modules (what the meter saw outside engine regions), the
+    recompute regions, what swap left on the device.
     ``light_calls`` / ``intercepted_calls``: the layer's recompute-region calls
     that took the light path / intercepted every op (see ``recompute.path_choice``).
     """
@@ -88,6 +116,9 @@ class LayerMemory:
     ops_rerun: int = 0
     light_calls: int = 0
     intercepted_calls: int = 0
+    # what kept_bytes is made of: module path (up to MODULE_DEPTH), LAYER_ITSELF, ENGINE_REGIONS,
+    # SWAP_RESIDENT -> bytes (non-zero entries only); the values add up to kept_bytes
+    kept_by_module: dict = field(default_factory=dict)
 
     def as_dict(self):
         return dict(self.__dict__)
@@ -117,6 +148,11 @@ class StepMemory:
                 "layers": {str(k): lm.as_dict() for k, lm in self.layers.items()}}
 
 
+def _add(counts, key, nbytes):
+    if nbytes:
+        counts[key] = counts.get(key, 0) + nbytes
+
+
 def _engine_figures(state, memory):
     """Add what the recompute and swap engines report for this step to ``memory``."""
     if state is None:
@@ -124,6 +160,7 @@ def _engine_figures(state, memory):
     for layer_id, stats in state.recompute_stats.items():
         lm = memory.layers.setdefault(layer_id, LayerMemory(layer_id))
         lm.kept_bytes += stats.kept_bytes
+        _add(lm.kept_by_module, ENGINE_REGIONS, stats.kept_bytes)
         lm.recomputed_bytes += stats.dropped_bytes
         lm.ops_rerun += stats.ops_rerun
         lm.light_calls += stats.light_calls
@@ -134,6 +171,7 @@ def _engine_figures(state, memory):
     for layer_id, s in report.layers.items():
         lm = memory.layers.setdefault(layer_id, LayerMemory(layer_id))
         lm.kept_bytes += s.resident_bytes
+        _add(lm.kept_by_module, SWAP_RESIDENT, s.resident_bytes)
         lm.offloaded_bytes += s.offloaded_bytes
         lm.prefetched_bytes += s.prefetched_bytes
         lm.on_demand_bytes += s.on_demand_bytes + s.late_bytes
@@ -176,8 +214,10 @@ class StepMeter:
                 yield memory
         finally:
             meter.detach()
-        for owner, nbytes in meter.by_layer_at_peak.items():
-            memory.layers[owner].kept_bytes += nbytes
+        for (owner, module), nbytes in meter.by_module_at_peak.items():
+            lm = memory.layers[owner]
+            lm.kept_bytes += nbytes
+            _add(lm.kept_by_module, module, nbytes)
         _engine_figures(state, memory)
 
 

@@ -9,6 +9,7 @@ import pytest
 from mindspore import Tensor
 
 import mindformers_ac as mac
+from mindformers_ac.accounting import ENGINE_REGIONS
 from mindformers_ac.harness.models import synthetic_batch
 from mindformers_ac.harness.moe import build_moe_gpt, check_moe_config, moe_config
 from mindformers_ac.recompute import is_in_recompute
@@ -239,3 +240,33 @@ def test_comm_output_recompute_reports_what_the_layer_still_keeps():
         assert comm[layer]["recomputed_bytes"] == buffers
         assert comm[layer]["kept_bytes"] == base[layer]["kept_bytes"] - buffers
     assert comm["other"] == base["other"]
+
+
+@pytest.mark.parametrize("mode, expected", [
+    (None, {"mlp", "mlp.router", "mlp.experts", "mlp.shared_experts"}),
+    ({"recompute": {"mode": "select", "select_module": {r"mlp\.experts": ["0-1"]}}},
+     {"mlp", "mlp.router", "mlp.shared_experts"}),   # the experts' inputs are the dispatcher's, counted there
+    ({"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}}, {ENGINE_REGIONS}),
+    ({"swap": {"enable": True, "layer_swap": [{"layers": [0]}]}}, None),
+])
+def test_the_per_layer_report_says_what_each_mode_keeps_on_a_moe_layer(mode, expected):
+    """Kept bytes split by module: router outputs (``mlp.router``), expert activations (``mlp.experts``),
+    the dispatcher's buffers (``mlp``: its methods run in the MoE block's own construct), and what the
+    recompute regions and swap keep; the parts add up to the layer's kept bytes."""
+    model = build_moe_gpt(**dict(DIMS, dropout=0.0))
+    if mode is not None:
+        mac.apply_ac(model, config=mode)
+    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+    memory = mac.measure_step(model, grad_fn, *_batch(0))
+    for lm in memory.layers.values():
+        assert sum(lm.kept_by_module.values()) == lm.kept_bytes
+    layer0 = memory.layers[0].kept_by_module
+    if expected is None:   # layer swap: nothing of layer 0's MLP stays on the device
+        assert not any(path.startswith("mlp") for path in layer0)
+        assert memory.layers[0].offloaded_bytes > 0
+        return
+    assert expected <= set(layer0), layer0
+    if mode is not None and "full" in str(mode):
+        assert set(layer0) == {ENGINE_REGIONS}   # a fully recomputed layer keeps its inputs only
+    if mode is not None and "experts" in str(mode):
+        assert "mlp.experts" not in layer0   # the experts' activations are recomputed

@@ -59,6 +59,11 @@ def test_train_matches_losses_and_saves_memory(tmp_path, name, text):
     assert len(report["baseline"]["losses"]) == len(report["ac"]["losses"]) == 3
     rows = {row["layer"]: row for row in report["layers"]}
     assert set(rows) == {"0", "1", "2", "3", "other"}
+    for row in rows.values():   # where each layer's bytes are: its modules, the engines
+        assert sum(row["kept_by_module"].values()) == row["kept_bytes"]
+        assert sum(row["baseline_kept_by_module"].values()) == row["baseline_kept_bytes"]
+    assert {"self_attention.core_attention", "mlp"} <= set(rows["3"]["baseline_kept_by_module"])
+    assert "kept MiB by module (without AC | with AC):" in proc.stdout
     for key in ("applied", "baseline_kept_bytes", "kept_bytes", "recomputed_bytes", "offloaded_bytes",
                 "prefetched_bytes", "on_demand_bytes", "ops_rerun"):
         assert key in rows["0"]

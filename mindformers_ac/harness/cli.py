@@ -82,7 +82,7 @@ def cmd_explain(args):
 
 
 def cmd_train(args):
-    from .report import layer_table, summary_text, write_report
+    from .report import layer_table, module_table, summary_text, write_report
     from .spec import spec_from_args
     from .train import exit_status, train_and_compare
     if args.model is not None and args.tp > 1:
@@ -105,6 +105,8 @@ def cmd_train(args):
     if rank == 0:   # under msrun every rank compares its own slice; one prints
         print()
         print(layer_table(result))
+        print()
+        print(module_table(result))
         print()
         print(summary_text(result))
         if args.report:

@@ -25,6 +25,19 @@ def layer_table(result):
                                for c, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
 
 
+def module_table(result, min_bytes=MiB / 200):
+    """Where each layer's kept bytes are, without and with AC: per module (``mlp.router``,
+    ``mlp.token_dispatcher``, ``mlp.experts`` ...), the recompute regions and what swap left on the device.
+    Entries under ``min_bytes`` (0.005 MiB) are left out of the text (``report.json`` has them all)."""
+    def parts(counts):
+        kept = sorted(((n, m) for m, n in counts.items() if n >= min_bytes), reverse=True)
+        return ", ".join(f"{m} {_mib(n)}" for n, m in kept) or "-"
+    lines = ["kept MiB by module (without AC | with AC):"]
+    for row in result["layers"]:
+        lines.append(f"  {row['layer']}: {parts(row['baseline_kept_by_module'])} | {parts(row['kept_by_module'])}")
+    return "\n".join(lines)
+
+
 def summary_text(result):
     """Memory, time, RSS and the exactness verdict (``exactness.verdict_line``), one line each."""
     from .exactness import verdict_line

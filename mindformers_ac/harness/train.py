@@ -88,7 +88,8 @@ def compare(spec, config_path, baseline, ac, rerun_baseline=None):
         calls = {name: sum(step["layers"][key][name] for step in ac["memory"])
                  for name in ("light_calls", "intercepted_calls")}
         layers.append({**figures, **calls, "layer": key, "applied": ac["plan"].get(key, []),
-                       "baseline_kept_bytes": base_mem["layers"][key]["kept_bytes"]})
+                       "baseline_kept_bytes": base_mem["layers"][key]["kept_bytes"],
+                       "baseline_kept_by_module": base_mem["layers"][key]["kept_by_module"]})
     exactness, again = judge(baseline, ac, rerun_baseline)
     result = {
         "spec": dataclasses.asdict(spec),
