@@ -87,14 +87,6 @@ class LayerMeter(SavedTensorMeter):
         if owner is not None:
             self.by_module[owner] -= nbytes
 
-    @property
-    def by_layer_at_peak(self):
-        """``{layer id: bytes}`` at the peak (the modules' bytes added up)."""
-        totals = {}
-        for (layer, _), nbytes in self.by_module_at_peak.items():
-            totals[layer] = totals.get(layer, 0) + nbytes
-        return totals
-
 
 @dataclass
 class LayerMemory:

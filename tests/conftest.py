@@ -25,6 +25,15 @@ def model_fingerprint(model):
     return cells, params
 
 
+@pytest.fixture
+def fresh_swap_manager():
+    """The process-wide SwapManager empty before and after the test (the API modes link layers in it)."""
+    import mindformers_ac as mac
+    mac.SwapManager().reset()
+    yield
+    mac.SwapManager().reset()
+
+
 @pytest.fixture(scope="module")
 def gpt8():
     from mindformers_ac.harness.models import build_gpt

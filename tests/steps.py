@@ -57,7 +57,15 @@ def install_api(mode, model):
 
 
 def offloaded(report):
-    return sum(s.num_offloaded for s in report.layers.values())
+    return sum(s.num_offloaded for s in report.layers.values()) if report is not None else 0
+
+
+def ac_work(model):
+    """(ops re-run, tensors offloaded) counted by the model's own AC state ((0, 0) without AC)."""
+    state = mac.ac_state(model)
+    if state is None:
+        return 0, 0
+    return sum(s.ops_rerun for s in state.recompute_stats.values()), offloaded(state.swap_report)
 
 
 def assert_acted(mode, model, counter):

@@ -15,26 +15,13 @@ from mindformers_ac.construct_patch import patches
 
 from conftest import model_fingerprint
 from model_patterns import PATTERNS, RECOMPUTE_MODES, SWAP_MODES, mode_config
-from steps import first_difference, run_steps
+from steps import ac_work, first_difference, run_steps
+
+pytestmark = pytest.mark.usefixtures("fresh_swap_manager")   # each test starts from an empty SwapManager
+
 
 PATTERN = PATTERNS["llama"]
 CONFIG_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
-
-
-@pytest.fixture(autouse=True)
-def fresh_swap_manager():
-    mac.SwapManager().reset()
-    yield
-    mac.SwapManager().reset()
-
-
-def _work(model):
-    """(ops re-run, tensors offloaded) counted by the model's own AC state."""
-    state = mac.ac_state(model)
-    rerun = sum(s.ops_rerun for s in state.recompute_stats.values())
-    report = state.swap_report
-    offloaded = sum(s.num_offloaded for s in report.layers.values()) if report is not None else 0
-    return rerun, offloaded
 
 
 def assert_acted(mode, before, after):
@@ -73,10 +60,10 @@ def test_deepcopy_trains_with_its_own_ac_and_leaves_the_original_alone(copy_base
     assert str(dup_state.plan) == str(state.plan)
     assert all(dup_state.layer_cells[i] is not cell for i, cell in state.layer_cells.items())
 
-    original_work = _work(model)
+    original_work = ac_work(model)
     assert first_difference(base_copy, run_steps(dup, PATTERN.batch)) is None
-    assert _work(model) == original_work                 # the copy never ran the original's layers
-    assert_acted(mode, (0, 0), _work(dup))
+    assert ac_work(model) == original_work                 # the copy never ran the original's layers
+    assert_acted(mode, (0, 0), ac_work(dup))
 
     fingerprint = model_fingerprint(model)
     mac.remove_ac(dup)                                   # touches the copy only
@@ -84,7 +71,7 @@ def test_deepcopy_trains_with_its_own_ac_and_leaves_the_original_alone(copy_base
     assert _library_leftovers(dup) == [] and mac.ac_state(dup) is None
 
     assert first_difference(base_original, run_steps(model, PATTERN.batch)) is None
-    assert_acted(mode, original_work, _work(model))
+    assert_acted(mode, original_work, ac_work(model))
     mac.remove_ac(model)
     assert _library_leftovers(model) == []
 
@@ -98,7 +85,7 @@ def test_deepcopy_of_a_copy_and_of_a_wrapper_holding_the_model(copy_baseline):
     teacher = copy.deepcopy(copy.deepcopy(holder))["student"]
     assert mac.ac_state(teacher) is not None
     assert first_difference(base_copy, run_steps(teacher, PATTERN.batch)) is None
-    assert _work(teacher)[0] > 0 and _work(teacher)[1] > 0
+    assert ac_work(teacher)[0] > 0 and ac_work(teacher)[1] > 0
 
 
 @pytest.mark.parametrize("mode", ("full", "exclude_op", "select_op", "recompute_comm", "op_swap"))
@@ -116,11 +103,11 @@ def test_deepcopy_of_one_layer_is_a_plain_layer(mode):
     dup = copy.deepcopy(layer)
     x, _, pos, mask = PATTERN.batch(0)
     h = plain.model.tok_embeddings(x)
-    work = _work(model)
+    work = ac_work(model)
     grad = ms.grad(lambda h: dup(h, pos, mask).sum())(h)
     expected = ms.grad(lambda h: plain.model.layers[1](h, pos, mask).sum())(h)
     assert grad.asnumpy().tobytes() == expected.asnumpy().tobytes()
-    assert _work(model) == work
+    assert ac_work(model) == work
 
 
 # -- checkpoint reloads -----------------------------------------------------------------------------

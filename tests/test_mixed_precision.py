@@ -38,16 +38,12 @@ from conftest import model_fingerprint
 from model_patterns import FFN, MLP, PATTERNS, B, H, Pattern, S, init_weights, mode_config
 from steps import assert_acted, first_difference, install_api, run_steps
 
+pytestmark = pytest.mark.usefixtures("fresh_swap_manager")   # each test starts from an empty SwapManager
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AC_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
 ORDERS = ("before", "after")
-
-
-@pytest.fixture(autouse=True)
-def fresh_swap_manager():
-    mac.SwapManager().reset()
-    yield
-    mac.SwapManager().reset()
 
 
 # -- how a user turns mixed precision on -------------------------------------------------------

@@ -31,6 +31,9 @@ from conftest import model_fingerprint
 from model_patterns import MODES, PATTERNS, B, H, S, init_weights, mode_config
 from steps import assert_acted, first_difference, install_api, run_steps
 
+pytestmark = pytest.mark.usefixtures("fresh_swap_manager")   # each test starts from an empty SwapManager
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,13 +47,6 @@ def baselines():
             cache[name] = run_steps(PATTERNS[name].build(), PATTERNS[name].batch)
         return cache[name]
     return get
-
-
-@pytest.fixture(autouse=True)
-def fresh_swap_manager():
-    mac.SwapManager().reset()
-    yield
-    mac.SwapManager().reset()
 
 
 @pytest.mark.parametrize("mode", MODES)

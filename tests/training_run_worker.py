@@ -48,6 +48,7 @@ from model_patterns import (
     mode_config,
     rope_tables,
 )
+from steps import ac_work
 
 synchronous_pynative("CPU")
 
@@ -145,12 +146,7 @@ def step(model, ema, train, i):
 
 def acted(model):
     """What the AC mode did: ops re-run and tensors offloaded (0, 0 without AC)."""
-    state = mac.ac_state(model)
-    if state is None:
-        return {"ops_rerun": 0, "offloaded": 0}
-    rerun = sum(s.ops_rerun for s in state.recompute_stats.values())
-    report = state.swap_report
-    offloaded = sum(s.num_offloaded for s in report.layers.values()) if report is not None else 0
+    rerun, offloaded = ac_work(model)
     return {"ops_rerun": rerun, "offloaded": offloaded}
 
 
