@@ -8,7 +8,9 @@ place that knows how.
 """
 import weakref
 
-from mindspore import Tensor, nn
+from mindspore import Tensor, nn, ops
+
+from .mindspore_compat import no_grad
 
 MiB = 2 ** 20
 
@@ -151,3 +153,19 @@ def is_tracked(t):
     if isinstance(flag, bool):
         return flag
     return getattr(t, "_grad_node", None) is not None
+
+
+def detached(t):
+    """``t`` cut from autograd: same storage, no graph node, not tracked.
+
+    ``ops.stop_gradient`` while a graph is being recorded is itself recorded,
+    and on a tensor that is an input of the graph (a grad function's argument,
+    or a recompute's re-tracked input) it makes later backward kernels of the
+    ops that saved that tensor take it as a constant: kernels without a
+    PyBoost CPU implementation (``LayerNormGrad``) then key their single-op
+    graph by the tensor's printed values, about 10x their normal time
+    (MindSpore 2.10, measured: ``docs/benchmarks.md``). Run under ``no_grad``
+    it records nothing and detaches the same.
+    """
+    with no_grad():
+        return ops.stop_gradient(t)

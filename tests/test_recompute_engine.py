@@ -507,3 +507,46 @@ def test_policy_returning_non_policy_raises_type_error():
     """)
     assert res.returncode != 0
     assert "policy_fn must return a CheckpointPolicy" in res.stderr
+
+
+class _NormBlock(nn.Cell):
+    """A pre-LN block on MindSpore's nn.LayerNorm, whose backward kernel has no PyBoost CPU version."""
+
+    def __init__(self, h=16):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm((h,)), mint.nn.Linear(h, h)
+
+    def construct(self, x):
+        return x + self.fc(self.norm(x))
+
+
+@pytest.mark.parametrize("policy", [None, "exclude_matmul"], ids=["light_path", "intercepting_path"])
+def test_engine_detaches_without_recording_stop_gradient(monkeypatch, policy):
+    """``ops.stop_gradient`` recorded on a graph input makes later ``LayerNormGrad`` calls key their
+    kernel by the tensor's printed values (about 10x slower, docs/benchmarks.md); the engine's own
+    detaches (saved inputs in forward, re-tracked inputs in the recompute) record nothing."""
+    from mindformers_ac.mindspore_compat import pynative_executor
+
+    recording, real = [], ops.stop_gradient
+
+    def spy(x):
+        recording.append(pynative_executor.enable_grad())
+        return real(x)
+
+    monkeypatch.setattr(ops, "stop_gradient", spy)
+    ms.set_seed(0)
+    blocks = nn.SequentialCell([_NormBlock(), _NormBlock()])
+    x = Tensor(np.random.RandomState(0).randn(2, 4, 16).astype(np.float32))
+    grad_fn = ms.value_and_grad(lambda t: blocks(t).sum(), None, blocks.trainable_params())
+    base = [g.asnumpy() for g in grad_fn(x)[1]]
+    assert not recording   # the model itself calls no stop_gradient
+    policy_fn = rc.exclude_policy(["matmul"]) if policy else None
+    stats = [rc.RecomputeStats() for _ in blocks]
+    for block, s in zip(blocks, stats):
+        rc.checkpoint_wrapper(block, policy_fn=policy_fn, stats=s)
+    for _ in range(2):   # the second call takes the light path when no policy keeps it intercepting
+        got = [g.asnumpy() for g in grad_fn(x)[1]]
+        assert all(np.array_equal(a, b) for a, b in zip(base, got))
+    assert sum(s.recompute_calls for s in stats) == 4
+    assert sum(s.light_calls for s in stats) == (0 if policy else 2)
+    assert recording and not any(recording), recording   # inputs saved and re-tracked, never recorded

@@ -32,11 +32,11 @@ in a region (saved-input copies, copies of written parameters) run under
 """
 import contextlib
 
-from mindspore import Parameter, Tensor, ops
+from mindspore import Parameter, Tensor
 
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
-from ..tensors import is_tracked
+from ..tensors import detached, is_tracked
 from . import messages
 from .random_ops import DropoutRecord
 from .saved import SwappedTensor
@@ -116,7 +116,7 @@ def recompute_input(a):
     tracked, a = a.tracked, a.value
     if isinstance(a, SwappedTensor):
         a = a.load()
-    a = ops.stop_gradient(a)
+    a = detached(a)
     if tracked:
         a.requires_grad_()
     return a
@@ -195,11 +195,11 @@ class RegionBase:
                 return a
             ptr = a.data_ptr()
             ptrs.append(ptr)
-            detached = ops.stop_gradient(a)
+            kept = detached(a)
             if offload is not None:
-                return SavedInput(offload(detached, ptr), is_tracked(a))
+                return SavedInput(offload(kept, ptr), is_tracked(a))
             self.bytes.keep(a)
-            return SavedInput(detached, is_tracked(a))
+            return SavedInput(kept, is_tracked(a))
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
             self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
