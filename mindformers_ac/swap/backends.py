@@ -8,7 +8,8 @@ every member exists with the Protocol's signature:
 ``alloc_host(nbytes)``            a host buffer the pool keeps and reuses
 ``fence()``                       wait until no queued kernel can still read a buffer a load aliased
 ``start_d2h(tensor, buffer, nbytes)``  start copying a device tensor into the buffer; returns a ticket
-``wait_d2h(ticket)``              after it returns the caller may drop the device tensor
+``wait_d2h(ticket)``              after it returns the caller may drop the device tensor; True when
+                                  the copy was taken by this call (it holds the tensor as it is now)
 ``matches(ticket, tensor)``       True/False: does the device tensor still equal its host copy?
                                   None when the backend cannot tell cheaply
 ``start_h2d(ticket)``             start the copy back; returns a ``PendingLoad`` (``done()``, ``result()``)
@@ -81,7 +82,7 @@ class SwapBackend(Protocol):
 
     def start_d2h(self, tensor: Tensor, buffer: Any, nbytes: int, /) -> Any: ...
 
-    def wait_d2h(self, ticket: Any, /) -> None: ...
+    def wait_d2h(self, ticket: Any, /) -> bool: ...
 
     def matches(self, ticket: Any, tensor: Tensor, /) -> Optional[bool]: ...
 
@@ -240,16 +241,16 @@ class _HostTicket:
     """One host copy, and its own load (a ``PendingLoad`` that is done when issued).
 
     ``host``: the pool buffer (uint8, exactly the tensor's bytes); ``addr`` its address; ``dtype`` and
-    ``shape`` to load it back as; ``future``: the worker's copy (None: copied on the caller's thread);
-    ``raw``: the bytes were read through the tensor's address (contiguous, dtype seen before), so a
-    check can compare memory directly while the caller holds the tensor.
+    ``shape`` to load it back as; ``tensor``: the device tensor until ``wait_d2h`` copies it; ``raw``:
+    its bytes are read through its address (contiguous, dtype seen before), so a check can compare
+    memory directly while the caller holds the tensor.
     """
 
-    __slots__ = ("host", "addr", "dtype", "shape", "future", "raw")
+    __slots__ = ("host", "addr", "dtype", "shape", "tensor", "raw")
 
-    def __init__(self, host, addr, dtype, shape, future, raw):
+    def __init__(self, host, addr, dtype, shape, tensor, raw):
         self.host, self.addr, self.dtype, self.shape = host, addr, dtype, shape
-        self.future, self.raw = future, raw
+        self.tensor, self.raw = tensor, raw
 
     def typed(self):
         """The host copy as an array of the tensor's dtype and shape (a view of the buffer)."""
@@ -282,18 +283,24 @@ _WORDS = ((np.uint64, 8), (np.uint32, 4), (np.uint16, 2))
 class HostCopyBackend:
     """CPU backend: ``memmove`` of the tensor's bytes, on the caller's thread or one worker thread.
 
-    Offload: a contiguous tensor of a dtype seen before is read in place
-    through its ``data_ptr`` (CPU device memory is host memory; ``data_ptr``
-    waits for the op that writes it) with one ``ctypes.memmove`` into the pool
-    buffer, and checked later with one ``memcmp``: per saved tensor the copy
-    and the check are one C call each, because at a dispatch-bound shape the
-    Python around each tensor is the cost. The first tensor of a dtype, and
-    non-contiguous ones, go through ``Tensor.asnumpy()`` (~8 us: numpy parses
-    a PEP 3118 format string each call). Copies under ``sync_bytes`` run on the
-    caller's thread (a worker round trip costs tens of microseconds); larger
-    ones on the worker, overlapping compute (``memmove`` releases the GIL).
-    Load: ``Tensor.from_numpy`` of the host buffer (no copy), on the caller's
-    thread. Only MindSpore's own thread calls MindSpore.
+    Offload: ``start_d2h`` (in the pack hook) only takes a pool buffer; the
+    copy is taken in ``wait_d2h``, when the layer's forward ends and the
+    executor would otherwise drop the device tensor. So the copy holds the
+    tensor as backward would have read it, in-place writes inside the layer
+    included (as without swap), and needs no check afterwards: one copy of
+    the bytes, not a copy and a comparison. A contiguous tensor of a dtype
+    seen before is read in place through its ``data_ptr`` (CPU device memory
+    is host memory; ``data_ptr`` waits for the ops that write it) with one
+    ``ctypes.memmove`` into the pool buffer: per saved tensor one C call,
+    because at a dispatch-bound shape the Python around each tensor is the
+    cost. The first tensor of a dtype, and non-contiguous ones, go through
+    ``Tensor.asnumpy()`` (~8 us: numpy parses a PEP 3118 format string each
+    call). Copies under ``sync_bytes`` run on the caller's thread (a worker
+    round trip costs tens of microseconds); larger ones are split between the
+    caller's thread and the worker (``memmove`` releases the GIL). ``matches``
+    (one ``memcmp``) serves the late check at load. Load: ``Tensor.from_numpy``
+    of the host buffer (no copy), on the caller's thread. Only MindSpore's own
+    thread calls MindSpore.
     """
 
     name = "host"
@@ -342,24 +349,33 @@ class HostCopyBackend:
         host, addr = buffer
         np_dtype = self._np_dtypes.get(tensor.dtype)
         if np_dtype is not None and tensor.is_contiguous():
-            # Read through the address: valid while the caller holds the tensor (until wait_d2h and the check).
-            src = tensor.data_ptr()
-            if nbytes < self.sync_bytes:
-                ctypes.memmove(addr, src, nbytes)
-                future = None
-            else:
-                future = self._worker.submit(ctypes.memmove, addr, src, nbytes)
-            return _HostTicket(host, addr, np_dtype, tensor.shape, future, True)
-        view = self.host_view(tensor)
-        self._np_dtypes[tensor.dtype] = view.dtype
-        np.copyto(host, view.reshape(-1).view(np.uint8))
-        return _HostTicket(host, addr, view.dtype, tensor.shape, None, False)
+            return _HostTicket(host, addr, np_dtype, tensor.shape, tensor, True)
+        np_dtype = self._np_dtypes[tensor.dtype] = self.host_view(tensor).dtype   # raises if it can't copy
+        return _HostTicket(host, addr, np_dtype, tensor.shape, tensor, False)
 
-    @staticmethod
-    def wait_d2h(ticket):
-        if ticket.future is not None:
-            ticket.future.result()
-            ticket.future = None
+    def wait_d2h(self, ticket):
+        """Take the host copy now, from the tensor as it is at this call (returns True; False when an
+        earlier call took it).
+
+        A large copy is split between this thread and the worker: it runs at
+        the end of a layer's forward, when MindSpore's own threads are idle.
+        """
+        tensor = ticket.tensor
+        if tensor is None:
+            return False
+        ticket.tensor = None
+        if not ticket.raw:
+            np.copyto(ticket.host, self.host_view(tensor).reshape(-1).view(np.uint8))
+            return True
+        src, dst, nbytes = tensor.data_ptr(), ticket.addr, ticket.host.nbytes   # data_ptr waits for writers
+        if nbytes < self.sync_bytes:
+            ctypes.memmove(dst, src, nbytes)
+            return True
+        half = nbytes // 2
+        future = self._worker.submit(ctypes.memmove, dst, src, half)
+        ctypes.memmove(dst + half, src + half, nbytes - half)
+        future.result()
+        return True
 
     def matches(self, ticket, tensor):
         if self._memcmp is not None and ticket.raw and tensor.is_contiguous():
@@ -492,6 +508,7 @@ class DeviceCopyBackend:
     def wait_d2h(self, ticket):
         self._rt.current_stream().wait_event(ticket.done)
         ticket.tensor = None
+        return False   # copied at start_d2h, on the copy stream
 
     @staticmethod
     def matches(ticket, tensor):

@@ -267,9 +267,9 @@ class SwapExecutor:
         backend: a ``SwapBackend`` (default: ``select_backend()`` from the device target).
         max_pool_bytes: bound of the host buffer pool (None: unbounded). A tensor that
             does not fit stays on the device and is counted as ``over_budget``.
-        verify: compare the device tensor with its host copy when the offload finishes
-            and, if the tensor is still alive, again at load; a difference means it was
-            modified in place after being saved and raises RuntimeError.
+        verify: compare the device tensor with its host copy where they can differ: at load, if the
+            tensor is still alive (written in place after its layer's forward), and when the offload
+            finishes if the backend copied earlier; a difference raises RuntimeError.
         report: a ``SwapReport`` to count into (default: a new one).
 
     Call ``close()`` (or drop the executor) to stop the worker thread.
@@ -291,8 +291,9 @@ class SwapExecutor:
 
     # --- offload -------------------------------------------------------------------------
     def start_offload(self, tensor, key=None, tag=None):
-        """Start copying ``tensor`` to host. Returns a SwapHandle, or None if it must stay on device
-        (pool bound reached: counted as over budget; dtype the backend cannot copy)."""
+        """Give ``tensor`` a host buffer and hand it to the backend (a device backend starts copying on its
+        copy stream; the host backend copies in ``finish_offload``). Returns a SwapHandle, or None if it
+        must stay on device (pool bound reached: counted as over budget; dtype the backend cannot copy)."""
         nbytes = int(tensor.nbytes)
         buf = self.pool.acquire(nbytes)
         if buf is None:
@@ -308,16 +309,19 @@ class SwapExecutor:
         return h
 
     def finish_offload(self, handle):
-        """Wait for the copy, check the tensor was not modified meanwhile, drop the device reference.
+        """Finish the copy, drop the device reference; keep a weak one for the check at load.
 
-        Raises RuntimeError if it was modified in place since ``start_offload`` (the handle is
-        finished all the same: it loads the host copy, taken when the tensor was saved)."""
+        A backend that copied at ``start_offload`` (a device backend) is checked here: RuntimeError if
+        the tensor was modified in place since (the handle is finished all the same: it loads the host
+        copy, taken when the tensor was saved). A copy taken now (the host backend) holds the tensor as
+        it is, in-place writes before this call included, so there is nothing to compare."""
         if handle.state is not HandleState.COPYING:
             return
-        self.backend.wait_d2h(handle.ticket)
+        copied_now = self.backend.wait_d2h(handle.ticket)
         tensor = handle.finish_offload()
         if self.verify:
-            self._check_unchanged(handle, tensor, "before its layer's forward ended")
+            if not copied_now:
+                self._check_unchanged(handle, tensor, "before its layer's forward ended")
             handle.watch(tensor)
 
     def finish_offloads(self, handles):

@@ -20,9 +20,10 @@ Per saved tensor, in order:
    swaps only ``swap_tensor_wrapper`` tensors), ``check_fn`` / ``policy``
    (user rule said keep), ``small`` (< ``min_bytes``), ``over_budget`` (host
    pool full);
-4. otherwise offloaded: the copy starts at pack, the device tensor is held
+4. otherwise offloaded: pack takes a host buffer; the device tensor is held
    until the group closes (so its address cannot be reused by a new tensor
-   while the dedup table is live), then verified and dropped.
+   while the dedup table is live), then copied (the host backend; a device
+   backend copies from pack on, and is checked here) and dropped.
 """
 import weakref
 
@@ -151,10 +152,11 @@ class SwapScheduler:
         return g
 
     def close_group(self, g, failed=False):
-        """End the region: finish its copies, verify them, drop device references.
+        """End the region: finish its copies, drop device references.
 
-        Raises RuntimeError if a saved tensor was modified in place after its
-        offload, or if ``g`` is not the innermost open group (regions must nest).
+        Raises RuntimeError if a backend that copied at pack finds a saved
+        tensor modified in place since, or if ``g`` is not the innermost open
+        group (regions must nest).
 
         ``failed=True``: the region's forward raised (any exception, Ctrl-C
         included). Groups opened inside it and still open are closed first,
