@@ -18,8 +18,10 @@ every member exists with the Protocol's signature:
 ``close()``                       stop worker threads; idempotent
 
 * ``HostCopyBackend`` (CPU build): one ``memmove`` of the tensor's bytes (CPU
-  device memory is host memory) into a pool buffer; small ones on the
-  caller's thread, large ones on one worker thread. A load is
+  device memory is host memory) into a pool buffer, taken in ``wait_d2h`` (the
+  end of the layer's forward, so in-place writes inside the layer are in the
+  copy); small ones on the caller's thread, large ones split between it and
+  one worker thread. A load is
   ``Tensor.from_numpy`` of that buffer: on CPU host memory is the device's, so
   copying back would only cost time. The buffer goes back to the pool when its
   handle dies and is reused only after a fence (the PyNative executor's sync),

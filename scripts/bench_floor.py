@@ -1,0 +1,73 @@
+"""Full recompute against the floor on the three model families: each configuration run several times.
+
+    PYTHONPATH=scripts:. python scripts/bench_floor.py [--shape small mid] [--repeat 3] [--steps-small 30]
+                                                       [--steps-mid 12] [--only gpt plain llama]
+
+Each run is one ``bench_recompute.py`` process (every row interleaved in it, medians over its steps);
+a ratio moves by a few percent between processes on a shared machine, so each configuration runs
+``--repeat`` times and the table gives the median of the runs' ratios and their range. Rows: the
+reference GPT with its replayable SeededDropout, with ``nn.Dropout`` and without dropout; the plain
+pre-LN transformer with ``nn.Dropout`` and without; the LLaMA of docs/own_model.md (no dropout).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = [("gpt", "SeededDropout 0.1", []), ("gpt", "nn.Dropout 0.1", ["--nn-dropout"]),
+           ("gpt", "none", ["--dropout", "0"]), ("plain", "nn.Dropout 0.1", ["--dropout", "0.1"]),
+           ("plain", "none", ["--dropout", "0"]), ("llama", "none", [])]
+FLOOR, BUILTIN = "floor (baseline + 1 forward)", "Cell.recompute() full"
+
+
+def run_once(family, flags, shape, steps):
+    """{row name: (wall ms, {column: text})} of one bench_recompute.py process."""
+    cmd = [sys.executable, os.path.join(HERE, "bench_recompute.py"), "--family", family, "--shape", shape,
+           "--steps", str(steps), *flags]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("| ")]
+    heads = [h.strip() for h in lines[0].strip("|").split("|")]
+    rows = {}
+    for ln in lines[1:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        rows[cells[0]] = (float(cells[1]), dict(zip(heads, cells)))
+    return rows
+
+
+def spread(values):
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs="+", choices=("small", "mid"), default=["small", "mid"])
+    p.add_argument("--repeat", type=int, default=3, help="processes per configuration (default 3)")
+    p.add_argument("--steps-small", type=int, default=30, help="interleaved steps per small run (default 30)")
+    p.add_argument("--steps-mid", type=int, default=12, help="interleaved steps per mid run (default 12)")
+    p.add_argument("--only", nargs="+", choices=("gpt", "plain", "llama"), help="these families only")
+    a = p.parse_args()
+    print(f"median of {a.repeat} processes (range); wall-clock ratios of medians over interleaved steps")
+    print("| shape | family | dropout | baseline ms | floor ms | `Cell.recompute()` x floor | full x floor | "
+          "full x `Cell.recompute()` | select mlp x `mlp.recompute()` | full: light / intercepted calls |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for shape in a.shape:
+        steps = a.steps_small if shape == "small" else a.steps_mid
+        for family, dropout, flags in CONFIGS:
+            if a.only and family not in a.only:
+                continue
+            runs = [run_once(family, flags, shape, steps) for _ in range(a.repeat)]
+            ratio = lambda r, x, y: r[x][0] / r[y][0]   # noqa: E731
+            base = statistics.median(r["baseline"][0] for r in runs)
+            floor = statistics.median(r[FLOOR][0] for r in runs)
+            cells = [spread([ratio(r, BUILTIN, FLOOR) for r in runs]), spread([ratio(r, "full", FLOOR) for r in runs]),
+                     spread([ratio(r, "full", BUILTIN) for r in runs]),
+                     spread([ratio(r, "select mlp", "Cell.recompute() mlp") for r in runs]),
+                     runs[-1]["full"][1]["light / intercepted calls"]]
+            print(f"| {shape} | {family} | {dropout} | {base:.1f} | {floor:.1f} | " + " | ".join(cells) + " |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
