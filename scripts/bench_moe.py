@@ -2,9 +2,10 @@
 
     PYTHONPATH=scripts:. python scripts/bench_moe.py --shape small [--steps 15] [--num-experts 4 --top-k 2 ...]
 
-Rows: baseline and one ``apply_ac`` config per mode (full, full + exclude_op AllToAll, select experts /
-router / shared_experts, recompute_comm of the all-to-alls, layer swap of every other layer, a mixed
-config), each on a fresh model, stepped interleaved (``bench_common``). Kept bytes are the package's
+Rows: baseline, the floor of full recompute (a baseline step plus one forward of the model; the full
+rows' "x ref" is taken to it), and one ``apply_ac`` config per mode (full, full + exclude_op AllToAll,
+select experts / router / shared_experts, recompute_comm of the all-to-alls, layer swap of every other
+layer, a mixed config), each on a fresh model, stepped interleaved (``bench_common``). Kept bytes are the package's
 accounting (``accounting.StepMeter``, as ``mindformers-ac train`` reports them): the whole step, and
 layer 0 (a MoE layer) alone.
 """
@@ -17,12 +18,15 @@ from mindformers_ac.training import TrainingRun
 
 from bench_common import Row, parse_args, print_table, profile, run_interleaved
 
+FLOOR = "floor (baseline + 1 forward)"
+
 
 def modes(num_layers):
     every = [f"0-{num_layers - 1}"]
     half = list(range(0, num_layers - 1, 2))   # the last layer can't be layer-swapped (prefetch 1)
     return {
         "baseline": None,
+        FLOOR: None,
         "full": {"recompute": {"mode": "full", "full_recompute_layer": every}},
         "full + exclude AllToAll": {"recompute": {"mode": "full", "full_recompute_layer": every,
                                                   "exclude_op": ["AllToAll"]}},
@@ -41,11 +45,14 @@ def modes(num_layers):
 def case(name, config, moe, batch):
     run = TrainingRun(build_moe_gpt(moe, seed=0), config)
     last = {}
+    extra_forward = name == FLOOR
 
     def step():
+        if extra_forward:
+            run.model(*batch)
         last["memory"] = run.step(batch)[2]
 
-    row = Row(name, step)
+    row = Row(name, step, ref=FLOOR if name.startswith("full") else None)
 
     def kept():
         memory = last["memory"].as_dict()
