@@ -36,6 +36,10 @@ def run_once(family, flags, shape, steps):
     return rows
 
 
+def ratio(run, row, ref):
+    return run[row][0] / run[ref][0]
+
+
 def spread(values):
     return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
@@ -58,7 +62,6 @@ def main():
             if a.only and family not in a.only:
                 continue
             runs = [run_once(family, flags, shape, steps) for _ in range(a.repeat)]
-            ratio = lambda r, x, y: r[x][0] / r[y][0]   # noqa: E731
             base = statistics.median(r["baseline"][0] for r in runs)
             floor = statistics.median(r[FLOOR][0] for r in runs)
             cells = [spread([ratio(r, BUILTIN, FLOOR) for r in runs]), spread([ratio(r, "full", FLOOR) for r in runs]),
