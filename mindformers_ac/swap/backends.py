@@ -350,10 +350,10 @@ class HostCopyBackend:
             self._check_open()
         host, addr = buffer
         np_dtype = self._np_dtypes.get(tensor.dtype)
-        if np_dtype is not None and tensor.is_contiguous():
-            return _HostTicket(host, addr, np_dtype, tensor.shape, tensor, True)
-        np_dtype = self._np_dtypes[tensor.dtype] = self.host_view(tensor).dtype   # raises if it can't copy
-        return _HostTicket(host, addr, np_dtype, tensor.shape, tensor, False)
+        if np_dtype is None:   # the first of its dtype: learn how numpy sees it (raises if it can't copy)
+            np_dtype = self._np_dtypes[tensor.dtype] = self.host_view(tensor).dtype
+            return _HostTicket(host, addr, np_dtype, tensor.shape, tensor, False)
+        return _HostTicket(host, addr, np_dtype, tensor.shape, tensor, tensor.is_contiguous())
 
     def wait_d2h(self, ticket):
         """Take the host copy now, from the tensor as it is at this call (returns True; False when an
