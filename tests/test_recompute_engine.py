@@ -524,7 +524,7 @@ class _NormBlock(nn.Cell):
 def test_engine_detaches_without_recording_stop_gradient(monkeypatch, policy):
     """``ops.stop_gradient`` recorded on a graph input makes later ``LayerNormGrad`` calls key their
     kernel by the tensor's printed values (about 10x slower, docs/benchmarks.md); the engine's own
-    detaches (the recompute's re-tracked inputs) record nothing."""
+    detaches (saved inputs in forward, re-tracked inputs in the recompute) record nothing."""
     from mindformers_ac.mindspore_compat import pynative_executor
 
     recording, real = [], ops.stop_gradient
@@ -549,4 +549,4 @@ def test_engine_detaches_without_recording_stop_gradient(monkeypatch, policy):
         assert all(np.array_equal(a, b) for a, b in zip(base, got))
     assert sum(s.recompute_calls for s in stats) == 4
     assert sum(s.light_calls for s in stats) == (0 if policy else 2)
-    assert recording and not any(recording), recording   # inputs re-tracked, never recorded
+    assert recording and not any(recording), recording   # inputs saved and re-tracked, never recorded

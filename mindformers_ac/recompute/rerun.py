@@ -9,7 +9,7 @@ decision (``path_choice``). Everything else is here, once:
 
 * the run record (``RegionRun``): the ENGINE stack entry of one forward,
   recompute or replay, which trackers, proxies and nested regions look at;
-* saving the region's inputs with whether autograd tracked them,
+* saving the region's inputs, detached, with whether autograd tracked them,
   and giving them back to the recompute tracked exactly as in forward
   (``RegionBase.save_inputs`` / ``load_inputs``);
 * keeping an ``nn.Dropout`` / Dropout kernel call as mask bits
@@ -116,10 +116,9 @@ def recompute_input(a):
     tracked, a = a.tracked, a.value
     if isinstance(a, SwappedTensor):
         a = a.load()
-    if not tracked:
-        return a   # no graph history to cut, and none to start
     a = detached(a)
-    a.requires_grad_()
+    if tracked:
+        a.requires_grad_()
     return a
 
 
@@ -183,14 +182,15 @@ class RegionBase:
     def save_inputs(self, args, kwargs, offload=None):
         """Keep the tensor arguments for the recompute; returns their storage pointers.
 
-        Each is remembered with whether autograd tracked it; the recompute
-        cuts it from this graph (``recompute_input``). Holding the tensor itself
-        keeps nothing alive that the forward's graph does not hold already, and
-        costs no op (a detach here was a kernel call per input per region).
-        ``offload(tensor, ptr) -> holder`` hands them to a swap executor
-        instead of keeping them on the device; kept ones are counted in
-        ``bytes``. Parameters and non-tensors are passed as they are (a
-        Parameter is read at recompute time).
+        Each is detached (the recompute makes its own graph) and remembered
+        with whether autograd tracked it. Holding a tracked one with its graph
+        node instead would tie the region to the graph that holds it (a cycle
+        through MindSpore's C++ nodes, which Python's collector can't break:
+        tried, the checking call's regions outlived every step,
+        ``test_fifty_steps_do_not_grow``). ``offload(tensor, ptr) -> holder``
+        hands them to a swap executor instead of keeping them on the device;
+        kept ones are counted in ``bytes``. Parameters and non-tensors are
+        passed as they are (a Parameter is read at recompute time).
         """
         ptrs = []
 
@@ -199,10 +199,11 @@ class RegionBase:
                 return a
             ptr = a.data_ptr()
             ptrs.append(ptr)
+            kept = detached(a)
             if offload is not None:
-                return SavedInput(offload(a, ptr), is_tracked(a))
+                return SavedInput(offload(kept, ptr), is_tracked(a))
             self.bytes.keep(a)
-            return SavedInput(a, is_tracked(a))
+            return SavedInput(kept, is_tracked(a))
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
             self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
