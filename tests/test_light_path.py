@@ -6,10 +6,7 @@ baseline and to the op-intercepting path, that a diverging light recompute
 raises the clear error, and that failures leave nothing behind.
 """
 import json
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -23,7 +20,7 @@ from mindformers_ac.harness.models import synthetic_batch
 from mindformers_ac.recompute import dropout_proxy, light
 from mindformers_ac.recompute.api import _wrap_info
 
-REPO = Path(__file__).resolve().parents[1]
+from isolated import run_isolated
 
 
 @pytest.fixture
@@ -222,12 +219,9 @@ def test_signature_change_checks_the_path_again(light_calls):
 # -- in a subprocess: an exception inside grad can break the executor ------------------------
 
 def _run(body):
-    code = textwrap.dedent("""
+    return run_isolated(textwrap.dedent("""
         import json
         import numpy as np
-        import mindspore as ms
-        from mindformers_ac.mindspore_compat import synchronous_pynative
-        synchronous_pynative()
         from mindspore import ops
         from mindspore.graph.api import _pynative_executor
         from mindspore._c_expression import _DispatchGuardStack
@@ -246,9 +240,7 @@ def _run(body):
             m.set_train(True)
             return use_nn_dropout(m) if nn_dropout else m
         batch = synthetic_batch(2, 8, 32)
-    """) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    """) + textwrap.dedent(body))
 
 
 @pytest.mark.slow

@@ -23,9 +23,6 @@ fp16 ``nn.Dropout`` masks kept as bits, and the engine's own copies made
 without casts.
 """
 import logging
-import os
-import subprocess
-import sys
 
 import mindspore as ms
 import numpy as np
@@ -35,13 +32,13 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 import mindformers_ac as mac
 
 from conftest import model_fingerprint
+from isolated import run_isolated
 from model_patterns import FFN, MLP, PATTERNS, B, H, Pattern, S, init_weights, mode_config
 from steps import assert_acted, first_difference, install_api, run_steps
 
 pytestmark = pytest.mark.usefixtures("fresh_swap_manager")   # each test starts from an empty SwapManager
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AC_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
 ORDERS = ("before", "after")
 
@@ -312,16 +309,13 @@ def test_amp_o1_after_apply_ac_is_refused(config, in_tmp_dir):
 @pytest.mark.slow
 def test_forward_of_a_network_rewritten_after_apply_ac_raises(tmp_path):
     """Its layers would run the original cells' code (without O1's casts) through the copied patches."""
-    code = ("import mindspore as ms, numpy as np\n"
-            "from mindformers_ac.mindspore_compat import synchronous_pynative\nsynchronous_pynative()\n"
-            f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r})\n"
-            "import mindformers_ac as mac\n"
-            "from test_mixed_precision import _plain, _bf16_batch, FULL\n"
-            "model = _plain(); mac.apply_ac(model, config=FULL)\n"
-            "net = ms.amp.auto_mixed_precision(model, 'O1')\n"
-            "ms.value_and_grad(net, None, net.trainable_params())(*_bf16_batch(0))\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+    res = run_isolated("""
+        import mindformers_ac as mac
+        from test_mixed_precision import _plain, _bf16_batch, FULL
+        model = _plain(); mac.apply_ac(model, config=FULL)
+        net = ms.amp.auto_mixed_precision(model, 'O1')
+        ms.value_and_grad(net, None, net.trainable_params())(*_bf16_batch(0))
+    """, cwd=tmp_path)
     assert res.returncode != 0
     assert "RuntimeError: mindformers_ac: cell (PlainLayerOpt" in res.stderr, res.stderr[-3000:]
     assert "apply mixed precision first" in res.stderr
@@ -331,18 +325,15 @@ def test_forward_of_a_network_rewritten_after_apply_ac_raises(tmp_path):
 def test_a_type_set_on_an_enclosing_cell_only_fails_naming_the_cast():
     """``add_flags(fp16=True)`` on the model alone (not recursive): the layers run under the model's type,
     which the recompute of a layer can't see; it fails in backward with a hint, not silently."""
-    code = ("import sys; sys.path.insert(0, 'tests')\n"
-            "import mindspore as ms\n"
-            "from mindformers_ac.mindspore_compat import synchronous_pynative\nsynchronous_pynative()\n"
-            "import mindformers_ac as mac\n"
-            "from model_patterns import PATTERNS, mode_config\n"
-            "from steps import run_steps\n"
-            "p = PATTERNS['int_bool_inputs']\n"
-            "model = p.build(); model.add_flags(fp16=True)\n"
-            "mac.apply_ac(model, config=mode_config('full', p))\n"
-            "run_steps(model, p.batch, steps=1)\n")
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={"PYTHONPATH": REPO, "PATH": "/usr/bin:/bin"})
+    res = run_isolated("""
+        import mindformers_ac as mac
+        from model_patterns import PATTERNS, mode_config
+        from steps import run_steps
+        p = PATTERNS['int_bool_inputs']
+        model = p.build(); model.add_flags(fp16=True)
+        mac.apply_ac(model, config=mode_config('full', p))
+        run_steps(model, p.batch, steps=1)
+    """)
     assert res.returncode != 0
     assert "recompute diverged from forward at op #" in res.stderr and "forward ran Cast" in res.stderr, \
         res.stderr[-3000:]

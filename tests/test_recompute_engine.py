@@ -9,11 +9,8 @@ twice per step).
 """
 import gc
 import logging
-import subprocess
-import sys
 import textwrap
 import types
-from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -29,7 +26,8 @@ from mindformers_ac.recompute.saved import Token
 from mindformers_ac.recompute.state import ENGINE
 from mindformers_ac.tensors import storage_nbytes
 
-REPO = Path(__file__).resolve().parents[1]
+from isolated import run_isolated
+
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size=256)
 BATCH = 2
 
@@ -467,19 +465,14 @@ def test_fifty_steps_do_not_grow():
 # -- failure paths (subprocess: an exception inside grad can break the executor) ------------
 
 def _run_script(body):
-    code = textwrap.dedent("""
-        import mindspore as ms
-        from mindformers_ac.mindspore_compat import synchronous_pynative
-        synchronous_pynative()
+    return run_isolated(textwrap.dedent("""
         from mindformers_ac import recompute as rc
         from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
         model = build_gpt(num_layers=1, hidden_size=32, num_heads=2, seq_length=8, vocab_size=32, dropout=0.1)
         model.set_train(True)
         tokens, labels = synthetic_batch(2, 8, 32)
         grad_fn = ms.value_and_grad(model, None, model.trainable_params())
-    """) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    """) + textwrap.dedent(body), timeout=120)
 
 
 @pytest.mark.slow

@@ -1,10 +1,6 @@
 """Activation swap engine: exact gradients, report, prefetch order, pool bounds, device scheduling, failures."""
 import contextlib
 import gc
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import mindspore as ms
@@ -29,8 +25,9 @@ from mindformers_ac.swap import (
 )
 from mindformers_ac.swap.backends import DeviceCopyBackend, HostBufferPool, HostCopyBackend
 
+from isolated import run_isolated
+
 LAYERS, HIDDEN, HEADS, SEQ, VOCAB, BATCH = 3, 32, 4, 32, 128, 2
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(layers=LAYERS, dropout=0.1):
@@ -414,14 +411,6 @@ def test_offload_of_non_contiguous_and_other_dtypes_round_trips():
     ex.close()
 
 
-def _run_script(body):
-    code = ("import mindspore as ms\nfrom mindformers_ac.mindspore_compat import synchronous_pynative\n"
-            "synchronous_pynative()\n" + textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=REPO)
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                          cwd=REPO)
-
-
 @pytest.mark.parametrize("n", [1024, 64 * 1024], ids=["copied_inline", "split_with_worker"])
 @pytest.mark.parametrize("dtype_known", [False, True], ids=["first_of_dtype", "raw_bytes"])
 def test_host_copy_is_taken_when_the_offload_finishes(n, dtype_known):
@@ -444,7 +433,7 @@ def test_host_copy_is_taken_when_the_offload_finishes(n, dtype_known):
 def test_inplace_modification_in_forward_matches_no_swap_subprocess():
     """A saved tensor written in place later in the same layer's forward: with the host backend the
     gradients are bitwise those of the same model without swap (the copy is taken at the layer's end)."""
-    proc = _run_script("""
+    proc = run_isolated("""
         import numpy as np
         from mindformers_ac.harness.models import build_gpt, synthetic_batch
         from mindformers_ac.swap import install_layer_swap
