@@ -4,8 +4,8 @@ another row: each row runs alone in its own process under Linux ``perf``.
     PYTHONPATH=scripts:. python scripts/profile_ops.py --family plain --shape mid [--rows floor full]
                                                        [--steps 20] [--top 20]
 
-Rows (as in ``bench_recompute.py``): ``baseline``, ``floor`` (baseline + 1 forward), ``builtin``
-(``Cell.recompute()`` on each layer), ``full`` (``checkpoint_wrapper`` on each layer). The first row
+Rows (``bench_recompute.py``'s, built by its ``case``): ``baseline``, ``floor`` (baseline + 1 forward),
+``builtin`` (``Cell.recompute()`` on each layer), ``full`` (``checkpoint_wrapper`` on each layer). The first row
 named is the reference. Prints each row's CPU time per step (all threads, from perf's samples) and
 the native functions whose CPU time per step differs most from the reference's, grouped by shared
 object. For the Python side per function, see ``bench_recompute.py --profile ROW`` (cProfile).
@@ -21,13 +21,10 @@ import subprocess
 import sys
 import tempfile
 
-import mindspore as ms
-
-from mindformers_ac import recompute as rc
 from mindformers_ac.mindspore_compat import synchronous_pynative
 
 from bench_common import parse_args
-from bench_families import build
+from bench_recompute import case, cell_recompute, per_layer
 
 ROWS = ("baseline", "floor", "builtin", "full")
 FREQ = 999
@@ -37,20 +34,10 @@ def run_row(args):
     """Worker: build and warm up, then ``--steps`` steps of one row with perf's sampling on (perf starts
     it disabled; ``enable`` / ``disable`` go through its control fifo, each acknowledged)."""
     synchronous_pynative()
-    family = build(args.family, args.gpt, args.batch, args.gpt.dropout, args.nn_dropout)
-    model, batch = family.model, family.batch
-    for cell in family.layers:
-        if args.row == "builtin":
-            cell.recompute()
-        elif args.row == "full":
-            rc.checkpoint_wrapper(cell)
-    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
-
-    def step():
-        if args.row == "floor":
-            model(*batch)
-        grad_fn(*batch)[1][0].asnumpy()
-
+    setups = {"baseline": (lambda family: None, False), "floor": (lambda family: None, True),
+              "builtin": (cell_recompute(), False), "full": (per_layer(), False)}
+    setup, extra_forward = setups[args.row]
+    step = case(args, args.row, setup, extra_forward=extra_forward).step
     for _ in range(args.warmup):
         step()
     with open(args.ctl, "w", encoding="ascii") as ctl, open(args.ack, encoding="ascii") as ack:
