@@ -17,7 +17,16 @@ from .config import AcConfig, RecomputeCommConfig, RecomputeConfig, SwapConfig
 from .errors import ConfigError, RecomputeError
 from .layer_specs import parse_layer_specs
 from .plan import AcPlan, LayerPlan, plan_ac
-from .recompute import CheckpointPolicy, RecomputeStats, checkpoint, checkpoint_wrapper, is_in_recompute, unwrap
+from .recompute import (
+                        CheckpointPolicy,
+                        RecomputeStats,
+                        checkpoint,
+                        checkpoint_wrapper,
+                        get_recompute_metadata,
+                        is_in_recompute,
+                        save_for_recompute,
+                        unwrap,
+)
 from .swap import SwapManager, SwapReport, async_save_on_cpu, remove_swap_wrapper, swap_tensor_wrapper, swap_wrapper
 from .whitelist import get_single_layer_whitelist
 
@@ -28,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig",
     "RecomputeConfig", "RecomputeError", "RecomputeStats", "StepMemory", "SwapConfig", "SwapManager", "SwapReport",
-    "ac_state", "apply_ac", "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_single_layer_whitelist",
-    "is_in_recompute", "measure_step", "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap",
-    "swap_tensor_wrapper", "swap_wrapper", "unwrap",
+    "ac_state", "apply_ac", "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_recompute_metadata",
+    "get_single_layer_whitelist", "is_in_recompute", "measure_step", "parse_layer_specs", "plan_ac", "remove_ac",
+    "remove_swap_wrapper", "save_for_recompute", "swap", "swap_tensor_wrapper", "swap_wrapper", "unwrap",
 ]

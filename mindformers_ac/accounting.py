@@ -9,7 +9,12 @@ forward pass (where activation memory peaks in a training step):
   embedding, head and loss);
 * inside regions the engines' own hooks hide the meter, so the engines report
   what they keep: ``RecomputeStats.kept_bytes`` (inputs, excluded ops, random
-  masks) and ``SwapReport`` resident bytes (what stayed on the device).
+  masks) and ``SwapReport`` resident bytes (what stayed on the device);
+* saved-tensor hooks the model installs itself are seen through (the meter
+  counts what their packed objects hold; see ``meter``), and one holding
+  nothing the meter can see is named in a warning, once per model;
+* the engines of every ``apply_ac`` on the model or on one of its sub-cells
+  are read (MindFormers applies it to ``model.decoder``).
 
 On a model without AC the per-layer figures are exactly what an independent
 ``SavedTensorMeter`` measures (a test checks this to the byte).
@@ -22,7 +27,11 @@ from dataclasses import dataclass, field
 
 from .apply import ac_state
 from .layers import find_layer_stack
+from .logs import OnceLogger
 from .meter import SavedTensorMeter
+from .meter import logger as meter_logger
+from .mindspore_compat import registered_pack_hook
+from .recompute import is_in_recompute
 
 OTHER = "other"
 LAYER_ITSELF = "(layer)"            # bytes a layer packs outside all of its modules
@@ -41,8 +50,8 @@ class LayerMeter(SavedTensorMeter):
     hooks hide this meter: what they keep is reported by the engines (``_engine_figures``).
     """
 
-    def __init__(self, params, layer_cells):
-        super().__init__(params)
+    def __init__(self, params, layer_cells, model=None, warnings=None):
+        super().__init__(params, model, warnings)
         self.layer_cells = layer_cells        # global id -> cell
         self._running = []                    # stack of (layer id, module path) currently in forward
         self._owner = {}                      # data_ptr -> (layer id, module path)
@@ -68,12 +77,18 @@ class LayerMeter(SavedTensorMeter):
         for layer_id, cell in self.layer_cells.items():
             self._hook(cell, (layer_id, LAYER_ITSELF))
             for path, sub in cell.cells_and_names():
-                if path and path.count(".") < MODULE_DEPTH:
+                # A forward hook would turn on the saved-tensor hooks a module registered, which MindSpore
+                # skips on a cell without hooks (mindspore_compat.registered_pack_hook): what it packs is
+                # its parent's in the figures instead. A layer needs its hooks for the split by layer.
+                if path and path.count(".") < MODULE_DEPTH and registered_pack_hook(sub) is None:
                     self._hook(sub, (layer_id, path))
 
     def detach(self):
         while self._handles:
             self._handles.pop().remove()
+
+    def skip_chained(self):
+        return is_in_recompute()   # a recompute's throw-away graph, met through another hook
 
     def storage_added(self, ptr, nbytes):
         owner = self._running[-1] if self._running else (OTHER, LAYER_ITSELF)
@@ -183,21 +198,27 @@ class StepMeter:
         self.layer_ids = list(stack.layer_ids)
         self.layer_cells = {i: stack.cell(i) for i in stack.layer_ids}
         self.params = list(model.get_parameters())
+        self.warnings = OnceLogger(meter_logger)   # a hook the meter can't see into is named once per model
+
+    def _ac_states(self):
+        """The ``AcState`` of the model and of its sub-cells: MindFormers applies AC to ``model.decoder``
+        and measures the whole model."""
+        states = (ac_state(cell) for _, cell in self.model.cells_and_names())
+        return list({id(s): s for s in states if s is not None}.values())
 
     @staticmethod
-    def _reset_engines(state):
-        if state is None:
-            return
-        for stats in state.recompute_stats.values():
-            stats.reset()
-        if state.swap_report is not None:
-            state.swap_report.end_step()
+    def _reset_engines(states):
+        for state in states:
+            for stats in state.recompute_stats.values():
+                stats.reset()
+            if state.swap_report is not None:
+                state.swap_report.end_step()
 
     @contextlib.contextmanager
     def step(self):
-        state = ac_state(self.model)
-        self._reset_engines(state)
-        meter = LayerMeter(self.params, self.layer_cells)
+        states = self._ac_states()
+        self._reset_engines(states)
+        meter = LayerMeter(self.params, self.layer_cells, self.model, self.warnings)
         meter.attach()
         memory = StepMemory({i: LayerMemory(i) for i in self.layer_ids})
         memory.layers[OTHER] = LayerMemory(OTHER)
@@ -210,7 +231,8 @@ class StepMeter:
             lm = memory.layers[owner]
             lm.kept_bytes += nbytes
             _add(lm.kept_by_module, module, nbytes)
-        _engine_figures(state, memory)
+        for state in states:
+            _engine_figures(state, memory)
 
 
 def measure_step(model, step_fn, *args, layers=None, **kwargs):

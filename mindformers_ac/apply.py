@@ -8,17 +8,34 @@ installed is kept on the model (``ac_state(model)``) so that a second
 
 Per layer, one ``RecomputeStats`` collects every recompute region of that
 layer; swap figures come from one ``SwapReport`` keyed by global layer id.
+MTP layers (``mtp_block``) are layers like the others, with global ids
+``num_layers + i``.
+
+A select target may be a cell (its construct becomes a region), an op (its
+output is recomputed, ``wrap_op_output``) or a method of a cell: the method
+is shadowed on that cell instance by a function that runs it as a region
+(``checkpoint_wrapper`` of the bound method), so every call of
+``self.method(...)`` recomputes its work; ``remove_ac`` deletes the instance
+attribute again, and a deep copy of the cell drops it (the copy gets its
+class's method back, and the copied model its own AC).
+
+What was applied is reported once per call (``logs.report_summary``); the
+per-layer detail is logged at debug level.
 """
+import copy
 import logging
 
 import regex
+from mindspore import nn
 
-from .construct_patch import DROPPED, hold_copy_hook, release_copy_hook
+from .construct_patch import DROPPED, drop_on_copy, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
+from .logs import report_summary
 from .plan import plan_with_layers, refuse_copied_patches
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
+from .recompute.markers import resolve_context_fn
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
-from .whitelist import sub_cell
+from .whitelist import METHOD_WRAPPER_MARK, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -28,10 +45,12 @@ STATE_ATTR = "_mindformers_ac"
 class AcState:
     """What ``apply_ac`` installed on one model: the plan, undo handles and the engines' counters."""
 
-    def __init__(self, plan, layer_cells, layers_arg=None):
+    def __init__(self, plan, layer_cells, layers_arg=None, mtp_block=None, context_fn=None):
         self.plan = plan
-        self.layer_cells = layer_cells          # global id -> layer cell
+        self.layer_cells = layer_cells          # global id -> layer cell (MTP layers too)
         self.layers_arg = layers_arg            # apply_ac's ``layers=``, to plan a deep copy the same way
+        self.mtp_block = mtp_block              # apply_ac's ``mtp_block=``, likewise
+        self.context_fn = context_fn
         self.recompute_stats = {}               # global id -> RecomputeStats
         self.swap_executor = None
         self._undo = []                         # callables, run in reverse by remove()
@@ -103,34 +122,65 @@ def _exclude_policy_for(lp, region_path=""):
 
 
 def _install_checkpoint(state, cell, policy_fn, stats):
-    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats)
+    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn)
     state.add_undo(lambda: unwrap(cell))
 
 
 def _install_op_output(state, layer, entry, stats):
     owner = sub_cell(layer, entry.owner_path)
     registry = entry.registry or None
+    # TODO(lead): context_fn for output recompute
     handle = wrap_op_output(owner, entry.attr, stats=stats, registry=registry, scope=layer)
     state.add_undo(handle.remove)
+
+
+def _install_method(state, layer, entry, policy_fn, stats):
+    """Shadow method ``entry.attr`` of its owner cell, on the instance, by a region that runs it."""
+    owner, name = sub_cell(layer, entry.owner_path), entry.attr
+    if name in vars(owner):
+        raise ValueError(f"{type(owner).__name__}.{name}: the instance already has an attribute of this name "
+                         f"(wrapped twice?)")
+    wrapped = checkpoint_wrapper(getattr(owner, name), policy_fn=policy_fn, stats=stats,
+                                 context_fn=state.context_fn)
+    setattr(wrapped, METHOD_WRAPPER_MARK, True)
+    drop_on_copy(wrapped)   # a deep copy of the cell gets its class's method back (construct_patch._scrub)
+
+    held = []
+
+    def undo():
+        if owner.__dict__.get(name) is wrapped:
+            del owner.__dict__[name]
+            unwrap(wrapped)
+        if held:
+            held.pop()
+            release_copy_hook(owner)
+    state.add_undo(undo)     # first: an interrupt in the next lines still finds its undo
+    hold_copy_hook(owner)    # ... also when only the cell or its layer is copied
+    held.append(True)
+    object.__setattr__(owner, name, wrapped)   # an instance attribute, as MindFormers shadows a method
 
 
 def _install_recompute(state, lp, layer):
     stats = state.recompute_stats.setdefault(lp.layer_id, RecomputeStats())
     if lp.full_recompute:
         _install_checkpoint(state, layer, _exclude_policy_for(lp), stats)
-        logger.info("Set full recompute at layer %d%s", lp.layer_id,
-                    f", keeping {', '.join(lp.exclude)}" if lp.exclude else "")
+        logger.debug("Set full recompute at layer %s%s", lp.label,
+                     f", keeping {', '.join(lp.exclude)}" if lp.exclude else "")
     for path in lp.recompute:
-        if path in lp.op_paths:
-            _install_op_output(state, layer, lp.targets[path], stats)
+        entry = lp.targets[path]
+        if entry.is_op:
+            _install_op_output(state, layer, entry, stats)
+        elif entry.is_method:
+            # the region is rooted at the method's cell: exclude paths are relative to it
+            _install_method(state, layer, entry, _exclude_policy_for(lp, entry.owner_path), stats)
         else:
             _install_checkpoint(state, sub_cell(layer, path), _exclude_policy_for(lp, path), stats)
     if lp.recompute:
-        logger.info("Set select recompute at layer %d: %s", lp.layer_id, ", ".join(lp.recompute))
+        logger.debug("Set select recompute at layer %s: %s", lp.label, ", ".join(lp.recompute))
     for path in lp.recompute_comm:
         _install_op_output(state, layer, lp.targets[path], stats)
     if lp.recompute_comm:
-        logger.info("Set comm recompute at layer %d: %s", lp.layer_id, ", ".join(lp.recompute_comm))
+        logger.debug("Set comm recompute at layer %s: %s", lp.label, ", ".join(lp.recompute_comm))
 
 
 def _install_swap(state, plan, model):
@@ -139,21 +189,33 @@ def _install_swap(state, plan, model):
         return
     state.swap_executor = SwapExecutor()
     p = plan.config.swap.default_prefetch
+    # MTP layers run in the MTP block's call, not the model's: the tensors that call receives (the
+    # decoder's output, masks) stay on the device for them, as the model's inputs do for the decoder.
+    # Parameters of both never leave the device.
+    mtp = state.mtp_block if isinstance(state.mtp_block, nn.Cell) and state.mtp_block is not model else None
+    params = None if mtp is None else list(model.get_parameters()) + list(mtp.get_parameters())
+
+    def top(layer_id):
+        return mtp if mtp is not None and layer_id >= plan.num_layers else model
+
     layer_ids = [lp.layer_id for lp in swapped if lp.layer_swap]
-    if layer_ids:
-        by_id = [state.layer_cells.get(i) for i in range(plan.num_layers)]
-        inst = install_layer_swap(by_id, layer_ids, prefetch=p, executor=state.swap_executor, model=model)
-        state.add_undo(inst.remove)
-        for i in layer_ids:
-            logger.info("Set layer swap at layer %d, prefetched when layer %d starts backward", i, i + p)
+    by_id = [state.layer_cells.get(i) for i in range(plan.total_layers)]
+    for ids in ([i for i in layer_ids if top(i) is model], [i for i in layer_ids if top(i) is not model]):
+        if ids:
+            inst = install_layer_swap(by_id, ids, prefetch=p, executor=state.swap_executor, model=top(ids[0]),
+                                      params=params)
+            state.add_undo(inst.remove)
+    for i in layer_ids:
+        logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",
+                     plan.layer_label(i), plan.layer_label(i + p))
     for lp in swapped:
         if lp.op_swap:
             inst = install_op_swap(state.layer_cells[lp.layer_id], list(lp.op_swap), layer_id=lp.layer_id,
                                    prefetch_layer=state.layer_cells[lp.prefetch_layer],
-                                   executor=state.swap_executor, model=model)
+                                   executor=state.swap_executor, model=top(lp.layer_id), params=params)
             state.add_undo(inst.remove)
-            logger.info("Set op swap at layer %d: %s, prefetched when layer %d starts backward",
-                        lp.layer_id, ", ".join(lp.op_swap), lp.prefetch_layer)
+            logger.debug("Set op swap at layer %s: %s, prefetched when layer %s starts backward",
+                         lp.label, ", ".join(lp.op_swap), plan.layer_label(lp.prefetch_layer))
 
 
 def _install_copy_hook(state, model):
@@ -162,6 +224,11 @@ def _install_copy_hook(state, model):
     The copy is made without any of the original's patches (``CopyHook``), so
     its cells run their own code; the same config is then applied to it. A
     copy of a single layer or sub-cell is a plain cell without AC.
+
+    The MTP block is mapped through the same ``memo``: its copy is the one
+    the enclosing deep copy makes (``deepcopy(gpt)`` copying ``gpt.decoder``
+    and ``gpt.mtp``), made now if the copy has not reached it yet, so the
+    copied model's AC acts on the copied MTP layers in either order.
     """
     def apply_to_copy(_original, dup, memo):
         layers = state.layers_arg
@@ -171,7 +238,12 @@ def _install_copy_hook(state, model):
                 raise ConfigError("layers", "copy.deepcopy of a model whose apply_ac got layers= cells that are "
                                             "not part of the model: pass layers='path.to.layers' instead")
             layers = copies
-        apply_ac(dup, config=state.plan.config, pp=state.plan.pp, layers=layers)
+        mtp = state.mtp_block
+        if mtp is not None:
+            mtp = copy.deepcopy(mtp, memo)   # memo: the same copy the rest of the deep copy uses
+        # the resolved context_fn; none resolved means none for the copy too (None would mean the default)
+        apply_ac(dup, config=state.plan.config, pp=state.plan.pp, mtp_block=mtp, layers=layers,
+                 context_fn=state.context_fn if state.context_fn is not None else False)
 
     hook = hold_copy_hook(model)
     hook.after.append(apply_to_copy)
@@ -182,10 +254,23 @@ def _install_copy_hook(state, model):
     state.add_undo(remove)
 
 
-def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
+def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *, config=None,
+             layers=None, context_fn=None):
     """Plan and install recompute / swap on ``model``; return the executed ``AcPlan``.
 
-    Same arguments as ``plan_ac`` (MindFormers' signature, or ``config=``).
+    Same arguments as ``plan_ac`` (MindFormers' signature
+    ``apply_ac(model, recompute, recompute_comm, swap, pp, mtp_block=None)``,
+    or ``config=``). ``mtp_block``: the multi-token-prediction block (a cell
+    holding its layer list, e.g. ``model.mtp`` beside ``model.decoder``); its
+    layer ``i`` is global layer ``num_layers + i`` in every section, in the
+    plan and in the report. ``context_fn`` is passed to every recompute
+    region (``checkpoint_wrapper``): by default (None) MindFormers'
+    ``recompute_context_fn`` when MindFormers' marker module is loaded or
+    importable (``recompute.markers.default_context_fn``; said once in the
+    log), so MindFormers' ``is_in_recompute()`` is true in the re-run;
+    ``False`` for none. What was applied is reported once, where
+    a user sees it (``logs.report_summary``: MindFormers' logger when
+    MindFormers is loaded, else the ``mindformers_ac`` logger).
     Everything is validated before anything is installed, and a failure while
     installing removes what was installed, so the model is either fully set up
     or untouched. Parameters keep their names (cells are patched in place, not
@@ -199,8 +284,11 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
     if ac_state(model) is not None:
         raise ConfigError("model", "apply_ac was already applied to this model; call "
                                    "mindformers_ac.remove_ac(model) first to apply another config")
-    plan, stack = plan_with_layers(model, recompute, recompute_comm, swap, pp, config=config, layers=layers)
-    state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers)
+    bridged = context_fn is None
+    context_fn = resolve_context_fn(context_fn)   # a bad one is a TypeError before anything is touched
+    plan, stack = plan_with_layers(model, recompute, recompute_comm, swap, pp, mtp_block, config=config,
+                                   layers=layers)
+    state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers, mtp_block, context_fn)
     try:
         _install_copy_hook(state, model)
         for lp in plan.layers.values():
@@ -215,13 +303,17 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, con
                 object.__setattr__(model, STATE_ATTR, state)
         raise
     object.__setattr__(model, STATE_ATTR, state)
-    if not plan.active_layers():
-        logger.info("apply_ac: nothing to install (no layer is recomputed or swapped)")
+    summary = "apply_ac: " + plan.summary()
+    if bridged and context_fn is not None and any(lp.recomputed for lp in plan.layers.values()):
+        summary += ("; MindFormers' recompute_context_fn is entered around every recompute region's forward and "
+                    "re-run, so its is_in_recompute() and replay metadata see the recompute (context_fn=False "
+                    "turns this off)")
+    report_summary(summary)
     return plan
 
 
 def remove_ac(model):
-    """Undo ``apply_ac``: restore every patched cell and op and stop the swap worker.
+    """Undo ``apply_ac``: restore every patched cell, op and method (MTP layers too) and stop the swap worker.
 
     Every undo runs even if one of them raises or is interrupted (Ctrl-C
     included, see ``AcState.remove``); the first error is re-raised after the

@@ -4,8 +4,13 @@ MindFormers' ``TransformerBlock`` keeps its layers in ``layers`` and, under
 pipeline parallelism, holds only ``layer_start``..``layer_end`` of
 ``config.num_layers`` layers. Other models call the list ``decoder.layers``,
 ``model.layers``, ``blocks`` or ``h``. Config layer ids are always global.
+
+A multi-token-prediction block (MindFormers' ``mtp_block``, DeepSeek-V3 MTP:
+it runs after the decoder, on the last pipeline stage) extends the id space:
+MTP layer ``i`` (the i-th cell of the block's layer list) is global layer
+``num_layers + i``, after every decoder layer, in forward and in backward order.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mindspore import nn
 
@@ -19,23 +24,45 @@ LIST_NAMES = ("layers", "blocks", "h")
 
 @dataclass
 class LayerStack:
-    """The model's layers on this stage: ``cells[k]`` has global id ``offset + k``."""
+    """The model's layers on this stage: ``cells[k]`` has global id ``offset + k``; MTP layer ``k``
+    (``mtp_cells[k]``) has global id ``num_layers + k``.
+
+    ``num_layers`` counts the decoder layers of the whole model (every stage);
+    ``num_mtp_layers`` the MTP layers, also when this stage holds none of them
+    (``config.mtp_num_layers`` on a stage without ``mtp_block``), so that
+    ``total_layers`` and the bounds of every layer id are the same on every stage.
+    """
 
     cells: list
     path: str
     owner: object
     offset: int
     num_layers: int
+    mtp_cells: list = field(default_factory=list)
+    mtp_path: str = ""
+    mtp_block: object = None
+    num_mtp_layers: int = 0
+
+    @property
+    def total_layers(self):
+        return self.num_layers + self.num_mtp_layers
 
     @property
     def layer_ids(self):
-        return range(self.offset, self.offset + len(self.cells))
+        return list(range(self.offset, self.offset + len(self.cells))) + \
+            list(range(self.num_layers, self.num_layers + len(self.mtp_cells)))
 
     def cell(self, layer_id):
+        if layer_id >= self.num_layers:
+            return self.mtp_cells[layer_id - self.num_layers]
         return self.cells[layer_id - self.offset]
 
     def holds(self, layer_id):
-        return self.offset <= layer_id < self.offset + len(self.cells)
+        return self.offset <= layer_id < self.offset + len(self.cells) or \
+            self.num_layers <= layer_id < self.num_layers + len(self.mtp_cells)
+
+    def is_mtp(self, layer_id):
+        return layer_id >= self.num_layers
 
 
 def _resolve(model, path):
@@ -62,15 +89,58 @@ def _search(model):
     return None
 
 
-def _config_num_layers(*holders):
+def _config_int(name, *holders):
     for holder in holders:
-        value = getattr(getattr(holder, "config", None), "num_layers", None)
+        value = getattr(getattr(holder, "config", None), name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
 
 
-def find_layer_stack(model, layers=None):
+def _config_num_layers(*holders):
+    return _config_int("num_layers", *holders)
+
+
+def _mtp_layers(mtp_block):
+    """``(path, cells)`` of an MTP block's layer list: the block itself when it is one, else
+    ``mtp_block.layers`` (or another list ``find_layer_stack`` would find)."""
+    if _is_layer_list(mtp_block):
+        return "mtp_block", list(mtp_block)
+    if isinstance(mtp_block, nn.Cell):
+        path = _search(mtp_block)
+        if path is not None:
+            return f"mtp_block.{path}", list(_resolve(mtp_block, path))
+    what = f"a {type(mtp_block).__name__} cell with no non-empty layer list" if isinstance(mtp_block, nn.Cell) \
+        else type(mtp_block).__name__
+    raise ConfigError("mtp_block", f"expected the multi-token-prediction block: a cell holding its layer list "
+                                   f"(mtp_block.layers, a CellList) or that list itself, got {what}")
+
+
+def _add_mtp(stack, model, mtp_block):
+    """Extend ``stack`` with the MTP layers (ids ``num_layers + i``); checks that they may be here."""
+    configured = _config_int("mtp_num_layers", stack.owner, model)
+    configured = configured if configured is not None and configured > 0 else 0
+    if mtp_block is None:
+        stack.num_mtp_layers = configured
+        return stack
+    path, cells = _mtp_layers(mtp_block)
+    if configured and configured != len(cells):
+        raise ConfigError("mtp_block", f"{path} holds {len(cells)} layers, but config.mtp_num_layers is "
+                                       f"{configured}; pass the model's own MTP block")
+    end = stack.offset + len(stack.cells)
+    if end != stack.num_layers:
+        raise ConfigError("mtp_block", f"MTP layers follow the last decoder layer, but this stage holds decoder "
+                                       f"layers {stack.offset}-{end - 1} of {stack.num_layers}: pass mtp_block "
+                                       f"only on the last pipeline stage")
+    decoder = {id(c) for c in stack.cells}
+    if any(id(c) in decoder for c in cells):
+        raise ConfigError("mtp_block", f"{path} holds cells of the decoder's layer list '{stack.path}'; pass the "
+                                       f"MTP block (e.g. model.mtp), not the decoder")
+    stack.mtp_cells, stack.mtp_path, stack.mtp_block, stack.num_mtp_layers = cells, path, mtp_block, len(cells)
+    return stack
+
+
+def find_layer_stack(model, layers=None, mtp_block=None):
     """Locate the layer list of ``model``.
 
     ``layers`` may name it (``"decoder.layers"``) or be the list itself; by
@@ -93,7 +163,7 @@ def find_layer_stack(model, layers=None):
             raise ConfigError("layers", f"'{path}' is not a non-empty list of cells in "
                                     f"{type(model).__name__}")
     elif _is_layer_list(layers):
-        return LayerStack(list(layers), "<given>", None, 0, len(layers))
+        return _add_mtp(LayerStack(list(layers), "<given>", None, 0, len(layers)), model, mtp_block)
     else:
         raise ConfigError("layers", f"expected a path string or a list of cells, got "
                                 f"{type(layers).__name__}")
@@ -105,4 +175,4 @@ def find_layer_stack(model, layers=None):
     if offset + len(cells) > num_layers:
         raise ConfigError("model", f"{path} holds {len(cells)} layers from layer_start={offset}, "
                                 f"more than config.num_layers={num_layers}")
-    return LayerStack(cells, path, owner, offset, num_layers)
+    return _add_mtp(LayerStack(cells, path, owner, offset, num_layers), model, mtp_block)

@@ -15,11 +15,18 @@ this one file:
   state, ``sync``);
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
-  ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3.
+  ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
+* ``RandomState``: MindSpore's two sources of seeds for random ops, the
+  per-kernel seed table of ``mindspore.common.seed`` (``_KERNEL_SEED``, which
+  ``ops.dropout``, ``ops.rand_like``, ``ops.uniform`` ... advance on every
+  call) and ``mindspore.common.generator.default_generator`` (the ``mint``
+  random ops' seed and offset).
 
 ``synchronous_pynative`` picks, per release, the API that sets synchronous
 PyNative execution.
 """
+import importlib
+
 import mindspore
 from mindspore._c_expression import MixedPrecisionType  # noqa: F401  (re-exported: the door)
 
@@ -31,6 +38,36 @@ except ImportError:
 no_grad = mindspore._no_grad   # pylint: disable=protected-access
 
 MIN_MINDSPORE = "2.9.0"
+
+# ``mindspore.common.seed`` is shadowed by the function ``seed`` in ``mindspore.common``'s namespace.
+_seed_module = importlib.import_module("mindspore.common.seed")
+_generator_module = importlib.import_module("mindspore.common.generator")
+
+
+class RandomState:
+    """A snapshot of the seeds MindSpore's functional random ops draw from; ``restore()`` puts it back.
+
+    Random ops created per call (``ops.dropout`` makes a fresh ``Dropout``
+    primitive, seeded from the table) draw the same numbers from the same
+    snapshot; a primitive held by a cell (``nn.Dropout``) has its own state,
+    which no snapshot covers. Taking one costs a dict copy and a 16-byte
+    read of the generator, a few microseconds.
+    """
+
+    __slots__ = ("kernel_seeds", "generator")
+
+    def __init__(self):
+        self.kernel_seeds = dict(_seed_module._KERNEL_SEED)   # pylint: disable=protected-access
+        with no_grad():
+            self.generator = _generator_module.default_generator.get_state()
+
+    def restore(self):
+        table = _seed_module._KERNEL_SEED   # pylint: disable=protected-access
+        if table != self.kernel_seeds:
+            table.clear()
+            table.update(self.kernel_seeds)
+        with no_grad():
+            _generator_module.default_generator.set_state(self.generator)
 
 
 def require_mindspore():
@@ -70,3 +107,13 @@ def synchronous_pynative(device=None):
         launch_blocking()
     else:
         ms.set_context(pynative_synchronize=True)
+
+
+def registered_pack_hook(cell):
+    """The pack hook ``cell.register_saved_tensors_hooks`` set (``Cell._saved_tensors_pack_hook``), or None.
+
+    MindSpore 2.10 runs it only when the cell's call takes ``Cell.__call__``'s
+    slow path (forward or backward hooks, ``requires_grad``, mixed precision):
+    a forward hook added to such a cell turns its saved-tensor hooks on.
+    """
+    return getattr(cell, "_saved_tensors_pack_hook", None)

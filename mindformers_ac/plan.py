@@ -5,9 +5,12 @@
 prints is what training gets. All cross-section rules live here, in one pass,
 so a rejected config fails before anything is installed:
 
-* layer specs within ``[0, num_layers - 1]`` (global ids);
-* ``swap.default_prefetch`` in ``[1, num_layers - 1]`` and ``layer + p < num_layers``
-  for every swapped layer;
+* layer specs within ``[0, total - 1]`` (global ids; ``total`` is ``num_layers``
+  plus the MTP layers, which come after the decoder's: MTP layer ``i`` is
+  ``num_layers + i``);
+* ``swap.default_prefetch`` in ``[1, total - 1]`` and ``layer + p < total``
+  for every swapped layer (the last decoder layer is prefetched by an MTP
+  layer's backward; the last MTP layer can't be swapped);
 * no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
 * no op swap on a recomputed module or on its parent or child;
 * no swap with pipeline parallelism (``pp > 1``);
@@ -24,8 +27,14 @@ so a rejected config fails before anything is installed:
 * MindSpore's own ``Cell.recompute()`` on a cell the config recomputes, or
   on a cell inside or around such a region: one recompute can't run inside
   the other;
+* no ``checkpoint_wrapper`` / ``swap_wrapper`` of the user's on a cell the config
+  recomputes (``apply_ac`` wraps it itself, and a cell takes one such wrapper);
 * no cell carrying patches that ``apply_ac`` made for another cell (a network
   rewritten after ``apply_ac``, e.g. by amp O1: apply amp first).
+
+Patterns may name methods (``self_attention.get_query_key_value_tensors``):
+``select_module`` recomputes the method's work as a region; ``exclude_op``,
+``recompute_comm`` and ``op_swap`` can't act on one (a warning says so).
 
 The config is checked again first (fields may have changed since it was
 built), and all pattern matching of one call shares one time budget
@@ -40,9 +49,9 @@ import regex
 import yaml
 
 from .config import AcConfig, RecomputeMode, config_for_layers, resolve_config
-from .construct_patch import copied_patch_message, foreign_patches
+from .construct_patch import copied_patch_message, find_patch, foreign_patches
 from .errors import ConfigError, clip, item_field, quote
-from .layer_specs import format_layer_specs, parse_layer_specs, swappable_layers
+from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges, swappable_layers
 from .layers import find_layer_stack
 from .limits import MAX_LAYERS
 from .matching import MatchBudget, drop_covered, match_entries
@@ -66,11 +75,22 @@ class LayerPlan:
     prefetch_layer: Optional[int] = None
     targets: dict = field(default_factory=dict, repr=False)   # target path -> its WhitelistEntry
     notes: tuple = ()            # what the engine runs around but can't act on (e.g. jit cells)
+    mtp_index: Optional[int] = None   # i for MTP layer i (global id num_layers + i), None for a decoder layer
+
+    @property
+    def label(self):
+        """``'3'``, or ``'9 (MTP 1)'`` for an MTP layer."""
+        return str(self.layer_id) if self.mtp_index is None else f"{self.layer_id} (MTP {self.mtp_index})"
 
     @property
     def op_paths(self):
         """The target paths that are ops (attributes or ``_comm_ops`` slots), not cells."""
         return frozenset(path for path, entry in self.targets.items() if entry.is_op)
+
+    @property
+    def method_paths(self):
+        """The target paths that are methods of a cell (``self_attention.get_query_key_value_tensors``)."""
+        return frozenset(path for path, entry in self.targets.items() if entry.is_method)
 
     @property
     def recomputed(self):
@@ -124,29 +144,59 @@ class AcPlan:
 
     config: AcConfig
     layers: dict
-    num_layers: int
+    num_layers: int              # decoder layers of the whole model (every pipeline stage)
     layer_path: str
     pp: int = 1
     matches: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    num_mtp_layers: int = 0      # MTP layers, global ids num_layers .. num_layers + num_mtp_layers - 1
+    mtp_path: str = ""           # where the MTP layers are ('' when this plan holds none)
+
+    @property
+    def total_layers(self):
+        """Every global layer id is below this: the decoder's layers, then the MTP layers."""
+        return self.num_layers + self.num_mtp_layers
 
     def active_layers(self):
         return [lp for lp in self.layers.values() if not lp.is_empty]
 
+    def layer_label(self, layer_id):
+        """``'3'``, or ``'9 (MTP 1)'`` for an MTP layer."""
+        if layer_id < self.num_layers:
+            return str(layer_id)
+        return f"{layer_id} (MTP {layer_id - self.num_layers})"
+
+    def format_layers(self, layer_ids):
+        """``'0-3, 8-9 (MTP 0-1)'``: decoder ids as layer specs, then the MTP ids with their MTP index."""
+        ids = sorted(set(layer_ids))
+        decoder = [i for i in ids if i < self.num_layers]
+        mtp = [i for i in ids if i >= self.num_layers]
+        parts = [str(spec) for spec in format_layer_specs(decoder)]
+        if mtp:
+            mtp_specs = ", ".join(str(spec) for spec in format_layer_specs([i - self.num_layers for i in mtp]))
+            parts.append(f"{', '.join(str(spec) for spec in format_layer_specs(mtp))} (MTP {mtp_specs})")
+        return ", ".join(parts)
+
     def __str__(self):
-        header = (f"AcPlan: {len(self.layers)} layers at '{self.layer_path}' "
-                  f"(global ids {min(self.layers)}-{max(self.layers)} of {self.num_layers}), pp={self.pp}")
+        decoder = [i for i in self.layers if i < self.num_layers]
+        mtp = [i for i in self.layers if i >= self.num_layers]
+        where = f"{len(decoder)} layers at '{self.layer_path}'"
+        if mtp:
+            where += f" + {len(mtp)} MTP layers at '{self.mtp_path}'"
+        total = f"{self.total_layers}" if not self.num_mtp_layers else \
+            f"{self.total_layers}: {self.num_layers} decoder + {self.num_mtp_layers} MTP"
+        header = f"AcPlan: {where} (global ids {self.format_layers(self.layers)} of {total}), pp={self.pp}"
         rows = [("layer", "recompute", "comm recompute", "keep (exclude_op)", "swap", "prefetch at")]
         for lp in self.layers.values():
             recompute = "full" if lp.full_recompute else ", ".join(lp.recompute) or "-"
             swap = "layer" if lp.layer_swap else ", ".join(lp.op_swap) or "-"
-            rows.append((str(lp.layer_id), recompute, ", ".join(lp.recompute_comm) or "-",
+            rows.append((lp.label, recompute, ", ".join(lp.recompute_comm) or "-",
                          ", ".join(lp.exclude) or "-", swap,
-                         "-" if lp.prefetch_layer is None else str(lp.prefetch_layer)))
+                         "-" if lp.prefetch_layer is None else self.layer_label(lp.prefetch_layer)))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [header] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                             for row in rows]
-        notes = [f"  layer {lp.layer_id}: {note}" for lp in self.layers.values() for note in lp.notes]
+        notes = [f"  layer {lp.label}: {note}" for lp in self.layers.values() for note in lp.notes]
         if notes:
             lines += ["Notes:"] + notes
         return "\n".join(lines)
@@ -157,15 +207,49 @@ class AcPlan:
         if not self.matches:
             lines.append("  (no patterns in this config)")
         for m in self.matches:
-            lines.append(f"  {m.field} -> layers {format_layer_specs(m.layer_ids)}")
+            decoder = [i for i in m.layer_ids if i < self.num_layers]
+            mtp = [i for i in m.layer_ids if i >= self.num_layers]
+            ids = " + ".join(([str(format_layer_specs(decoder))] if decoder else [])
+                             + ([self.format_layers(mtp)] if mtp else []))
+            lines.append(f"  {m.field} -> layers {ids}")
             if not m.matched:
                 lines.append("      matched nothing")
             for layer_id, paths in m.paths.items():
                 if paths:
-                    lines.append(f"      layer {layer_id}: {', '.join(paths)}")
+                    lines.append(f"      layer {self.layer_label(layer_id)}: {', '.join(paths)}")
         if self.warnings:
             lines += ["", "Warnings:"] + [f"  {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def summary(self):
+        """What the plan does, in one line: each action with its layers, MTP layers marked, e.g.
+        ``full recompute on layers 0-1; select recompute on layers 2-3 (mlp); layer swap on layers
+        4-6 (prefetch 1)`` (what ``apply_ac`` logs once)."""
+        groups = {}   # action text -> layer ids, in the order the actions are first seen
+        p = self.config.swap.default_prefetch
+
+        def keep(lp):
+            return f"keeping {', '.join(lp.exclude)}" if lp.exclude else ""
+
+        for lp in self.layers.values():
+            if lp.full_recompute:
+                groups.setdefault(("full recompute", keep(lp)), []).append(lp.layer_id)
+            if lp.recompute:
+                detail = "; ".join(x for x in (", ".join(lp.recompute), keep(lp)) if x)
+                groups.setdefault(("select recompute", detail), []).append(lp.layer_id)
+            if lp.recompute_comm:
+                groups.setdefault(("comm recompute", ", ".join(lp.recompute_comm)), []).append(lp.layer_id)
+            if lp.layer_swap:
+                groups.setdefault(("layer swap", f"prefetch {p}"), []).append(lp.layer_id)
+            if lp.op_swap:
+                groups.setdefault(("op swap", f"{', '.join(lp.op_swap)}; prefetch {p}"), []).append(lp.layer_id)
+        text = "; ".join(f"{action} on layer{'s' if len(ids) > 1 else ''} {self.format_layers(ids)}"
+                         + (f" ({detail})" if detail else "") for (action, detail), ids in groups.items()) \
+            or "nothing to install (no layer is recomputed or swapped)"
+        notes = sum(len(lp.notes) for lp in self.layers.values())
+        extra = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((len(self.warnings), "warning"),
+                                                                      (notes, "note")) if n]
+        return text + (f" ({', '.join(extra)}: see plan.explain())" if extra else "")
 
     def to_config(self):
         """The ``AcConfig`` that reproduces this plan with exact paths."""
@@ -204,17 +288,22 @@ class _PlanPass:
     ``model`` and its ``stack`` (``LayerStack``) are what the config is
     planned on; without them (``validate`` with a layer count) only the rules
     that need no cell are checked: layer-spec and prefetch bounds, full
-    recompute vs layer swap.
+    recompute vs layer swap. ``num_layers`` bounds every layer id: with a
+    stack, its ``total_layers`` (decoder and MTP layers).
     """
 
     def __init__(self, config, pp, num_layers, stack=None, model=None):
         self.config, self.stack, self.pp, self.model = config, stack, pp, model
         self.match_patterns = stack is not None
         self.num_layers = num_layers
+        self.num_decoder = stack.num_layers if stack is not None else num_layers
         self.inventories = {}
         self.matches, self.warnings = [], []
+        self.requested = set()   # every layer id the config names, to tell about MTP ids with no MTP block here
         self.budget = MatchBudget()
-        self.plans = {i: LayerPlan(i) for i in (stack.layer_ids if stack is not None else range(num_layers))}
+        ids = stack.layer_ids if stack is not None else range(num_layers)
+        self.plans = {i: LayerPlan(i, mtp_index=i - self.num_decoder if i >= self.num_decoder else None)
+                      for i in ids}
 
     def warn(self, message):
         self.warnings.append(message)
@@ -226,7 +315,17 @@ class _PlanPass:
         return self.inventories[layer_id]
 
     def layer_ids(self, specs, field_path):
-        return parse_layer_specs(specs, self.num_layers, field_path)
+        if self.num_layers > self.num_decoder:   # say which ids are MTP layers
+            for k, (_, end) in enumerate(spec_ranges(specs, field_path)):
+                if end >= self.num_layers:
+                    raise ConfigError(f"{field_path}[{k}]", f"layer {end} is out of range: the model has "
+                                                            f"{self.num_decoder} decoder layers (ids 0-"
+                                                            f"{self.num_decoder - 1}) and "
+                                                            f"{self.num_layers - self.num_decoder} MTP layers "
+                                                            f"(ids {self.num_decoder}-{self.num_layers - 1})")
+        ids = parse_layer_specs(specs, self.num_layers, field_path)
+        self.requested.update(i for i in ids if i >= self.num_decoder)
+        return ids
 
     def match(self, field_path, pattern, specs):
         """Match ``pattern`` in every local layer of ``specs``; record and warn if empty."""
@@ -250,20 +349,32 @@ class _PlanPass:
             self.check_shared_layers()
             self.check_shared_targets()
             self.check_engine_reach()
+            self.note_absent_mtp()
         return self.plans
 
+    def note_absent_mtp(self):
+        """MTP ids named on the stage that holds the last decoder layer, without an MTP block: say they
+        do nothing here (on earlier stages they are another stage's layers, like any other id)."""
+        stack = self.stack
+        absent = sorted(i for i in self.requested if i not in self.plans)
+        if stack.mtp_cells or not absent or stack.offset + len(stack.cells) != stack.num_layers:
+            return
+        self.warn(f"the config names MTP layers {format_layer_specs(absent)} (config.mtp_num_layers="
+                  f"{stack.num_mtp_layers}) but apply_ac got no mtp_block, so they are left as they are: pass "
+                  f"mtp_block=<the MTP block> (e.g. model.mtp) to act on them")
+
     def enclosing_cells(self):
-        """(path, cell) of the model and every cell on the way down to the layer list, outermost first."""
+        """(path, cell) of the model and every cell on the way down to the layer list, outermost first;
+        then the MTP block and the cells down to its layer list."""
         if self.model is None:
             return []
-        found, cell = [("<model>", self.model)], self.model
-        if self.stack.path == "<given>":
-            return found
-        for part in self.stack.path.split("."):
-            cell = cell.name_cells().get(part) if isinstance(cell, ms.nn.Cell) else None
-            if cell is None:
-                break
-            found.append((part if len(found) == 1 else f"{found[-1][0]}.{part}", cell))
+        found = [("<model>", self.model)]
+        if self.stack.path != "<given>":
+            found += _cells_on_path(self.model, self.stack.path, "")
+        block = self.stack.mtp_block
+        if isinstance(block, ms.nn.Cell):
+            found.append(("mtp_block", block))
+            found += _cells_on_path(block, self.stack.mtp_path[len("mtp_block."):], "mtp_block.")
         return found
 
     def check_engine_reach(self):
@@ -299,7 +410,11 @@ class _PlanPass:
         i = lp.layer_id
         layer = self.stack.cell(i)
         cells = dict(layer.cells_and_names())   # '' is the layer itself
-        regions = ([""] if lp.full_recompute else []) + [p for p in lp.recompute if p not in lp.op_paths]
+        # a method's region runs inside its owner cell: the owner is what a jit graph or a native
+        # recompute around or inside it would affect
+        methods = {lp.targets[p].owner_path: p for p in lp.recompute if p in lp.method_paths}
+        regions = ([""] if lp.full_recompute else []) + list(dict.fromkeys(
+            lp.targets[p].cell_path for p in lp.recompute if p not in lp.op_paths))
         swapped = ([""] if lp.layer_swap else []) + list(lp.op_swap)
         owners = [lp.targets[p].owner_path for p in lp.recompute + lp.recompute_comm if p in lp.op_paths]
 
@@ -308,6 +423,8 @@ class _PlanPass:
                 return f"full recompute of layer {i}"
             if path in lp.recompute:
                 return f"select recompute of '{path}' in layer {i}"
+            if path in methods:
+                return f"select recompute of method '{methods[path]}' in layer {i}"
             if path in lp.op_swap:
                 return f"op swap of '{path}' in layer {i}"
             if path in owners:
@@ -325,6 +442,15 @@ class _PlanPass:
                                                f"Resolve convert failed'). Remove ms.jit from that cell, or leave "
                                                f"it out of recompute and swap (a jit cell inside a recomputed "
                                                f"module runs, but as one op)")
+        for root in regions:
+            cell = sub_cell(layer, root)
+            for kind, undo in _CELL_WRAPPERS:
+                if find_patch(cell, kind) is not None:
+                    raise ConfigError("model", f"{_name(root, cell, i)} is already wrapped by {kind}, and the "
+                                               f"config recomputes it ({action(root)}): apply_ac wraps the cells "
+                                               f"it recomputes itself, and a cell takes one such wrapper. Undo "
+                                               f"yours with mindformers_ac.{undo} (or remove_ac(model) if an "
+                                               f"earlier apply_ac made it), or leave the cell out of the config")
         for root in regions:
             for path, cell in cells.items():
                 if not _native_recompute(cell):
@@ -391,10 +517,11 @@ class _PlanPass:
             layer = self.stack.cell(i)
             for path in lp.recompute + lp.recompute_comm + lp.op_swap:
                 entry = lp.targets[path]
-                cell = sub_cell(layer, entry.owner_path if entry.is_op else path)
+                cell = sub_cell(layer, entry.cell_path)
                 others = [j for j in owner_of[id(cell)] if j != i]
                 if others:
-                    what = "the module holding op " + path if entry.is_op else "module " + path
+                    what = {"op": "the module holding op ", "method": "the module holding method "}.get(
+                        entry.kind, "module ") + path
                     raise ConfigError("model", f"{what} of layer {i} is also part of layer "
                                                f"{', '.join(map(str, others))} (a shared module) and the config "
                                                f"recomputes or swaps it; recompute and swap patch it in place, so "
@@ -438,6 +565,13 @@ class _PlanPass:
                 field_path = item_field("recompute.exclude_op", pattern)
                 found = self.match(field_path, pattern, specs)
                 for i, entries in found.items():
+                    methods = [e.path for e in entries if e.is_method]
+                    if methods:
+                        self.warn(f"{field_path}: {', '.join(methods)} in layer {i} "
+                                  f"{'is a method' if len(methods) == 1 else 'are methods'}; exclude_op keeps "
+                                  f"what ops and modules compute, name the module or the ops the method calls "
+                                  f"instead (not effective)")
+                        entries = [e for e in entries if not e.is_method]
                     if entries and i not in recomputed:
                         self.warn(f"{field_path}: layer {i} is not recomputed, "
                                   f"so excluding {', '.join(e.path for e in entries)} has no effect")
@@ -459,7 +593,10 @@ class _PlanPass:
             for i, entries in self.match(field_path, pattern, specs).items():
                 lp = self.plans[i]
                 for entry in entries:
-                    if not entry.is_op:
+                    if entry.is_method:
+                        self.warn(f"{field_path}: {entry.path} in layer {i} is a method, not a communication "
+                                  f"operation; name the collective's op or _comm_ops slot (not effective)")
+                    elif not entry.is_op:
                         self.warn(f"{field_path}: {entry.path} in layer {i} is expected to be "
                                   f"operation but got cell, this configuration will not be effective")
                     elif lp.full_recompute or any(is_under(entry.path, t) for t in lp.recompute):
@@ -476,8 +613,10 @@ class _PlanPass:
         check_swap_pp(self.config, self.pp)
         p = sc.default_prefetch
         if p > self.num_layers - 1:
+            mtp = "" if self.num_layers == self.num_decoder else \
+                f" ({self.num_decoder} decoder + {self.num_layers - self.num_decoder} MTP)"
             raise ConfigError("swap.default_prefetch", f"must be in [1, {self.num_layers - 1}] for a "
-                                                       f"model with {self.num_layers} layers, got {quote(p)}")
+                                                       f"model with {self.num_layers} layers{mtp}, got {quote(p)}")
         for k, entry in enumerate(sc.layer_swap or ()):
             field_path = f"swap.layer_swap[{k}].layers"
             for i in self.layer_ids(entry.layers, field_path):
@@ -500,9 +639,12 @@ class _PlanPass:
     def check_prefetch_bound(self, layer_id, field_path):
         p = self.config.swap.default_prefetch
         if layer_id not in swappable_layers(self.num_layers, p):
-            raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < num_layers "
-                                          f"{self.num_layers}: the last layer that can be swapped is "
-                                          f"{self.num_layers - p - 1}")
+            count = f"num_layers {self.num_layers}" if self.num_layers == self.num_decoder else \
+                (f"the {self.num_layers} layers ({self.num_decoder} decoder + "
+                 f"{self.num_layers - self.num_decoder} MTP; layer i is fetched back when layer i + p "
+                 f"starts its backward)")
+            raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {count}: the last "
+                                          f"layer that can be swapped is {self.num_layers - p - 1}")
 
     def add_op_swap(self, layer_id, entries, field_path):
         lp = self.plans[layer_id]
@@ -511,8 +653,9 @@ class _PlanPass:
                       f"the op swap of {', '.join(e.path for e in entries)} is covered")
             return
         for entry in entries:
-            if entry.is_op:
-                self.warn(f"{field_path}: {entry.path} in layer {layer_id} is an operation; op_swap "
+            if entry.is_op or entry.is_method:
+                what = "an operation" if entry.is_op else "a method"
+                self.warn(f"{field_path}: {entry.path} in layer {layer_id} is {what}; op_swap "
                           f"swaps what a module saves, name its module instead (not effective)")
                 continue
             if lp.full_recompute:
@@ -531,12 +674,28 @@ class _PlanPass:
             lp.prefetch_layer = layer_id + self.config.swap.default_prefetch
 
 
+def _cells_on_path(root, path, prefix):
+    """``(prefix + 'a', cell), (prefix + 'a.b', cell) ...`` for each cell on dotted ``path`` below ``root``."""
+    found, cell, walked = [], root, []
+    for part in path.split(".") if path else ():
+        cell = cell.name_cells().get(part) if isinstance(cell, ms.nn.Cell) else None
+        if cell is None:
+            break
+        walked.append(part)
+        found.append((prefix + ".".join(walked), cell))
+    return found
+
+
 def _jit_compiled(cell):
     """Whether ``cell``'s construct (instance or class) is wrapped by ``ms.jit`` (any capture mode)."""
     for fn in (cell.__dict__.get("construct"), getattr(type(cell), "construct", None)):
         if getattr(getattr(fn, "__func__", fn), "__wrapped_by_jit__", False):
             return True
     return False
+
+
+# The user's cell wrappers that apply_ac's own checkpoint_wrapper refuses on the same cell, and their undo.
+_CELL_WRAPPERS = (("checkpoint_wrapper", "unwrap(cell)"), ("swap_wrapper", "remove_swap_wrapper(cell)"))
 
 
 def _native_recompute(cell):
@@ -614,31 +773,42 @@ def check_layer_ids(config, num_layers, pp=1):
     return _PlanPass(config, pp, num_layers).plan()
 
 
-def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
+def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *, config=None,
+            layers=None):
     """Resolve and validate a config against ``model`` without changing it.
 
     Takes MindFormers' arguments (three sections as dataclasses, dicts or
     ``None``) or ``config=`` (an ``AcConfig``, a dict of sections or a YAML
     path). ``layers`` names the layer list when it can't be found
-    automatically. Raises ``ConfigError`` for any rule in this module's
-    docstring; logs a warning for each pattern that matched nothing.
+    automatically. ``mtp_block`` (MindFormers' multi-token-prediction block,
+    a cell holding its layer list, e.g. ``model.mtp``): its layer ``i`` is
+    global layer ``num_layers + i`` in every section and in the plan
+    (``plan.layers[num_layers + i]``). Raises ``ConfigError`` for any rule in
+    this module's docstring; logs a warning for each pattern that matched
+    nothing.
     """
-    return plan_with_layers(model, recompute, recompute_comm, swap, pp, config=config, layers=layers)[0]
+    return plan_with_layers(model, recompute, recompute_comm, swap, pp, mtp_block, config=config,
+                            layers=layers)[0]
 
 
-def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1, *, config=None, layers=None):
+def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *,
+                     config=None, layers=None):
     """``plan_ac`` that also returns the ``LayerStack`` it planned against (for ``apply_ac``)."""
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
     check_pynative()
     refuse_copied_patches(model)
-    stack = find_layer_stack(model, layers)
-    planner = _PlanPass(config, pp, stack.num_layers, stack, model)
+    if isinstance(mtp_block, ms.nn.Cell):
+        refuse_copied_patches(mtp_block)
+    stack = find_layer_stack(model, layers, mtp_block)
+    planner = _PlanPass(config, pp, stack.total_layers, stack, model)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,
-                  layer_path=stack.path, pp=pp, matches=planner.matches, warnings=planner.warnings)
+                  layer_path=stack.path, pp=pp, matches=planner.matches, warnings=planner.warnings,
+                  num_mtp_layers=stack.num_mtp_layers, mtp_path=stack.mtp_path)
+    # per layer at debug level: apply_ac reports the whole plan once (AcPlan.summary)
     for lp in plan.active_layers():
-        logger.info("plan: layer %d: %s", lp.layer_id, "; ".join(lp.describe()))
+        logger.debug("plan: layer %s: %s", lp.label, "; ".join(lp.describe()))
     if not plan.active_layers():
-        logger.info("plan: no layer is recomputed or swapped")
+        logger.debug("plan: no layer is recomputed or swapped")
     return plan, stack

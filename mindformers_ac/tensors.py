@@ -9,6 +9,7 @@ place that knows how.
 import weakref
 
 from mindspore import Tensor, nn, ops
+from mindspore.common import dtype as mstype
 
 from .mindspore_compat import no_grad
 
@@ -37,6 +38,29 @@ def storage_nbytes(t):
 def output_tensors(out):
     """The items of an op's or cell's output as a tuple (a single output becomes a 1-tuple)."""
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def tensors_equal(a, b):
+    """Bitwise equality of two op outputs (tensors, or tuples of them): same shapes, dtypes and bytes, so a
+    NaN equals the same NaN."""
+    a, b = output_tensors(a), output_tensors(b)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+            if x is not y and x != y:
+                return False
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype or _bytes(x) != _bytes(y):
+            return False
+    return True
+
+
+def _bytes(t):
+    if t.dtype == mstype.bfloat16:   # numpy has no bfloat16; the widening cast is exact, so bits compare alike
+        with no_grad():
+            t = ops.cast(t, mstype.float32)
+    return t.asnumpy().tobytes()
 
 
 def tensor_leaves(value, depth=8):
@@ -108,6 +132,23 @@ class WeightPointers:
                 added = True
         if added:
             self._build()
+
+    def learn(self, p):
+        """Recognise one more parameter, met in a pack hook: its pointers join ``ptrs`` without a rebuild
+        (a model whose weights are all met this way would otherwise rebuild once per weight)."""
+        ref = self._params.get(id(p))
+        if ref is not None and ref() is p:
+            if p.data_ptr() not in self.ptrs:
+                self._build()   # known, but its storage changed since the last build
+            return
+        reused = id(p) in self._params   # a dead parameter's id: its slot keeps its place, refresh() rebuilds
+        self._params[id(p)] = weakref.ref(p)
+        self.ptrs |= param_ptrs((p,))
+        try:
+            ptr = p.data_ptr()
+        except (RuntimeError, TypeError):
+            ptr = -1
+        self._built_from = () if reused else self._built_from + (ptr,)
 
     def refresh(self):
         """Rebuild ``ptrs`` if a parameter's storage changed or a parameter died since the last build."""

@@ -5,10 +5,19 @@ A layer's whitelist is every sub-cell path (``self_attention``,
 callables assigned to a cell instance (Python or ``mint``/``ops`` functions,
 ``Primitive`` instances, other callable objects) and the slots of a cell's
 ``_comm_ops`` registry, where tensor-parallel layers register their
-collectives. Methods of the cell's class (``construct``, inherited ``nn.Cell``
-methods) are not ops. The order is the cell tree's, then attribute order, so
-it is the same on every call.
+collectives. Then every method path: public methods that the cell's own
+classes define (``self_attention.get_query_key_value_tensors``), as
+MindFormers' whitelist walker lists them, so a ``select_module`` pattern can
+name a method. Methods of MindSpore's classes (``construct``, ``nn.Cell``'s
+API, ``nn.Dense.extend_repr`` ...) are not listed, nor names starting with
+``_``, nor a name the instance overrides (an instance attribute wins, as in
+MindFormers). Settable properties, which MindFormers also lists, are not: a
+wrapper installed through a setter can't be told apart from the cell's own
+state in a copy, nor reliably taken back. The order is the cell tree's, then
+attribute order, then the class's definition order, so it is the same on
+every call.
 """
+import inspect
 from dataclasses import dataclass
 
 from mindspore import Tensor, nn
@@ -18,7 +27,7 @@ COMM_OPS_REGISTRY = "_comm_ops"
 
 @dataclass(frozen=True)
 class WhitelistEntry:
-    """One nameable thing in a layer: ``kind`` is ``"cell"`` or ``"op"``."""
+    """One nameable thing in a layer: ``kind`` is ``"cell"``, ``"op"`` or ``"method"``."""
 
     path: str
     kind: str
@@ -29,6 +38,15 @@ class WhitelistEntry:
     @property
     def is_op(self):
         return self.kind == "op"
+
+    @property
+    def is_method(self):
+        return self.kind == "method"
+
+    @property
+    def cell_path(self):
+        """The path of the cell this entry is, or of the cell that holds it (an op's or a method's owner)."""
+        return self.path if self.kind == "cell" else self.owner_path
 
 
 def _join(prefix, name):
@@ -54,6 +72,40 @@ def cell_op_entries(cell, path):
     return entries
 
 
+# Set on the instance-level wrapper apply_ac installs for a method target: the name still counts as the
+# class's method (the instance attribute is ours, not the model's override).
+METHOD_WRAPPER_MARK = "mac_method_wrapper"
+
+
+def _mindspore_class(cls):
+    return (getattr(cls, "__module__", "") or "").split(".")[0] == "mindspore"
+
+
+def class_method_names(cell):
+    """Public methods (functions, static and class methods) defined by ``cell``'s own classes, in MRO
+    order then definition order; classes of MindSpore (``nn.Cell``, ``nn.Dense`` ...) are skipped."""
+    names = []
+    for cls in type(cell).__mro__:
+        if cls is nn.Cell or cls is object:
+            break
+        if _mindspore_class(cls):
+            continue
+        for name, descriptor in vars(cls).items():
+            if name.startswith("_") or name == "construct" or name in names:
+                continue
+            if inspect.isfunction(descriptor) or isinstance(descriptor, (staticmethod, classmethod)):
+                names.append(name)
+    return names
+
+
+def cell_method_entries(cell, path):
+    """Method entries of ``cell`` (see ``class_method_names``), minus names the instance overrides
+    (an instance attribute, or a child cell of that name)."""
+    own, children = vars(cell), cell.name_cells()
+    return [WhitelistEntry(_join(path, name), "method", path, name) for name in class_method_names(cell)
+            if name not in children and (name not in own or getattr(own[name], METHOD_WRAPPER_MARK, False))]
+
+
 def layer_inventory(layer):
     """Every ``WhitelistEntry`` of ``layer`` in deterministic tree order."""
     entries = []
@@ -63,11 +115,12 @@ def layer_inventory(layer):
             owner = path.rsplit(".", 1)[0] if "." in path else ""
             entries.append(WhitelistEntry(path, "cell", owner, name))
         entries.extend(cell_op_entries(cell, path))
+        entries.extend(cell_method_entries(cell, path))
     return entries
 
 
 def get_single_layer_whitelist(layer):
-    """Every cell path and op path inside ``layer`` (see the module docstring)."""
+    """Every cell path, op path and method path inside ``layer`` (see the module docstring)."""
     return [entry.path for entry in layer_inventory(layer)]
 
 

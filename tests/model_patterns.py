@@ -548,6 +548,13 @@ def build_shared_layer_cell():
 
 SHARED = r"layers 0, 2 of 'layers' are one Layer cell"
 
+
+def _build_mindformers_moe():
+    # MindFormers' own patterns (its Dropout cell, marker-guarded tracker and buffer writes, replay
+    # metadata, an MTP block): mindformers_models.py, here with mindformers_ac's marker
+    from mindformers_models import build_mindformers_moe
+    return build_mindformers_moe("ours")
+
 PATTERNS = {p.name: p for p in [
     Pattern("int_bool_inputs", build_int_bool, hidden_batch, cell="attn"),
     Pattern("batchnorm", build_batchnorm, hidden_batch, cell="bn"),
@@ -562,6 +569,9 @@ PATTERNS = {p.name: p for p in [
             comm=r"feed_forward\.all_gather", op_swap="feed_forward", layers="model.layers"),
     Pattern("moe", build_moe, token_batch(MOE_VOCAB), cell=r"mlp\.experts", op=r"mlp\.shared_experts\.activation_func",
             comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers"),
+    Pattern("mindformers_moe", _build_mindformers_moe, token_batch(24), cell=r"mlp\.experts",
+            op=r"mlp\.shared_experts\.activation_func", comm=r"mlp\.shared_experts\.all_gather", op_swap="mlp",
+            layers="decoder.layers"),
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
             refused={mode: SHARED for mode in ("full", "select_cell", "select_op", "exclude_op", "recompute_comm",
                                                "layer_swap", "op_swap", "mixed")}),

@@ -195,7 +195,7 @@ def test_apply_twice_is_an_error_and_remove_restores_the_model(caplog):
     model = make_model()
     before = model_fingerprint(model)
     names = [p.name for p in model.get_parameters()]
-    with caplog.at_level(logging.INFO, logger="mindformers_ac"):
+    with caplog.at_level(logging.DEBUG, logger="mindformers_ac"):   # per-layer detail is debug level
         mac.apply_ac(model, config=MODES["recompute_and_swap"])
     assert "Set full recompute at layer 0" in caplog.text
     assert "Set layer swap at layer 1, prefetched when layer 2 starts backward" in caplog.text

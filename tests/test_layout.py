@@ -187,8 +187,9 @@ PUBLIC_API = {
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig", "RecomputeConfig",
     "RecomputeError",
     "RecomputeStats", "StepMemory", "SwapConfig", "SwapManager", "SwapReport", "ac_state", "apply_ac",
-    "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_single_layer_whitelist", "is_in_recompute",
-    "measure_step", "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper", "swap",
+    "async_save_on_cpu", "checkpoint", "checkpoint_wrapper", "get_recompute_metadata", "get_single_layer_whitelist",
+    "is_in_recompute", "measure_step", "parse_layer_specs", "plan_ac", "remove_ac", "remove_swap_wrapper",
+    "save_for_recompute", "swap",
     "swap_tensor_wrapper", "swap_wrapper", "unwrap",
 }
 

@@ -211,8 +211,12 @@ def test_explain_lists_matches_and_misses(gpt8):
     assert "layer 0: mlp" in text and "matched nothing" in text
 
 
-def test_info_log_per_planned_layer(gpt8, caplog):
+def test_debug_log_per_planned_layer(gpt8, caplog):
+    # per-layer detail is debug level: apply_ac reports the whole plan once at INFO (test_apply_summary)
     with caplog.at_level(logging.INFO, logger="mindformers_ac"):
+        mac.plan_ac(gpt8, config=full(["0-1"]))
+    assert "plan: layer" not in caplog.text
+    with caplog.at_level(logging.DEBUG, logger="mindformers_ac"):
         mac.plan_ac(gpt8, config=full(["0-1"]))
     assert "plan: layer 0: full recompute" in caplog.text and "plan: layer 1: full recompute" in caplog.text
 

@@ -60,14 +60,74 @@ def test_whitelist_is_deterministic(gpt8):
         mac.get_single_layer_whitelist(gpt8.decoder.layers[7])
 
 
-def test_comm_registry_lambdas_and_primitives_are_ops_methods_are_not():
+def test_comm_registry_lambdas_and_primitives_are_ops_class_methods_are_methods():
     inventory = {e.path: e for e in layer_inventory(_Layer())}
     assert inventory["linear_fc1.all_gather"].kind == "op"
     assert inventory["linear_fc1.all_gather"].registry == "_comm_ops"
     assert inventory["linear_fc1.cast"].kind == "op"
     assert inventory["act"].kind == "op"
     assert inventory["linear_fc1"].kind == "cell"
-    assert "helper" not in inventory and "construct" not in inventory and "scale" not in inventory
+    # MindFormers' walker lists a cell's class-owned methods too, so select_module can name them
+    assert inventory["helper"].kind == "method" and inventory["helper"].owner_path == ""
+    assert "construct" not in inventory and "scale" not in inventory
+
+
+class _Base(nn.Cell):
+    def shared(self, x):
+        return x
+
+    def _private(self, x):
+        return x
+
+
+class _Attention(_Base):
+    def __init__(self):
+        super().__init__()
+        self.linear_qkv = mint.nn.Linear(4, 12)
+        self.overridden = lambda x: x
+
+    def construct(self, x):
+        return self.get_query_key_value_tensors(x)
+
+    def get_query_key_value_tensors(self, x):
+        return self.linear_qkv(x).chunk(3, -1)
+
+    @staticmethod
+    def static_helper(x):
+        return x
+
+    @classmethod
+    def class_helper(cls, x):
+        return x
+
+    @property
+    def a_property(self):
+        return self.shared
+
+    def overridden(self, x):   # the instance attribute of this name wins
+        return x
+
+
+class _Dense(nn.Dense):
+    def mine(self, x):
+        return x
+
+
+def test_methods_of_the_cells_own_classes_are_listed_not_mindspores():
+    layer = nn.SequentialCell()
+    layer.insert_child_to_cell("self_attention", _Attention())
+    layer.insert_child_to_cell("dense", _Dense(4, 4))
+    inventory = {e.path: e for e in layer_inventory(layer)}
+    methods = [p for p, e in inventory.items() if e.kind == "method"]
+    # own class first, in definition order, then the base class; no construct, no private name, no property,
+    # no name the instance overrides; nn.Cell's and nn.Dense's API is not listed
+    assert methods == ["self_attention.get_query_key_value_tensors", "self_attention.static_helper",
+                       "self_attention.class_helper", "self_attention.shared", "dense.mine"]
+    entry = inventory["self_attention.get_query_key_value_tensors"]
+    assert (entry.owner_path, entry.attr, entry.cell_path) == ("self_attention", "get_query_key_value_tensors",
+                                                               "self_attention")
+    assert "self_attention.overridden" not in inventory   # as an instance override of construct
+    assert "self_attention.cells_and_names" not in inventory and "dense.extend_repr" not in inventory
 
 
 def test_instance_override_of_a_method_is_not_an_op():

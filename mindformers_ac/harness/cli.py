@@ -132,9 +132,30 @@ def prepare_report_dir(path):
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError("--report", f"the directory {quote(path)} is not writable")
     for name in ("report.json", "memory.png"):
-        if os.path.isdir(os.path.join(path, name)):
-            raise ConfigError("--report", f"{quote(os.path.join(path, name))} is a directory; the report writes "
-                                          f"a file there")
+        check_output_file(os.path.join(path, name), "--report", "the report writes a file there")
+
+
+def check_output_file(path, flag, purpose="it takes the path of a file to write"):
+    """Raise ``ConfigError`` naming ``flag`` unless a file can be written at ``path``.
+
+    Checked before the long part of a command (training, profiling), so that
+    minutes of work are not lost to a typo: ``path`` must not be a directory,
+    its directory must exist (nothing is created) and be writable, and an
+    existing file there must be writable. ``purpose`` ends the message for a
+    directory.
+    """
+    if os.path.isdir(path):
+        raise ConfigError(flag, f"{quote(path)} is a directory; {purpose}")
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(flag, f"the directory of {quote(path)}, {quote(parent)}, {what}; create it first or "
+                                f"give another path")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ConfigError(flag, f"the file {quote(path)} is not writable")
+    elif not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(flag, f"the directory {quote(parent)} is not writable")
 
 
 def cmd_plan(args):
@@ -145,6 +166,8 @@ def cmd_plan(args):
     if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
         prefetch = AcConfig.from_yaml(args.config).swap.default_prefetch if args.config else 1
     parse_budget(args.budget, 1)   # a malformed --budget fails before minutes of profiling
+    if args.out:
+        check_output_file(args.out, "--out", "--out takes the path of the YAML file to write")
     spec = spec_from_args(args)
     user = spec.user_model()
     try:   # a --model factory is checked when the profile builds it and on its very first step

@@ -38,6 +38,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
+from ..recompute import get_recompute_metadata, save_for_recompute
+
 
 @dataclass
 class GPTConfig:
@@ -77,6 +79,21 @@ class DropoutSeeds:
         self.sites += 1
         return self.sites
 
+    def seeds_at(self, site):
+        """``(seed0, seed1)`` for ``site`` in the step of this forward.
+
+        A recompute re-runs a forward after later forwards may have moved
+        ``step`` on (two microbatches in one graph, ``vjp`` forwards run
+        before their backwards): the forward hands the step it drew with to
+        its own re-run (``save_for_recompute``), so the re-run draws its mask.
+        """
+        key = ("dropout_seeds", site)
+        step = get_recompute_metadata(key)
+        if step is None:
+            step = self.step
+            save_for_recompute(key, step)
+        return (self.seed * 1000003 + site) % (2 ** 31 - 1), step + 1
+
 
 class SeededDropout(nn.Cell):
     """``nn.Dropout`` with reproducible masks (see ``DropoutSeeds``); an identity outside training."""
@@ -90,8 +107,7 @@ class SeededDropout(nn.Cell):
     def construct(self, x):
         if not self.training:
             return x
-        seed0 = (self.seeds.seed * 1000003 + self.site) % (2 ** 31 - 1)
-        dropout = ops.Dropout(self.keep_prob, seed0, self.seeds.step + 1)
+        dropout = ops.Dropout(self.keep_prob, *self.seeds.seeds_at(self.site))
         # a fresh primitive with these seeds draws the same mask when called again, so the
         # recompute engine may run it again instead of keeping its mask (mindformers_ac's marker)
         dropout.mac_replayable = True

@@ -38,8 +38,9 @@ hold every rank's tokens).
 Random ops: the dropouts are ``models.SeededDropout``. The router jitter
 multiplies the router input by ``U(1 - eps, 1 + eps)`` from a fresh, seeded
 ``ops.UniformReal`` per call, marked ``mac_replayable`` unless
-``jitter_replayable=False`` (then the recompute engine keeps its output
-instead of drawing it again).
+``jitter_replayable=False`` (then the recompute engine keeps its output on a
+region's first, checking call, which measures that it draws again bitwise,
+and re-runs it on the light path after that).
 """
 import dataclasses
 import math
@@ -178,8 +179,7 @@ class TopKRouter(nn.Cell):
         self.site = seeds.new_site()
 
     def apply_jitter(self, x):
-        seed0 = (self.seeds.seed * 1000003 + self.site) % (2 ** 31 - 1)
-        uniform = ops.UniformReal(seed0, self.seeds.step + 1)
+        uniform = ops.UniformReal(*self.seeds.seeds_at(self.site))
         # a fresh seeded primitive draws the same numbers again: the engine may re-run it (see models.SeededDropout)
         setattr(uniform, REPLAYABLE_ATTR, self.jitter_replayable)
         noise = uniform(x.shape)

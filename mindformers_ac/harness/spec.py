@@ -148,8 +148,9 @@ def spec_from_args(args, **fields):
 
     ``fields`` sets other ``TrainSpec`` fields (``steps``, ``tp`` ...). Raises
     ``ConfigError`` naming the flag for ``--layers``/``--hidden``/``--heads``/``--dropout``
-    with ``--model`` (the factory builds the model), and for ``--layer-list``
-    without ``--model`` (the reference GPT's layer list is known).
+    with ``--model`` (the factory builds the model), for ``--layer-list``
+    without ``--model`` (the reference GPT's layer list is known), and for a
+    reference GPT shape that can't build (``check_gpt_shape``).
     """
     from .moe import moe_from_args
     factory = getattr(args, "model", None)
@@ -167,6 +168,8 @@ def spec_from_args(args, **fields):
                                           "is found by itself (its number of layers is --layers N)")
     values = {**_reference_values(args.model_defaults), **given}
     gpt = GPTConfig(**{name: values[flag] for flag, name in GPT_FLAGS})
+    if factory is None:
+        check_gpt_shape(gpt, fields.get("tp", 1))
     if hasattr(args, "moe"):   # a command with the MoE flags (moe.add_moe_arguments)
         if factory is not None and args.moe:
             raise ConfigError("--moe", f"builds the reference MoE GPT; with --model {factory} the factory builds "
@@ -174,6 +177,28 @@ def spec_from_args(args, **fields):
         fields.setdefault("moe", moe_from_args(args, gpt, fields.get("ep", 1)))
     return TrainSpec(gpt=gpt, batch=values["batch"], seed=values["seed"], factory=factory, layer_list=layer_list,
                      data_flags=tuple(f for f in DATA_FLAGS if f in given) if factory else (), **fields)
+
+
+def check_gpt_shape(gpt, tp=1):
+    """Raise ``ConfigError`` naming the flags for reference GPT dimensions that can't build or train.
+
+    The attention splits ``--hidden`` into ``--heads`` heads of equal size;
+    tensor parallel (``tp`` > 1) gives each rank ``--heads / --tp`` heads and,
+    with sequence parallelism, ``--seq / --tp`` positions. Checked from the
+    flags before any model is built, so no traceback comes from a reshape.
+    """
+    h, heads, seq = gpt.hidden_size, gpt.num_heads, gpt.seq_length
+    if h % heads:
+        fit = max(d for d in range(1, heads + 1) if h % d == 0)
+        raise ConfigError("--hidden", f"{h} is not a multiple of --heads {heads}: the attention splits the hidden "
+                                      f"size into --heads heads of equal size; use --hidden "
+                                      f"{-(-h // heads) * heads} or --heads {fit}, for example")
+    if tp > 1 and heads % tp:
+        raise ConfigError("--tp", f"{tp} does not divide --heads {heads}: tensor parallel gives each rank "
+                                  f"--heads / --tp attention heads")
+    if tp > 1 and seq % tp:
+        raise ConfigError("--tp", f"{tp} does not divide --seq {seq}: sequence parallel gives each rank "
+                                  f"--seq / --tp positions")
 
 
 def layer_count(text):

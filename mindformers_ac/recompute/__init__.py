@@ -1,7 +1,9 @@
 """The recompute engine: drop activations in forward, rebuild them exactly in backward.
 
-* ``api``: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy``,
-  ``is_in_recompute`` (HyperParallel's checkpoint API);
+* ``api``: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy``
+  (HyperParallel's checkpoint API);
+* ``markers``: ``is_in_recompute``, ``save_for_recompute`` / ``get_recompute_metadata``
+  (MindFormers' marker API) and the bridge to MindFormers' own marker;
 * ``policy``: ``CheckpointPolicy``, the per-op decision;
 * ``rerun``: what every region shares (run record, saved inputs, Dropout mask bits, the once-only recompute);
 * ``region``: the op-intercepting way into a region, with ``dispatch`` (op numbering and decisions);
@@ -26,10 +28,10 @@ from .api import (
                   exclude_policy,
                   get_checkpoint_stats,
                   is_checkpoint_wrapped,
-                  is_in_recompute,
                   unwrap,
 )
 from .dispatch import OP_NAME_ATTR, op_name_of
+from .markers import get_recompute_metadata, is_in_recompute, save_for_recompute
 from .output import OpOutputHandle, wrap_op_output
 from .policy import CheckpointPolicy
 from .random_ops import RANDOM_OP_PATTERN, REPLAYABLE_ATTR, is_random_op_name
@@ -39,6 +41,7 @@ from .tracking import OpContext
 __all__ = [
     "CheckpointPolicy", "OP_NAME_ATTR", "OpContext", "OpOutputHandle", "RANDOM_OP_PATTERN", "REPLAYABLE_ATTR",
     "RecomputeError", "RecomputeStats",
-    "checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
-    "is_in_recompute", "is_random_op_name", "op_name_of", "unwrap", "wrap_op_output",
+    "checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "get_recompute_metadata",
+    "is_checkpoint_wrapped", "is_in_recompute", "is_random_op_name", "op_name_of", "save_for_recompute", "unwrap",
+    "wrap_op_output",
 ]

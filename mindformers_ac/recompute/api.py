@@ -51,10 +51,10 @@ from mindspore import nn
 from ..construct_patch import ConstructPatch, find_patch
 from ..tensors import root_cell_of
 from .dropout_proxy import install_dropout_proxies
+from .markers import check_context_fn, is_in_recompute
 from .path_choice import PathChecks, run_checkpoint
 from .policy import CheckpointPolicy
 from .region import run_region
-from .state import ENGINE
 from .stats import RecomputeStats
 from .tracking import PathTracker
 
@@ -62,11 +62,6 @@ __all__ = ["checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint
            "is_in_recompute", "unwrap"]
 
 _KIND = "checkpoint_wrapper"
-
-
-def is_in_recompute():
-    """True only while a backward-time recompute re-runs a forward (per thread)."""
-    return ENGINE.in_recompute()
 
 
 def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
@@ -85,8 +80,11 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     Tensor``); without one it acts as MUST_SAVE (warned once).
 
     ``swap_inputs=True`` offloads the region's saved inputs the same way.
-    ``context_fn() -> (forward_ctx, recompute_ctx)``: context managers entered
-    around the forward and the recompute. ``stats``: a ``RecomputeStats`` to
+    ``context_fn() -> (forward_ctx, recompute_ctx)``: called once per region
+    call; the two context managers are entered around the forward and its
+    re-run (PyTorch's and HyperParallel's meaning; MindFormers'
+    ``recompute_context_fn`` is one). A ``context_fn`` that is not callable,
+    or returns anything but such a pair, is a TypeError naming it. ``stats``: a ``RecomputeStats`` to
     count into (a private one otherwise).
 
     Without gradient recording (no ``value_and_grad`` around) ``fn`` just runs.
@@ -94,6 +92,7 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
+    check_context_fn(context_fn)
     root = root_cell_of(fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
                    swap_executor=swap_executor, swap_inputs=swap_inputs, context_fn=context_fn,
@@ -165,6 +164,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
                          "unwrap() it first to change its options")
+    check_context_fn(context_fn)
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
                    swap_inputs=swap_inputs, context_fn=context_fn)

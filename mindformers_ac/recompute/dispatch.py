@@ -12,7 +12,10 @@ How a region works (see ``checkpoint`` for the user contract):
   writes parameters is shown to the region first (``Region.guard_writes``:
   copies of what it writes, or its output kept).
 * Backward: the first unpack of a token re-runs the function on the saved
-  inputs, in a throw-away graph, under the same numbering; the recompute pack
+  inputs, in a throw-away graph, under the same numbering (a re-run may skip
+  forward ops that left nothing for backward, one-shot side effects guarded
+  by ``is_in_recompute()``: ``Region.align`` numbers each re-run op as the
+  forward op it is); the recompute pack
   hook files each regenerated tensor under its key and the token takes it.
   Kept ops are not run again: their cached outputs are returned in place; ops
   that write run on copies (``Region.rerun_args``). The region then checks
@@ -21,11 +24,11 @@ How a region works (see ``checkpoint`` for the user contract):
 The dispatch only numbers ops and asks its region (``Region.decide``,
 ``cache_output``, ``cached_output``, ...); the region owns every decision.
 """
+from mindspore import Tensor
 from mindspore.utils import MsDispatchMode
 
 from ..precision import no_casts
-from . import messages
-from .side_effects import may_write
+from .side_effects import may_write, written_slots
 from .state import ENGINE, FORWARD
 
 # Decisions recorded per op index in forward (absent = recompute).
@@ -50,6 +53,16 @@ def op_name_of(op, args=()):
     if callable(name):
         name = name()
     return name if isinstance(name, str) else type(op).__name__
+
+
+def tensor_args(args):
+    """The tensor arguments of a dispatched op (a legacy op's inputs are a tuple)."""
+    return [t for a in args for t in (a if isinstance(a, tuple) else (a,)) if isinstance(t, Tensor)]
+
+
+def arg_meta(args):
+    """``(shape, dtype)`` of each tensor argument of a dispatched op."""
+    return tuple((tuple(t.shape), t.dtype) for t in tensor_args(args))
 
 
 class RegionDispatch(MsDispatchMode):
@@ -89,9 +102,11 @@ class RegionDispatch(MsDispatchMode):
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
             region.may_write_seen = True
+            region.guard_input_writes(run, args)
             decision = region.guard_writes(run, idx, name, args, decision)
         if decision is not None:
             region.decisions[idx] = decision   # before the call: legacy ops pack inside it
+            region.arg_metas[idx] = arg_meta(args)   # to tell it from a same-named op when the re-run skips ops
         out = self._call(run, idx, func, args, kwargs)
         region.bytes.note_outputs(idx, out)
         if decision == REBUILD:
@@ -103,14 +118,14 @@ class RegionDispatch(MsDispatchMode):
     def _recompute_op(self, run, idx, func, args, kwargs):
         region = run.region
         name = op_name_of(func, args)
-        if idx >= len(region.op_names) or region.op_names[idx] != name:
-            raise messages.other_op(idx, region.describe_op(idx),
-                                    region.op_names[idx] if idx < len(region.op_names) else "", name, run.cell_path())
+        idx = run.op_idx = region.align(run, idx, name, args)
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
         decision = region.decisions.get(idx)
         if decision is None:
             region.stats.count_rerun(name)
+            if region.may_write_seen and may_write(name, args) and written_slots(name, args, region.param_ptrs):
+                region.rerun_wrote = True   # on copies, but a light re-run would write for real
             if region.written:
                 served = region.rerun_args(run, idx, name, args)
                 if served is not args:
@@ -121,6 +136,7 @@ class RegionDispatch(MsDispatchMode):
             return self._call(run, idx, func, args, kwargs)
         region.stats.ops_reused += 1
         run.last = idx
-        if decision == REBUILD:
-            return region.rebuild_dropout(run, idx, args)
-        return region.cached_output(idx)
+        out = region.rebuild_dropout(run, idx, args) if decision == REBUILD else region.cached_output(idx)
+        if region.path_check is not None and idx in region.random_ops:
+            region.check_replay(run, idx, func, args, kwargs, out)
+        return out

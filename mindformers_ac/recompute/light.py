@@ -21,15 +21,28 @@ a recompute that saved another number of tensors, or one of another shape or
 dtype (named by the op the checking call numbered, when the forward saved what
 that call saved), or called ``nn.Dropout`` another number of times or on an
 input of another shape; a saved tensor asked for twice (backward run twice).
-What it can't see: a recompute running other ops that save nothing, and an op
-that writes or draws random numbers appearing in a later call with the same
-signature (the check is trusted; a forward whose saves differ from the
-check's makes the next call check again).
+A re-run that takes another code path with saves of the same shapes (a
+branch on state that changed since the forward) is caught by its output:
+``_OutputProbe`` compares a sample of the forward's and the re-run's first
+floating output bitwise (``RecomputeError``, and the signature is checked
+again). A re-run that writes one of the region's non-trainable Parameters,
+which the checking call did not, is undone (``side_effects.BufferGuard``).
+What it can't see: a re-run running other ops whose saves and sampled output
+are those of the forward, and a write to something other than the region's
+non-trainable Parameters appearing in a later call with the same signature
+(a forward whose saves differ from the check's makes the next call check
+again).
 """
 import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
 
+from ..mindspore_compat import no_grad
+from ..precision import no_casts
+from ..tensors import tensor_leaves, tensors_equal
 from . import messages
 from .rerun import RegionBase, RegionRun, recompute_graph
+from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
@@ -65,6 +78,52 @@ class _Collector:
             self.saved.append(t)
 
 
+class _OutputProbe:
+    """A few elements of a light forward's first floating output, copied, to compare with its re-run's.
+
+    The light path sees no op, so a re-run that takes another code path
+    whose saves have the same shapes (a branch on state changed since the
+    forward: Sin in forward, Cos in the re-run) would hand backward other
+    tensors silently. Such a re-run computes another output: ``PROBE_SIZE``
+    evenly spaced elements of it, compared bitwise, catch it. Cost: one small
+    gather per forward and per re-run, and a 256-byte host read.
+    """
+
+    __slots__ = ("index", "values", "shape")
+
+    def __init__(self, out, check):
+        self.index = self.values = None
+        t = _first_float(out)
+        if t is None:
+            return
+        n, self.shape = t.size, t.shape
+        self.index = check.probe_index.get(n)
+        if self.index is None:
+            self.index = check.probe_index[n] = Tensor(np.arange(0, n, max(1, n // PROBE_SIZE),
+                                                                 dtype=np.int32)[:PROBE_SIZE])
+        self.values = self._sample(t)
+
+    def _sample(self, t):
+        with no_grad(), no_casts():
+            return ops.gather(t.reshape(-1), self.index, 0)
+
+    def matches(self, out):
+        if self.values is None:
+            return True
+        t = _first_float(out)
+        return t is not None and t.shape == self.shape and tensors_equal(self.values, self._sample(t))
+
+
+PROBE_SIZE = 64
+
+
+def _first_float(out):
+    for t in tensor_leaves(out):
+        if t.dtype in (ms.float16, ms.bfloat16, ms.float32, ms.float64) and t.size > 0 and t.is_contiguous():
+            return t
+    return None
+
+
 def _keep(obj):
     return obj
 
@@ -97,6 +156,7 @@ class LightRegion(RegionBase):
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
         self._pending = None      # _DropoutPacks made inside a Dropout kernel call in progress
         self._collector = None
+        self.probe = None         # _OutputProbe of the forward's output
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -128,9 +188,11 @@ class LightRegion(RegionBase):
         stats.light_calls += 1
         ENGINE.push(run)
         try:
+            self.start_forward()
             self.save_inputs(args, kwargs)
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
                 out = self.fn(*args, **kwargs)
+            self.probe = _OutputProbe(out, self.check)
         finally:
             ENGINE.pop(run)
         check = self.check
@@ -187,14 +249,23 @@ class LightRegion(RegionBase):
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):
         run = RegionRun(self, RECOMPUTE)
-        args, kwargs = self.load_inputs()
         collector = self._collector = _Collector()
-        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), \
-                ms.saved_tensors_hooks(collector.pack, _keep):
-            self.fn(*args, **kwargs)
-            saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
-            self._collector = None
+        guard = BufferGuard(self.check.buffers) if self.check.buffers else None
+        try:
+            with recompute_graph(run, self.precision, self.random_state):
+                args, kwargs = self.load_inputs()   # in the graph, as on the intercepting path
+                with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+                    out = self.fn(*args, **kwargs)
+                saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
+                self._collector = None
+        finally:
+            if guard is not None and guard.restore_if_written():
+                self._checks.forget(self._key)
+                ENGINE.warnings.warning(("light_write", self._key), messages.LIGHT_REWRITE)
         self._check(saved, run)
+        if not self.probe.matches(out):
+            self._checks.forget(self._key)
+            raise messages.other_output()
         self.recomputed = saved
         self.inputs = self.sig = None
         check, stats = self.check, self.stats

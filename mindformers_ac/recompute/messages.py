@@ -15,8 +15,9 @@ match on these texts, so a change of wording is a change of interface.
 from ..errors import RecomputeError
 
 # Why a recompute must repeat its forward; appended to every "diverged" message about the ops run.
-SAME_PATH = ("A checkpointed region must take the same code path when run again (no branching on global "
-             "state, step counters or is_in_recompute() that changes ops).")
+SAME_PATH = ("A checkpointed region must run the same ops when run again (no branching on global state or "
+             "step counters). Under is_in_recompute() it may skip one-shot side effects (a tracker update, a "
+             "counter, a host copy) that leave nothing for backward, but never run other or extra ops.")
 _SAME_SHAPES = ("The region must compute the same shapes and dtypes when run again (no dependence on state "
                 "that changed since the forward; a tensor read from outside the region's arguments must be "
                 "passed as an argument).")
@@ -59,11 +60,19 @@ def other_op(idx, forward_desc, forward_name, name, path):
         f"{SAME_PATH}{cast_hint(forward_name, name)}")
 
 
-def missing_ops(ran, n, first_missing):
-    """The recompute ran fewer ops than the forward."""
+def missing_ops(idx, n, first_missing):
+    """The recompute skipped op ``idx`` of the forward's ``n``, which left something for backward."""
     return RecomputeError(
-        f"{_DIVERGED}: it ran {ran} ops, the forward ran {n}; the first missing op is #{ran} {first_missing}. "
-        f"{SAME_PATH}")
+        f"{_DIVERGED}: it did not run op #{idx} {first_missing} of the forward's {n}, which saved tensors for "
+        f"backward or kept its output (only ops that leave nothing for backward may be skipped). {SAME_PATH}")
+
+
+def no_metadata(key):
+    """A re-run asked for replay metadata its forward did not save."""
+    return RecomputeError(
+        f"mindformers_ac: get_recompute_metadata({key!r}) in a recompute found nothing: the region's forward "
+        "saved no (more) value under this key with save_for_recompute. Use the same key and call order in "
+        "the forward and the re-run.")
 
 
 def save_count_at_op(idx, desc, fwd, rec):
@@ -88,6 +97,13 @@ def other_tensor(where, fwd_meta, rec_meta):
     return RecomputeError(
         f"{_DIVERGED} at {where}: it was {describe_meta(fwd_meta)} in forward but {describe_meta(rec_meta)} in "
         f"the recompute. {_SAME_SHAPES}")
+
+
+def other_output():
+    """A light re-run computed another output than its forward (sampled elements differ)."""
+    return RecomputeError(
+        f"{_DIVERGED}: the recompute computed another output than the forward (sampled elements differ "
+        f"bitwise), so it took another code path. {SAME_PATH}")
 
 
 def dropout_calls(rec, fwd):
@@ -150,9 +166,19 @@ KEEP_SIDE_EFFECT = ("%s writes parameters larger than its other inputs: its outp
                     "them for the recompute")
 DROPOUT_NOT_REBUILT = ("Dropout output can't be rebuilt bitwise from its mask for %s; keeping Dropout outputs "
                        "instead (more memory, still exact)")
-OUTPUT_NOTHING_DROPPED = ("output recompute of %s saves nothing: no op in its layer saved its output tensor for "
-                          "backward (a consumer that saves a view or a copy, e.g. of a non-contiguous output, keeps "
-                          "it); return a contiguous tensor from the op or recompute its enclosing module instead")
+LIGHT_REWRITE = ("a recomputed region wrote one of its non-trainable Parameters in a re-run, which its first "
+                 "(checked) call did not do (a write only some inputs trigger); the write was undone, so it "
+                 "lands once per step, and the region's calls with this signature are checked again")
+OUTPUT_NOTHING_DROPPED = ("output recompute of %s saves nothing: it saves nothing for backward but its inputs, and "
+                          "no op in its layer saved its output tensor (a consumer that saves a view or a copy, e.g. "
+                          "of a non-contiguous output, keeps it), so it runs as without recompute: return a "
+                          "contiguous tensor from the op or recompute its enclosing module instead")
+OUTPUT_KEPT_ELSEWHERE = ("output recompute of %s saves nothing: what it and its consumers saved for backward is kept "
+                         "anyway by other ops of its layer (saved as it is, or as a view); it runs as without "
+                         "recompute. Recompute its enclosing module instead")
+OUTPUT_INPUTS_COST = ("output recompute of %s saves nothing: running it again needs its inputs (%d bytes that no "
+                      "other op of its layer keeps), and dropping what it and its consumers saved frees only %d "
+                      "bytes; it runs as without recompute. Recompute its enclosing module instead")
 OUTPUT_RANDOM_OPS = ("output recompute of %s skipped: it runs random op(s) %s, whose output can't be reproduced; "
                      "its output is kept")
 OUTPUT_SIDE_EFFECT_OPS = ("output recompute of %s skipped: it runs op(s) %s that write parameters (e.g. BatchNorm's "

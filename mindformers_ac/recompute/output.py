@@ -1,39 +1,61 @@
 """Output recompute of one op attribute (MindFormers' ``output_recompute`` / ``recompute_comm``).
 
-Recomputing a single op as a tiny region saves nothing: its consumers still
-save its output. Instead, the *scope* cell (normally the transformer layer)
-runs under ``saved_tensors_hooks`` that recognise packs of the wrapped op's
-output storage (by ``data_ptr``, recorded when the op returns, checked against
-a weak reference to the output so a reused address is never mistaken) and
-store a token instead; in backward the first unpack runs the op again on its
-inputs (without recording a graph) and every token of that output takes the
-result. The op's inputs stay alive (usually saved anyway by the op itself).
+MindFormers' way: the op is recomputed as a region of its own, and its output
+is dropped for its consumers too. Recomputing an op as a tiny region alone
+saves nothing, because its consumers still save its output; dropping only the
+output is not enough either, since what the op saves inside (a fused SwiGLU's
+split halves, an attention's probabilities) is kept beside the inputs the
+re-run needs, which can be more than without recompute. So:
+
+* while the wrapped op runs, its own saved-tensor hooks (innermost) number
+  what it saves for backward and leave a token for each;
+* the *scope* cell (normally the transformer layer) runs under saved-tensor
+  hooks that recognise packs of the op's output (by ``data_ptr``, shape,
+  dtype and strides, recorded when the op returns) and leave a token too;
+* when the scope returns, each call of the op is settled: it is dropped (its
+  inputs kept, everything it and its consumers saved released) only when that
+  frees more bytes than the inputs it must keep cost, counting as free an
+  input that something else in the scope saves anyway. Otherwise its tokens
+  keep what they stand for and the inputs are released: exactly what the
+  graph keeps without recompute. Until then everything is held, so the layer
+  never keeps more than without AC, and a call that can't save anything says
+  why, once per target (the warn-once log of the engine);
+* in backward the first token of a dropped call runs the op again on its
+  inputs, once: in a throw-away graph whose saves are collected in order
+  (checked against the forward's count, shapes and dtypes; a difference
+  raises ``RecomputeError``), or without a graph when the op saved nothing
+  itself; every token takes its tensor from that re-run.
 
 Limits: only packs of the output tensor itself made while the scope cell runs
-are replaced (a consumer that saves a view or slice of it, or runs in another
-layer, keeps it); a checkpoint region or a swap hook installed
-*inside* the scope takes precedence for what it covers; an op found to run a
-random kernel, or one that writes (a ``side_effect_mem`` primitive such as
-BatchNorm in training, an ``Inplace*`` op), on its first call is kept, with a
-warning: re-running it would draw other numbers or write twice.
+are replaced (a consumer that saves a view or a copy of it, or runs in another
+layer, keeps it); a checkpoint region around the op or the scope does the job
+itself (the op then runs plainly); an op called inside another wrapped op's
+call runs plainly (the outer one re-runs it); an op found to run a random
+kernel, or one that writes (a ``side_effect_mem`` primitive such as BatchNorm
+in training, an ``Inplace*`` op), on its first call is kept, with a warning:
+re-running it would draw other numbers or write twice. An input counted as
+free is one saved inside the scope; one saved only outside it (by another
+layer) counts as a cost, so the decision errs towards keeping.
 """
+import contextlib
 import copy
 import logging
 import weakref
 
 import mindspore as ms
-from mindspore import Tensor, nn
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
+from ..meter import CHAIN_PASSED
 from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
-from ..precision import cell_precision, under_precision
-from ..tensors import output_tensors, storage_nbytes
+from ..precision import cell_precision, no_casts, under_precision
+from ..tensors import detached, is_tracked, output_tensors, param_ptrs, storage_info, tensor_leaves
 from . import messages
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import refuse_higher_order
+from .rerun import SavedInput, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
@@ -43,6 +65,9 @@ logger = logging.getLogger("mindformers_ac.recompute")
 
 _SCOPE_ATTR = "_mac_output_scope"
 _OUTPUT_KIND = "wrap_op_output"
+
+# Why a settled call kept what it saved (the warning of its target).
+_NOTHING, _KEPT_ELSEWHERE, _INPUTS_COST = "nothing", "kept_elsewhere", "inputs_cost"
 
 
 class _RerunProbe(MsDispatchMode):
@@ -68,46 +93,212 @@ class _RerunProbe(MsDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _layout(t):
+    """What a pack must match to be the output itself: shape, dtype and strides (a transposed view of a
+    square output has its pointer, shape and dtype)."""
+    return tuple(t.shape), t.dtype, tuple(t.stride())
+
+
+def _storages(tensors, weights):
+    """``{storage pointer: bytes}`` of ``tensors`` (Nones and weights left out)."""
+    found = {}
+    for t in tensors:
+        if t is not None and t.data_ptr() not in weights:
+            ptr, nbytes = storage_info(t)
+            found[ptr] = nbytes
+    return found
+
+
 class _ScopeRun:
-    """Outputs recorded during one forward of the scope; owns the accounting of that forward."""
+    """One forward of the scope: the op calls it recorded and every other save made under it."""
 
-    __slots__ = ("stats_bytes", "dropped_any", "dropped_refs", "passed", "weights", "__weakref__")
+    __slots__ = ("records", "passed", "weights", "__weakref__")
 
-    def __init__(self, weights=frozenset()):
-        self.stats_bytes = {}   # stats object id -> [stats, kept, dropped, seen ptrs]
-        self.dropped_any = {}   # target -> whether a consumer's save of its output was dropped
-        self.dropped_refs = {}  # data_ptr of an output whose save was dropped -> (target, weakref to it)
-        # Our hooks hide an outer meter (accounting.StepMeter): what they let through is kept, and ours
-        # to report. data_ptr -> (bytes, weakref) of every other save in the scope, weights (by data_ptr)
-        # excluded; only those still alive when the scope returns count (MindSpore drops some saves).
+    def __init__(self, weights):
+        self.records = []   # _OutputRecord per op call, in call order; emptied when the scope returns
+        # Storage pointer -> [(bytes, weakref)] of every other save in the scope (weights excluded), kept
+        # anyway; only those still alive when the scope returns count (MindSpore drops some saves). An outer
+        # meter counts them itself: the scope's pack is marked for it (meter.CHAIN_PASSED).
         self.passed = {}
         self.weights = weights
 
+    def alive_passed(self):
+        alive = {}
+        for ptr, entries in self.passed.items():
+            sizes = [n for n, ref in entries if ref() is not None]
+            if sizes:
+                alive[ptr] = max(sizes)
+        return alive
+
 
 class _OutputRecord:
-    """One call of the wrapped op: its inputs, and its result once re-run."""
+    """One call of the wrapped op: its inputs, what it saved, its outputs; re-run in backward if dropped.
 
-    __slots__ = ("target", "args", "kwargs", "outs", "result", "run", "precision", "__weakref__")
+    ``dropped``: None until the scope returns, then True (tokens take a
+    re-run's tensors) or False (tokens keep what they stand for).
+    """
 
-    def __init__(self, target, args, kwargs, outs, run):
-        self.target, self.args, self.kwargs, self.run = target, args, kwargs, run
-        self.outs = [weakref.ref(t) if isinstance(t, Tensor) else None for t in outs]
-        self.result = None
-        self.precision = cell_precision(target.owner)   # the op ran inside its owner's __call__
+    __slots__ = ("target", "run", "inputs", "input_bytes", "views", "precision", "outs", "held_outs",
+                 "out_tokens", "out_left", "inner", "inner_meta", "dropped", "result", "rebuilt", "__weakref__")
+
+    def __init__(self, target, run, args, kwargs):
+        self.target, self.run = target, run
+        self.precision = cell_precision(target.owner)   # the op runs inside its owner's __call__
+        leaves = tensor_leaves((args, kwargs))
+        self.input_bytes = _storages(leaves, run.weights)
+        self.views = []   # (storage pointer, SavedInput) of each tensor argument
+        top = set()
+
+        def save(a):
+            if not isinstance(a, Tensor) or isinstance(a, Parameter):
+                return a   # a Parameter is read at re-run time; a tensor nested in an argument is held as it is
+            saved = SavedInput(detached(a), is_tracked(a), a.data_ptr())
+            self.views.append((storage_info(a)[0], saved))
+            top.add(id(a))
+            return saved
+
+        with no_casts():   # the engine's own op: a saved input keeps its dtype
+            self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
+        if len(leaves) > len(self.views):   # nested tensors: their storages can't be compacted
+            nested = {storage_info(t)[0] for t in leaves if id(t) not in top}
+            self.views = [(ptr, s) for ptr, s in self.views if ptr not in nested]
+        self.outs = ()           # (data_ptr, layout) per output, None for a non-tensor
+        self.held_outs = []      # the outputs (detached) until settled; kept ones after
+        self.out_tokens = []     # consumer saves of each output
+        self.out_left = []       # of those, not yet unpacked since the latest re-run
+        self.inner = []          # what the op saved (detached), by position; None for a weight
+        self.inner_meta = []     # (shape, dtype) of each, None for a weight
+        self.dropped = None
+        self.result = None       # a re-run's outputs
+        self.rebuilt = None      # a re-run's saves, by position
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def pack_inner(self, t):
+        """The op's own save hook: a weight as it is, anything else held until settled, a token left."""
+        if t.data_ptr() in self.run.weights:
+            self.inner.append(None)
+            self.inner_meta.append(None)
+            return t
+        self.inner.append(detached(t))   # a tensor with its graph node would tie the graph to itself
+        self.inner_meta.append((tuple(t.shape), t.dtype))
+        return _InnerToken(self, len(self.inner) - 1)
+
+    def note_outputs(self, out):
+        outs = output_tensors(out)
+        self.outs = tuple((t.data_ptr(), _layout(t)) if isinstance(t, Tensor) else None for t in outs)
+        self.held_outs = [detached(t) if isinstance(t, Tensor) else None for t in outs]
+        self.out_tokens = [0] * len(outs)
+
+    def output_token(self, j):
+        self.out_tokens[j] += 1
+        return _OutputToken(self, j)
+
+    def freeable(self):
+        """``{storage: bytes}`` of what dropping this call would stop keeping (before other savers)."""
+        held = [t for t in self.inner if t is not None]
+        held += [t for t, n in zip(self.held_outs, self.out_tokens) if n and t is not None]
+        return _storages(held, self.run.weights)
+
+    def input_cost(self, kept, freeable):
+        """Bytes the inputs cost when dropping this call, and the storages to keep as copies of its views.
+
+        An input storage kept anyway (``kept``: saved elsewhere in the scope;
+        ``freeable``: saved by the op itself) costs nothing; any other costs
+        its bytes, or those of copies of the argument views on it when smaller
+        (a SwiGLU gate split from the fc1 output holds all of that output).
+        """
+        views = {}
+        for ptr, saved in self.views:
+            views[ptr] = views.get(ptr, 0) + int(saved.value.nbytes)
+        cost, compact = 0, set()
+        for ptr, nbytes in self.input_bytes.items():
+            if ptr in kept or ptr in freeable:
+                continue
+            if views.get(ptr, nbytes) < nbytes:
+                cost += views[ptr]
+                compact.add(ptr)
+            else:
+                cost += nbytes
+        return cost, compact
+
+    def settle(self, drop, compact=()):
+        """Drop (keep only the inputs, views on ``compact`` storages as copies; returns ``{storage: bytes}``
+        of what it keeps) or keep (tokens hold what they stand for; inputs released)."""
+        self.dropped = drop
+        if not drop:
+            self.inputs = None
+            # an output no consumer saved is not held past the scope
+            self.held_outs = [t if n else None for t, n in zip(self.held_outs, self.out_tokens)]
+            return {}
+        self.inner = [None] * len(self.inner)
+        self.held_outs = None
+        self.out_left = list(self.out_tokens)
+        kept = {ptr: n for ptr, n in self.input_bytes.items() if ptr not in compact}
+        if compact:
+            with no_grad(), no_casts():   # the engine's own copies
+                for ptr, saved in self.views:
+                    if ptr in compact:
+                        saved.value = ops.deepcopy(saved.value)
+                        kept.update(_storages((saved.value,), ()))
+        self.views = None
+        return kept
+
+    # -- backward ---------------------------------------------------------------------------------------
+    def inner_value(self, k):
+        if not self.dropped:
+            return self.inner[k]
+        if self.rebuilt is None or self.rebuilt[k] is None:
+            self.rerun()
+        t, self.rebuilt[k] = self.rebuilt[k], None   # each save is unpacked once
+        return t
+
+    def output_value(self, j):
+        if not self.dropped:
+            return self.held_outs[j]
+        if self.result is None or self.result[j] is None:
+            self.rerun()
+        t = self.result[j]
+        self.out_left[j] -= 1
+        if self.out_left[j] <= 0:   # its last consumer has it: don't hold it for the rest of backward
+            self.result[j] = None
+        return t
 
     def rerun(self):
-        if self.result is None:
-            refuse_higher_order()
+        """Run the op again on its inputs, once per backward: outputs, and its saves when it saved any."""
+        refuse_higher_order()
+        target = self.target
+        args, kwargs = self.inputs
+        args = tuple(recompute_input(a) for a in args)
+        kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
+        if any(m is not None for m in self.inner_meta):
+            saved = []
+            # The throw-away graph keeps nothing (pack returns None); the saves are collected in order.
+            with _rerun_graph(self.precision), ms.saved_tensors_hooks(saved.append, _keep):
+                out = output_tensors(target.call_original(*args, **kwargs))
+            self._check(saved)
+            with no_grad():
+                self.rebuilt = [detached(t) if m is not None else None for t, m in zip(saved, self.inner_meta)]
+        else:   # it saved nothing itself: no graph is needed
             ENGINE.enter_recompute()
             try:
-                # No graph is recorded for the re-run; it runs under the forward's mixed precision.
                 with no_grad(), under_precision(self.precision):
-                    self.result = output_tensors(self.target.call_original(*self.args, **self.kwargs))
+                    out = output_tensors(target.call_original(*args, **kwargs))
             finally:
                 ENGINE.exit_recompute()
-            self.target.stats.count_rerun(self.target.name)
-            self.target.stats.recompute_calls += 1
-        return self.result
+        self.result = [detached(t) if isinstance(t, Tensor) else t for t in out]
+        self.out_left = list(self.out_tokens)
+        target.stats.count_rerun(target.name)
+        target.stats.recompute_calls += 1
+
+    def _check(self, saved):
+        meta = self.inner_meta
+        where = f"saved tensor #%d of {self.target.name}"
+        for k, (t, m) in enumerate(zip(saved, meta)):
+            if m is not None and (tuple(t.shape), t.dtype) != m:
+                raise messages.other_tensor(where % k, m, (tuple(t.shape), t.dtype))
+        if len(saved) != len(meta):
+            n = min(len(saved), len(meta))
+            raise messages.save_count(len(saved), len(meta), where % n)
 
 
 class _OutputToken:
@@ -115,6 +306,50 @@ class _OutputToken:
 
     def __init__(self, record, index):
         self.record, self.index = record, index
+
+
+class _InnerToken:
+    __slots__ = ("record", "index")
+
+    def __init__(self, record, index):
+        self.record, self.index = record, index
+
+
+def _unpack_output(obj):
+    if isinstance(obj, _OutputToken):
+        return obj.record.output_value(obj.index)
+    if isinstance(obj, _InnerToken):
+        return obj.record.inner_value(obj.index)
+    return obj
+
+
+def _keep(obj):
+    return obj
+
+
+@contextlib.contextmanager
+def _rerun_graph(precision):
+    """Record the op's re-run in a throw-away graph, under the forward's mixed-precision type.
+
+    ``rerun.recompute_graph`` without a run on the engine stack: the op's
+    forward had none either, so code inside it (``is_in_recompute`` aside)
+    sees the same in both runs.
+    """
+    grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
+    ENGINE.enter_recompute()
+    try:
+        _executor.set_grad_flag(True)
+        _executor.set_enable_grad(True)
+        _executor.new_empty_graph()
+        try:
+            with under_precision(precision):
+                yield
+        finally:
+            _executor.end_empty_graph()
+    finally:
+        _executor.set_grad_flag(grad_flag)
+        _executor.set_enable_grad(enable_grad)
+        ENGINE.exit_recompute()
 
 
 class _Scope:
@@ -125,6 +360,7 @@ class _Scope:
         self.targets = []
         self.live = {}          # data_ptr -> (record, output index), during one scope forward
         self.run = None
+        self.calling = 0        # wrapped op calls in progress (an op inside another runs plainly)
         self._ctx = None
         self._bracket = None
 
@@ -150,7 +386,8 @@ class _Scope:
                 or not _executor.requires_grad():
             return False
         self.live = {}
-        self.run = _ScopeRun(frozenset(p.data_ptr() for p in self.cell.get_parameters()))
+        self.calling = 0
+        self.run = _ScopeRun(param_ptrs(self.cell.get_parameters()))
         self._ctx = ms.saved_tensors_hooks(self._pack, _unpack_output)
         self._ctx.__enter__()
         return True
@@ -162,81 +399,88 @@ class _Scope:
         ctx.__exit__(None, None, None)
         self.live = {}
         run, self.run = self.run, None
-        if failed:
-            return   # an abandoned forward: nothing was kept for a backward that won't come
-        alive = {ptr: n for ptr, (n, ref) in run.passed.items() if ref() is not None}
-        inputs = {key for entry in run.stats_bytes.values() for key in entry[3] if not isinstance(key, tuple)}
-        passed = sum(n for ptr, n in alive.items() if ptr not in inputs)
-        # An output dropped by its consumers but also saved as it is stays alive (a Cell with a custom
-        # bprop saves its output for the bprop, which a proxy around the call sees too late). Same
-        # pointer is not enough: a dropped output freed early leaves its address to later tensors.
-        still_alive = {ptr for ptr, (_, ref) in run.dropped_refs.items() if ptr in alive and ref() is not None}
-        for stats, kept, dropped, keys in run.stats_bytes.values():
-            still = sum(alive[key[1]] for key in keys if isinstance(key, tuple) and key[1] in still_alive)
-            stats.open_region(run, kept + passed, dropped - still, 0)
-            passed = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
-        by_target = {}
-        for ptr, (target, _) in run.dropped_refs.items():
-            by_target.setdefault(target, set()).add(ptr)
-        for target, ptrs in by_target.items():
-            if ptrs <= still_alive:
-                ENGINE.warnings.warning(
-                    ("output_kept_by_op", target.name),
-                    "output recompute of %s saves nothing: its output is saved for backward as it is "
-                    "before the op returns (a Cell with a custom bprop keeps its inputs and output for "
-                    "the bprop); it is still run again in backward", target.name)
-        for target, dropped in run.dropped_any.items():
-            if not dropped:
-                ENGINE.warnings.warning(("nothing_dropped", target.name), messages.OUTPUT_NOTHING_DROPPED,
-                                        target.name)
-
-    def record(self, target, args, kwargs, out):
-        if self.run is None:
+        records, run.records = run.records, []   # tokens hold records, records the run: no cycle back
+        if failed:   # an abandoned forward: keep what was saved, for a backward that won't come
+            for rec in records:
+                rec.settle(False)
             return
-        outs = output_tensors(out)
-        rec = _OutputRecord(target, args, kwargs, outs, self.run)
-        self.run.dropped_any.setdefault(target, False)
-        for j, t in enumerate(outs):
-            if isinstance(t, Tensor):
-                self.live[t.data_ptr()] = (rec, j)
-        entry = self.run.stats_bytes.setdefault(id(target.stats), [target.stats, 0, 0, set()])
-        for a in list(args) + list(kwargs.values()):
-            if isinstance(a, Tensor) and a.data_ptr() not in entry[3]:
-                entry[3].add(a.data_ptr())
-                entry[1] += storage_nbytes(a)
+        self._settle(run, records)
+
+    def _settle(self, run, records):
+        """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
+        passed = run.alive_passed()
+        kept = dict(passed)
+        # stats id -> [stats, bytes dropped]: summed as decided, a freed storage's address may be reused
+        dropped = {}
+        why = {}       # target -> (reason, cost, gain) of its first kept call, while none was dropped
+        for rec in records:
+            target, freeable = rec.target, rec.freeable()
+            gain = {p: n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes}
+            cost, compact = rec.input_cost(kept, freeable)
+            entry = dropped.setdefault(id(target.stats), [target.stats, 0])
+            if target.keep_output is not True and sum(gain.values()) > cost:
+                kept.update(rec.settle(True, compact))
+                entry[1] += sum(gain.values())
+                why[target] = None
+                continue
+            rec.settle(False)
+            kept.update(freeable)
+            if target.keep_output is not True and target not in why:
+                why[target] = (_reason(rec, freeable, gain), cost, sum(gain.values()))
+        kept_total = sum(n for p, n in kept.items() if p not in passed)   # the meter counts what was passed
+        for stats, gone in dropped.values():
+            stats.open_region(run, kept_total, gone, 0)
+            kept_total = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
+        for target, reason in why.items():
+            if reason is not None:
+                _warn_kept(target, *reason)
+
+    def record(self, rec, out):
+        rec.note_outputs(out)
+        for j, o in enumerate(rec.outs):
+            if o is not None:
+                self.live[o[0]] = (rec, j)
+        self.run.records.append(rec)
 
     def _pack(self, t):
         hit = self.live.get(t.data_ptr())
-        if hit is None:
-            return self._pass(t)
-        rec, j = hit
-        out = rec.outs[j]() if rec.outs[j] is not None else None
-        if out is None or out.shape != t.shape or out.dtype != t.dtype:
-            return self._pass(t)
-        entry = rec.run.stats_bytes[id(rec.target.stats)]
-        rec.run.dropped_any[rec.target] = True
-        rec.run.dropped_refs[t.data_ptr()] = (rec.target, rec.outs[j])
-        if ("out", t.data_ptr()) not in entry[3]:
-            entry[3].add(("out", t.data_ptr()))
-            entry[2] += storage_nbytes(t)
-        return _OutputToken(rec, j)
+        if hit is not None:
+            rec, j = hit
+            if rec.dropped is None and rec.outs[j][1] == _layout(t):
+                return rec.output_token(j)
+        return self._pass(t)
+
+    setattr(_pack, CHAIN_PASSED, True)   # what it lets through is counted by an outer meter
 
     def _pass(self, t):
-        """``t`` kept as it is: noted for the accounting (an outer meter can't see it)."""
-        run, ptr = self.run, t.data_ptr()
-        if run is not None and ptr not in run.weights and ptr not in run.passed:
-            run.passed[ptr] = (storage_nbytes(t), weakref.ref(t))
+        """``t`` kept as it is: noted for the decisions."""
+        run = self.run
+        if run is not None and t.data_ptr() not in run.weights:
+            ptr, nbytes = storage_info(t)
+            run.passed.setdefault(ptr, []).append((nbytes, weakref.ref(t)))
         return t
 
 
-def _unpack_output(obj):
-    if isinstance(obj, _OutputToken):
-        return obj.record.rerun()[obj.index]
-    return obj
+def _reason(rec, freeable, gain):
+    if gain:
+        return _INPUTS_COST
+    if any(rec.out_tokens) or freeable:
+        return _KEPT_ELSEWHERE
+    return _NOTHING
+
+
+def _warn_kept(target, reason, cost, gain):
+    if reason == _NOTHING:
+        ENGINE.warnings.warning(("nothing_dropped", target.name), messages.OUTPUT_NOTHING_DROPPED, target.name)
+    elif reason == _KEPT_ELSEWHERE:
+        ENGINE.warnings.warning(("output_kept_by_op", target.name), messages.OUTPUT_KEPT_ELSEWHERE, target.name)
+    else:
+        ENGINE.warnings.warning(("inputs_cost", target.name), messages.OUTPUT_INPUTS_COST, target.name, cost,
+                                gain)
 
 
 class _Target:
-    """The wrapped op: calls it, records its output in the scope, re-runs it in backward."""
+    """The wrapped op: calls it, records it in the scope, re-runs it in backward."""
 
     def __init__(self, op, name, owner, scope, stats):
         self.op, self.name, self.owner, self.scope, self.stats = op, name, owner, scope, stats
@@ -246,7 +490,9 @@ class _Target:
         return self.op(*args, **kwargs)
 
     def active(self):
-        return self.keep_output is not True and self.scope.run is not None and not ENGINE.in_recompute()
+        scope = self.scope
+        return (self.keep_output is not True and scope.run is not None and not scope.calling
+                and ENGINE.top() is None and not ENGINE.in_recompute())
 
     def decide_rerun(self, random_ops, side_effect_ops=()):
         """Decide, from the first recorded call, whether the op can be run again at all."""
@@ -259,19 +505,24 @@ class _Target:
                                     side_effect_ops)
 
     def observe(self, args, kwargs, call):
-        """Run ``call()`` (the op), recording its output when the scope is collecting."""
+        """Run ``call()`` (the op), recording it when the scope is collecting."""
         if not self.active():
             return call()
-        if self.keep_output is None:
-            probe = _RerunProbe()
-            with probe:
-                out = call()
-            self.decide_rerun(probe.random_ops, probe.side_effect_ops)
-            if self.keep_output:
-                return out
-        else:
-            out = call()
-        self.scope.record(self, args, kwargs, out)
+        scope = self.scope
+        rec = _OutputRecord(self, scope.run, args, kwargs)
+        scope.calling += 1
+        try:
+            with ms.saved_tensors_hooks(rec.pack_inner, _unpack_output):
+                if self.keep_output is None:
+                    probe = _RerunProbe()
+                    with probe:
+                        out = call()
+                    self.decide_rerun(probe.random_ops, probe.side_effect_ops)
+                else:
+                    out = call()
+        finally:
+            scope.calling -= 1
+        scope.record(rec, out)   # a kept op (random, writes) is settled as kept with the others
         return out
 
 
@@ -292,8 +543,6 @@ class _FunctionProxy:
 
     def __deepcopy__(self, memo):   # a copied cell gets the plain op (see construct_patch)
         return copy.deepcopy(self._mac_target.op, memo)
-
-
 class OpOutputHandle:
     """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
 
@@ -338,10 +587,14 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     The op may be a Python function, a Primitive, or a Cell (e.g. a collective
     with a custom ``bprop``). A registry slot or a function/Primitive attribute
     is replaced by a proxy; a Cell attribute keeps its object and gets an
-    instance ``construct`` patch (the cell tree and parameter names stay). Consumers running inside ``scope`` (default:
-    ``owner_cell``; pass the transformer layer) do not keep the op's output;
-    backward rebuilds it by running the op again on its inputs, counted in
-    ``stats`` (``ops_rerun``, ``recompute_calls``, ``dropped_bytes``). Returns an
+    instance ``construct`` patch (the cell tree and parameter names stay).
+    Neither what the op saves for backward nor its output as saved by
+    consumers running inside ``scope`` (default: ``owner_cell``; pass the
+    transformer layer) is kept, only its inputs, for each call where that
+    frees more than the inputs cost (else the call keeps what it would without
+    recompute, and a warning says why); backward rebuilds them by running the
+    op again on its inputs, counted in ``stats`` (``ops_rerun``,
+    ``recompute_calls``, ``dropped_bytes``, ``kept_bytes``). Returns an
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """

@@ -18,10 +18,19 @@ checked and takes the intercepting path. The check requires:
 * no policy and no swapped inputs (``checkpoint_wrapper`` without
   ``policy_fn``; ``exclude_op`` is a policy);
 * no op that may write tensors (``side_effect_mem`` primitives such as
-  BatchNorm in training, ``Inplace*`` ops), no nested region;
+  BatchNorm in training, ``Inplace*`` ops), except writes to the root's
+  non-trainable Parameters that the re-run skipped (guarded by
+  ``is_in_recompute()``) and that no re-run op reads; a light re-run is
+  guarded by copies of those buffers (``side_effects.BufferGuard``): a write
+  it makes after all is undone and the signature is checked again; no
+  nested region;
 * no kept op: no unreplayable random op except the Dropout kernel of an
-  ``nn.Dropout`` cell called through its ``DropoutProxy``; replayable random
-  primitives (``mac_replayable``) are recomputed like any op;
+  ``nn.Dropout`` cell called through its ``DropoutProxy`` and functional
+  random ops (``ops.dropout``, ``ops.rand_like`` ..., MindFormers' Dropout
+  cell) that the checking call's re-run measured drawing again bitwise from
+  the forward's random state (``Region.check_replay``; a light re-run starts
+  from that state too, so they run again and nothing of them is kept);
+  replayable random primitives (``mac_replayable``) are recomputed like any op;
 * a recompute that saved exactly what its forward saved (count, shapes and
   dtypes, in order).
 
@@ -61,7 +70,7 @@ class PathCheck:
     """
 
     __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
-                 "n_dropouts", "dropped", "param_ptrs", "_owner")
+                 "n_dropouts", "dropped", "param_ptrs", "buffers", "probe_index", "_owner")
 
     def __init__(self):
         self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
@@ -71,6 +80,8 @@ class PathCheck:
         self.n_forward = self.n_rerun = self.n_dropouts = self.dropped = 0
         self.rerun_counts = collections.Counter()
         self.param_ptrs = frozenset()
+        self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
+        self.probe_index = {}         # output size -> the indices light._OutputProbe samples
         self._owner = None
 
     def attach(self, region):
@@ -86,16 +97,25 @@ class PathCheck:
     def validate(self, region):
         """After the checking call's recompute: may this signature take the light path?"""
         decisions = region.decisions
-        rebuilt = {i for i, d in decisions.items() if d == REBUILD}
-        self.ok = (region.policy_fn is None and not region.swap_inputs and not region.may_write_seen
-                   and not region.snapshots and not region.written and not region.cache
-                   and not region.children and len(rebuilt) == len(decisions)
-                   and rebuilt <= region.cell_dropouts and self.fwd == self.rec)
+        # Random ops the light path handles: nn.Dropout kernels (mask bits through their DropoutProxy), and
+        # random ops that drew again bitwise from the forward's random state (run again, nothing kept).
+        cell_dropouts = {i for i in region.cell_dropouts if decisions.get(i) == REBUILD}
+        light_random = cell_dropouts | region.replayed
+        root = region.root
+        buffers = {p.data_ptr(): p for p in root.get_parameters() if not p.requires_grad} if root else {}
+        # Writes in forward only (the re-run skipped them under is_in_recompute()), to buffers only, that
+        # no op of the re-run reads: a light re-run writes nothing either (BufferGuard checks it does not).
+        writes_ok = not region.may_write_seen or (not region.rerun_wrote and not region.rerun_read_written
+                                                  and set(region.written) <= set(buffers))
+        self.ok = (region.policy_fn is None and not region.swap_inputs and writes_ok and not region.writes_inputs
+                   and set(decisions) <= light_random and not region.children and self.fwd == self.rec)
+        self.buffers = tuple(buffers.values())
         self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
         self.n_forward = len(self.op_names)
-        self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names) if i not in decisions)
+        self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names)
+                                                if i not in cell_dropouts)
         self.n_rerun = sum(self.rerun_counts.values())
-        self.n_dropouts = len(rebuilt)
+        self.n_dropouts = len(cell_dropouts)
         self.dropped = region.bytes.totals[1] if region.bytes.totals is not None else 0
         self.param_ptrs = frozenset(region.param_ptrs)
         self.rec = None

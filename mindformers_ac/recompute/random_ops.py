@@ -54,25 +54,43 @@ def is_unreplayable_random_op(name, args):
 
 
 class DropoutFormulaCheck:
-    """Whether ``dropout_formula`` equals the kernel bitwise, checked once per (dtype, keep_prob)."""
+    """Whether ``dropout_formula`` equals the kernel bitwise, checked once per (dtype, keep_prob).
+
+    The outputs are compared as bit patterns (a NaN equals itself, -0 differs
+    from 0). Only a call whose input and output are all finite decides the
+    cached answer: an overflowed step (which a loss scaler skips) is judged
+    for itself alone, so it can neither cache a failure for the process nor
+    log one.
+    """
 
     def __init__(self):
-        self._ok = {}   # (dtype, keep_prob) -> bool
+        self._ok = {}   # (dtype, keep_prob) -> bool, from finite calls only
 
     def __call__(self, x, out, mask, keep_prob):
         key = (str(x.dtype), float(keep_prob))
         ok = self._ok.get(key)
-        if ok is None:
-            mn = mask.asnumpy()
-            ok = bool(np.isin(mn, (0, 1)).all())
-            if ok:
-                with no_grad():   # a check, not part of the graph
-                    rebuilt = dropout_formula(x, mask, keep_prob)
-                ok = np.array_equal(rebuilt.asnumpy(), out.asnumpy())
-            self._ok[key] = ok
-            if not ok:
-                logger.warning(messages.DROPOUT_NOT_REBUILT, key)
+        if ok is not None:
+            return ok
+        xn, on = x.asnumpy(), out.asnumpy()
+        ok = self._rebuilds(x, on, mask, keep_prob)
+        if not (np.isfinite(xn).all() and np.isfinite(on).all()):
+            return ok
+        self._ok[key] = ok
+        if not ok:
+            logger.warning(messages.DROPOUT_NOT_REBUILT, key)
         return ok
+
+    @staticmethod
+    def _rebuilds(x, out_np, mask, keep_prob):
+        mn = mask.asnumpy()
+        if not np.isin(mn, (0, 1)).all():
+            return False
+        with no_grad():   # a check, not part of the graph
+            rebuilt = dropout_formula(x, mask, keep_prob).asnumpy()
+        if rebuilt.dtype != out_np.dtype or rebuilt.shape != out_np.shape:
+            return False
+        bits = np.dtype(f"u{out_np.dtype.itemsize}")
+        return np.array_equal(rebuilt.view(bits), out_np.view(bits))
 
 
 def dropout_formula(x, mask, keep_prob):

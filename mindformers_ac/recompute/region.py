@@ -17,12 +17,13 @@ import weakref
 
 import mindspore as ms
 from mindspore import Tensor
+from mindspore.ops import Primitive
 
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import output_tensors, param_ptrs, root_cell_of
+from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph
@@ -54,6 +55,7 @@ class Region(RegionBase):
         self.param_ptrs = ptrs
         self.input_ptrs = set()
         self.decisions = {}       # op index -> SAVE / SWAP / REBUILD (absent: recompute)
+        self.arg_metas = {}       # op index of a decided op -> its tensor arguments' (shape, dtype)
         self.op_names = []        # forward op names, to detect a diverging recompute
         self.op_paths = {}        # op index -> cell path, for ops that left tokens (for messages)
         self.fwd_npacks = {}      # op index -> tensors it saved in forward
@@ -67,7 +69,12 @@ class Region(RegionBase):
         if path_check is not None:
             path_check.attach(self)
         self.may_write_seen = False   # an op that may write tensors ran in forward
+        self.rerun_wrote = False      # ... and ran again in the recompute (not skipped under the marker)
+        self.rerun_read_written = False   # a re-run op read a tensor some op of the region writes
+        self.writes_inputs = False    # an op of the forward wrote one of the region's inputs in place
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
+        self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
+        self.replayed = set()         # of those, the ones a checking re-run drew again bitwise (check_replay)
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
 
     # -- swap -------------------------------------------------------------------
@@ -105,6 +112,7 @@ class Region(RegionBase):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         policy = self.ask_policy(run, idx, name, func, args, kwargs) if self.policy_fn is not None else None
         if is_unreplayable_random_op(name, args):
+            self.random_ops[idx] = args[0] if args and isinstance(args[0], Primitive) else None
             if name == "Dropout" and dropout_input(args)[0] is not None:
                 return REBUILD
             return SAVE
@@ -145,6 +153,20 @@ class Region(RegionBase):
             self.written.setdefault(ptr, (idx, snapshot, k))
         return decision
 
+    def guard_input_writes(self, run, args):
+        """Called in forward before an op that may write: a region input among its tensor arguments is
+        copied for the re-run first (``protect_input``), and the region stays off the light path."""
+        if not self.input_ptrs:
+            return
+        for t in tensor_args(args):
+            ptr = t.data_ptr()
+            if ptr in self.input_ptrs:
+                run.in_hook = True   # the copy is ours: it must not shift the op numbering
+                try:
+                    self.writes_inputs |= self.protect_input(ptr)
+                finally:
+                    run.in_hook = False
+
     def rerun_args(self, run, idx, name, args):
         """Arguments for re-running op ``idx`` in a region that writes tensors.
 
@@ -167,6 +189,7 @@ class Region(RegionBase):
             return snapshot.args_for_rerun(args, run.written)
         served = {}
         for pos, ptr in read_slots(args, self.written):
+            self.rerun_read_written = True
             if ptr not in run.written:
                 first, snap, k = self.written[ptr]
                 if snap is None:
@@ -177,6 +200,49 @@ class Region(RegionBase):
                 run.written[ptr] = snap.fresh(k)
             served[pos] = run.written[ptr]
         return replace_at(args, served) if served else args
+
+    # -- aligning a re-run that skips ops ---------------------------------------------
+    def skippable(self, idx):
+        """May the re-run skip forward op ``idx``? Only if it left nothing for backward: it saved no
+        tensor and its output is not kept (a one-shot side effect under ``is_in_recompute()``)."""
+        return idx not in self.decisions and not self.fwd_npacks.get(idx)
+
+    def align(self, run, idx, name, args):
+        """The forward index of the re-run's next op ``name`` (``idx``: right after the previous one).
+
+        The forward's op ``idx`` when it has that name (and, for a kept op,
+        the same tensor arguments); else the next op of that name past ops
+        the re-run may skip (``skippable``). ``RecomputeError`` when there is
+        none: the re-run runs another op than its forward.
+        """
+        names = self.op_names
+        j = idx
+        while j < len(names):
+            if names[j] == name and (j not in self.arg_metas or self.arg_metas[j] == arg_meta(args)):
+                return j
+            if not self.skippable(j):
+                break
+            j += 1
+        raise messages.other_op(idx, self.describe_op(idx), names[idx] if idx < len(names) else "", name,
+                                run.cell_path())
+
+    def realign(self, run, idx):
+        """A re-run op numbered ``idx`` saves a tensor, but forward op ``idx`` saved none: it is the next
+        forward op of its name that saved some, past skippable ops (the re-run skipped a same-named side
+        effect). Renumbers the run and returns the new index, or ``idx`` when there is no such op."""
+        names = self.op_names
+        j = idx + 1
+        while j < len(names) and names[j] != names[idx] and self.skippable(j):
+            j += 1
+        if j >= len(names) or names[j] != names[idx] or not self.fwd_npacks.get(j) or j in self.decisions:
+            return idx
+        run.npacks[j] = run.npacks.pop(idx, 0)
+        run.inside = [j if i == idx else i for i in run.inside]
+        if run.last == idx:
+            run.last = j
+        if run.op_idx == idx:
+            run.op_idx = j
+        return j
 
     # -- divergence checks -------------------------------------------------------
     def describe_op(self, idx):
@@ -192,9 +258,9 @@ class Region(RegionBase):
         the op and what differed, instead of failing later or silently.
         """
         n = len(self.op_names)
-        if run.op_idx + 1 < n:
-            i = run.op_idx + 1
-            raise messages.missing_ops(i, n, self.describe_op(i))
+        missing = next((i for i in range(run.op_idx + 1, n) if not self.skippable(i)), None)
+        if missing is not None:
+            raise messages.missing_ops(missing, n, self.describe_op(missing))
         for key, meta in self.token_meta.items():
             idx, k = key
             if self.decisions.get(idx) is not None:
@@ -264,6 +330,25 @@ class Region(RegionBase):
             self.cell_dropouts.add(run.op_idx)
         return out
 
+    def check_replay(self, run, idx, func, args, kwargs, out):
+        """In a checking call's re-run: does random op ``idx``, run again from the forward's random state,
+        draw what the forward drew? (``ops.dropout`` and other functional random ops make a fresh
+        primitive seeded from MindSpore's seed table, which the re-run starts from as the forward did;
+        whether the backend's kernel then repeats its draw is measured, not assumed.) The run's result
+        is ours, not the region's: its saves are not filed and its output is discarded."""
+        if idx in self.cell_dropouts or (args and args[0] is self.random_ops[idx]):
+            # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
+            # which no RandomState covers: its early launches may repeat, later ones do not.
+            return
+        run.in_hook = True
+        try:
+            if tensors_equal(out, func(*args, **kwargs)):
+                self.replayed.add(idx)
+        except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
+            pass
+        finally:
+            run.in_hook = False
+
     def rebuild_dropout(self, run, idx, args):
         record = self.dropouts[idx]
         run.in_hook = True   # the rebuild's own ops save nothing for this region
@@ -308,6 +393,9 @@ class Region(RegionBase):
         """Recompute pack hook: file each regenerated tensor under its forward key; the graph keeps nothing."""
         if run.in_hook:
             return None
+        idx = run.current_op()
+        if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
+            self.realign(run, idx)
         key = run.next_key()
         if self.path_check is not None and (key is None or self.decisions.get(key[0]) != REBUILD):
             self.path_check.note_recompute(t)   # as in forward: a light run numbers Dropout packs apart
@@ -325,6 +413,7 @@ class Region(RegionBase):
         self.stats.intercepted_calls += 1
         ENGINE.push(run)
         try:
+            self.start_forward()
             if self.swap_inputs and self.swap_executor is None:
                 ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
             offload = (functools.partial(self._offload_input, run)
@@ -353,17 +442,17 @@ class Region(RegionBase):
 
     def _recompute(self):
         run = RegionRun(self, RECOMPUTE, self.tracker)
-        args, kwargs = self.load_inputs()
         wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
 
         def pack(t):
             r = wrun()
             return r.region.pack_recompute(r, t) if r is not None else None
 
-        with recompute_graph(run, self.precision), self.run_context(RECOMPUTE), self._tracking(), \
-                RegionDispatch(run), \
-                ms.saved_tensors_hooks(pack, keep_saved):
-            self.fn(*args, **kwargs)
+        with recompute_graph(run, self.precision, self.random_state):
+            args, kwargs = self.load_inputs()   # in the graph: an input made for an in-place write is tracked
+            with self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
+                    ms.saved_tensors_hooks(pack, keep_saved):
+                self.fn(*args, **kwargs)
         self.check_recompute(run)
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None

@@ -18,7 +18,13 @@ decision (``path_choice``). Everything else is here, once:
   the forward's mixed-precision type (``RegionBase.ensure_recomputed``,
   ``recompute_graph``), and refusing a higher-order gradient;
 * nested regions met in forward, replayed in call order (``next_child``);
-* the user's ``context_fn`` around forward and recompute.
+* the user's ``context_fn`` around forward and recompute, and the replay
+  metadata the forward saved for its re-run (``markers``);
+* MindSpore's random state (``RandomState``: the seed table and generator
+  that functional random ops draw from) as it was when the forward started,
+  set again for the re-run and put back after it: a re-run draws what its
+  forward drew and leaves the state as it found it, so the state advances
+  exactly as without AC.
 
 A divergence is described by ``messages`` for both ways in.
 
@@ -32,12 +38,14 @@ in a region (saved-input copies, copies of written parameters) run under
 """
 import contextlib
 
-from mindspore import Parameter, Tensor
+from mindspore import Parameter, Tensor, ops
 
+from ..mindspore_compat import RandomState, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked
 from . import messages
+from .markers import context_pair
 from .random_ops import DropoutRecord
 from .saved import SwappedTensor
 from .state import ENGINE, FORWARD, RECOMPUTE
@@ -93,12 +101,16 @@ class RegionRun:
 
 
 class SavedInput:
-    """A region input kept for the recompute, and whether autograd tracked it in forward."""
+    """A region input kept for the recompute, and whether autograd tracked it in forward.
 
-    __slots__ = ("value", "tracked")
+    ``written``: the forward writes it in place (``copy_``, an ``Inplace*``
+    op), so ``value`` is a private copy taken before that write.
+    """
 
-    def __init__(self, value, tracked):
-        self.value, self.tracked = value, tracked
+    __slots__ = ("value", "tracked", "ptr", "written")
+
+    def __init__(self, value, tracked, ptr):
+        self.value, self.tracked, self.ptr, self.written = value, tracked, ptr, False
 
 
 def recompute_input(a):
@@ -113,13 +125,19 @@ def recompute_input(a):
     """
     if not isinstance(a, SavedInput):
         return a   # not a tensor, or a Parameter: passed as is
-    tracked, a = a.tracked, a.value
+    tracked, written, a = a.tracked, a.written, a.value
     if isinstance(a, SwappedTensor):
         a = a.load()
     a = detached(a)
     if tracked:
         a.requires_grad_()
-    return a
+    # The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as
+    # a write into a leaf (setitem: "input tensor from network"; copy_: "leaf tensor that requires grad").
+    # A view costs nothing; a copy_ target needs a copy of its own, so the saved one stays as it was
+    # (``* 1``: a recorded, exact copy; ``deepcopy`` would not be tracked).
+    if written:
+        return a * 1 if tracked else ops.deepcopy(a)
+    return a.view(a.shape) if tracked else a
 
 
 def refuse_higher_order():
@@ -136,10 +154,15 @@ def refuse_higher_order():
 
 
 @contextlib.contextmanager
-def recompute_graph(run, precision=None):
+def recompute_graph(run, precision=None, random_state=None):
     """Run a region's function again as ``run``: recording on, in a new graph, under the forward's
-    mixed-precision type ``precision``; everything restored on every exit path."""
+    mixed-precision type ``precision`` and from the forward's ``random_state``; everything restored
+    on every exit path (the random state to what it was before the re-run)."""
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
+    current = None
+    if random_state is not None:
+        current = RandomState()
+        random_state.restore()
     ENGINE.enter_recompute()
     ENGINE.push(run)
     try:
@@ -156,6 +179,8 @@ def recompute_graph(run, precision=None):
         _executor.set_enable_grad(enable_grad)
         ENGINE.pop(run)
         ENGINE.exit_recompute()
+        if current is not None:
+            current.restore()
 
 
 class RegionBase:
@@ -171,12 +196,19 @@ class RegionBase:
     def __init__(self, fn, stats, context_fn, param_ptrs):
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
         self.precision = None     # the mixed-precision type the forward ran under
+        self.random_state = None  # RandomState when the forward started (start_forward)
+        self.metadata = None      # key -> deque of values the forward saved for the re-run (markers)
         self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
         self.children = []        # regions nested in this one's forward, in call order
         self.bytes = RegionBytes(param_ptrs)
         self.done = False
         self._running = False
         self._recompute_ctx = None   # the recompute context made with this call's forward context
+
+    def start_forward(self):
+        """Note what the re-run must start from; called once the forward's run is on the ENGINE stack
+        (so an enclosing region's dispatch does not number the snapshot's op)."""
+        self.random_state = RandomState()
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None):
@@ -201,13 +233,28 @@ class RegionBase:
             ptrs.append(ptr)
             kept = detached(a)
             if offload is not None:
-                return SavedInput(offload(kept, ptr), is_tracked(a))
+                return SavedInput(offload(kept, ptr), is_tracked(a), ptr)
             self.bytes.keep(a)
-            return SavedInput(kept, is_tracked(a))
+            return SavedInput(kept, is_tracked(a), ptr)
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
             self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
         return ptrs
+
+    def protect_input(self, ptr):
+        """Before an op of the forward writes the saved input at ``ptr`` in place: keep a private copy of it
+        as it is now, for the re-run (which writes it again, into a copy of that copy). Returns whether
+        ``ptr`` is a saved input kept on the device."""
+        args, kwargs = self.inputs
+        for saved in (*args, *kwargs.values()):
+            if isinstance(saved, SavedInput) and saved.ptr == ptr and isinstance(saved.value, Tensor):
+                if not saved.written:
+                    with no_grad(), no_casts():
+                        saved.value = ops.deepcopy(saved.value)
+                    saved.written = True
+                    self.bytes.keep(saved.value)
+                return True
+        return False
 
     def load_inputs(self):
         """The saved arguments for the recompute: loaded if swapped, tracked as in forward."""
@@ -256,12 +303,12 @@ class RegionBase:
         if self.context_fn is None:
             return contextlib.nullcontext()
         if mode == FORWARD:
-            fwd, self._recompute_ctx = self.context_fn()
+            fwd, self._recompute_ctx = context_pair(self.context_fn)
             return fwd
         if mode == RECOMPUTE and self._recompute_ctx is not None:
             ctx, self._recompute_ctx = self._recompute_ctx, None
             return ctx
-        return self.context_fn()[1]
+        return context_pair(self.context_fn)[1]
 
     def next_child(self, run):
         """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""

@@ -160,3 +160,34 @@ def read_slots(args, ptrs):
                 if isinstance(b, Tensor) and b.data_ptr() in ptrs:
                     found.append(((i, j), b.data_ptr()))
     return found
+
+
+class BufferGuard:
+    """Copies of a region's non-trainable Parameters (its buffers) taken before a light re-run.
+
+    The light path runs a re-run without looking at its ops; its checking
+    call showed that the re-run writes nothing (a forward-time write guarded
+    by ``is_in_recompute()``, or none at all). A later call may still write
+    where the checking call did not (a write only some inputs trigger):
+    ``restore_if_written`` puts back what such a re-run wrote, so the write
+    lands once per step as without AC, and says so, so that the signature is
+    checked again. Cost: one copy per buffer and one comparison after the
+    re-run; nothing for a region without buffers.
+    """
+
+    __slots__ = ("params", "copies")
+
+    def __init__(self, params):
+        self.params = params
+        with no_grad():
+            self.copies = [ops.deepcopy(p) for p in params]
+
+    def restore_if_written(self):
+        """Put back every buffer the re-run changed; returns whether any was."""
+        written = False
+        for p, c in zip(self.params, self.copies):
+            if p.asnumpy().tobytes() != c.asnumpy().tobytes():
+                with no_grad():
+                    ops.assign(p, c)   # in place: the Parameter keeps its storage
+                written = True
+        return written

@@ -12,12 +12,14 @@ Gradients are bitwise equal to training without swap (see ``install``).
 import contextlib
 import functools
 import logging
+import numbers
 import threading
 import weakref
 
-from mindspore import Parameter, nn
+from mindspore import Parameter, Tensor, nn
 
 from ..construct_patch import ConstructPatch, find_patch
+from ..errors import quote
 from ..logs import OnceLogger
 from ..tensors import root_cell_of, tensor_storage_ptrs
 from .install import bracket_swap_group, prefetch_trigger
@@ -209,7 +211,12 @@ def swap_tensor_wrapper(tensor, tag=None):
     Needs an open swap group: a layer linked with ``SwapManager().set_forward_prefetch_layer``
     or a ``swap``/``swap_wrapper``/``async_save_on_cpu`` region; outside one it logs a
     warning (once) and does nothing. Only saves made after the mark are offloaded.
+    Anything that is not a Tensor (``None``, a tuple, a number) is returned as it is,
+    inside a group or outside: HyperParallel registers only the tensors that qualify, so
+    ``x = swap_tensor_wrapper(x)`` may sit on an optional output.
     """
+    if not isinstance(tensor, Tensor):
+        return tensor
     mgr = SwapManager()
     group = mgr.scheduler.current_group()
     if group is None:
@@ -222,7 +229,20 @@ def swap_tensor_wrapper(tensor, tag=None):
     return tensor
 
 
-@contextlib.contextmanager
+def _check_blocks(block_idx, depth, custom_check_fn):
+    for name, value in (("depth", depth), ("block_idx", block_idx)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"async_save_on_cpu: {name} must be an int, got {type(value).__name__} {quote(value)}")
+    if depth < 1:
+        raise ValueError(f"async_save_on_cpu: depth (the number of blocks) must be >= 1, got {depth}")
+    if not 0 <= block_idx < depth:
+        raise ValueError(f"async_save_on_cpu: block_idx must be in [0, depth - 1] = [0, {depth - 1}], "
+                         f"got {block_idx}")
+    if custom_check_fn is not None and not callable(custom_check_fn):
+        raise TypeError(f"async_save_on_cpu: custom_check_fn must be a callable (tensor -> bool) or None, "
+                        f"got {type(custom_check_fn).__name__}")
+
+
 def async_save_on_cpu(h2d_stream=None, d2h_stream=None, block_idx=0, depth=1, custom_check_fn=None,
                       prefetch=True, params=None):
     """MindSpeed-style: offload the activations saved by one block's forward.
@@ -230,19 +250,27 @@ def async_save_on_cpu(h2d_stream=None, d2h_stream=None, block_idx=0, depth=1, cu
     ``with async_save_on_cpu(block_idx=i, depth=n, custom_check_fn=fn): out = block(x)``
 
     * ``custom_check_fn(tensor) -> bool``: True offloads; default: tensors >= ``min_bytes``.
-    * ``depth``: number of blocks; the last block (``block_idx == depth - 1``) keeps its
-      tensors on the device because its backward starts right after the forward.
+    * ``depth``: number of blocks (an int >= 1); ``block_idx`` an int in ``[0, depth - 1]``,
+      checked when called (TypeError / ValueError naming the argument). The last block
+      (``block_idx == depth - 1``) keeps its tensors on the device because its backward
+      starts right after the forward.
     * ``prefetch``: when block i's backward first unpacks, block i-1 is loaded.
     * ``h2d_stream``/``d2h_stream``: ignored; the executor's backend owns its copy streams.
     * ``params``: parameters (or a Cell) never to offload; without them a weight that
       passes ``custom_check_fn`` is copied too (correct, but wasted bandwidth).
     """
     del h2d_stream, d2h_stream
+    _check_blocks(block_idx, depth, custom_check_fn)
+    return _async_save_on_cpu(int(block_idx), int(depth), custom_check_fn, prefetch, params)
+
+
+@contextlib.contextmanager
+def _async_save_on_cpu(block_idx, depth, custom_check_fn, prefetch, params):
     sched = SwapManager().scheduler
     if params is not None:
         sched.add_params(params.get_parameters() if isinstance(params, nn.Cell) else params)
     key, prev_key = ("async_save_on_cpu", block_idx), ("async_save_on_cpu", block_idx - 1)
-    last = block_idx >= depth - 1
+    last = block_idx == depth - 1
     if prefetch and not last:
         sched.mark_prefetchable(key)
     if last:
@@ -258,4 +286,3 @@ def async_save_on_cpu(h2d_stream=None, d2h_stream=None, block_idx=0, depth=1, cu
         sched.close_group(group, failed=True)
         raise
     sched.close_group(group)
-

@@ -36,6 +36,7 @@ every member exists with the Protocol's signature:
 """
 import ctypes
 import ctypes.util
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ContextManager, Optional, Protocol, runtime_checkable
@@ -46,6 +47,8 @@ from mindspore import Tensor
 
 from ..mindspore_compat import pynative_executor
 from ..precision import no_casts
+
+logger = logging.getLogger("mindformers_ac.swap")
 
 
 def protocol_members(protocol):
@@ -71,8 +74,9 @@ class SwapBackend(Protocol):
     Arguments are passed by position (the names are free).
 
     Failure modes a backend must keep: ``start_d2h`` raises ``UnsupportedTensorError`` for a tensor
-    it cannot copy (the executor then keeps it on the device); every method but ``close`` may raise
-    RuntimeError once the backend is closed.
+    it cannot copy (the executor then keeps it on the device); once the backend is closed, every method
+    but ``close``, ``load_now`` and ``fence`` may raise RuntimeError (a backward recorded before the close
+    still loads its tensors on demand, and gives their buffers back).
     """
 
     name: str
@@ -126,7 +130,7 @@ class UnsupportedTensorError(TypeError):
 
 
 class HostBufferPool:
-    """Bounded pool of host buffers, reused across steps.
+    """Host buffers, reused across steps, with a bound on what is owned and on what sits idle.
 
     Buffers are bucketed by exact byte size: a training step saves the same
     shapes every step, so once warm every ``acquire`` is served from the free
@@ -135,16 +139,26 @@ class HostBufferPool:
     other sizes are dropped first; if that is not enough ``acquire`` returns
     ``None`` and the caller must keep the tensor on the device (the executor
     counts it as ``over_budget``). Thread safe.
+
+    ``max_idle_bytes`` bounds the bytes of buffers given back and not in use
+    (default None: the peak bytes in use since the pool was made, so the pool
+    owns at most twice what a step needed at its peak). Without it a sequence
+    length that changes every step would leave a buffer of every size ever seen:
+    given-back buffers beyond it are freed, least recently given back sizes
+    first. The first time the bound frees buffers it is logged, once per pool.
     """
 
-    def __init__(self, allocator, max_bytes=None, fence=None):
+    def __init__(self, allocator, max_bytes=None, fence=None, max_idle_bytes=None):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None (unbounded), got {max_bytes}")
+        if max_idle_bytes is not None and max_idle_bytes < 0:
+            raise ValueError(f"max_idle_bytes must be >= 0 or None (the peak bytes in use), got {max_idle_bytes}")
         self._alloc = allocator
         self.max_bytes = max_bytes
+        self.max_idle_bytes = max_idle_bytes
         self._fence = fence        # waits until no queued kernel can still read a deferred buffer
         self._deferred = []        # (buffer, nbytes) given back while kernels may still read them
-        self._free = {}            # nbytes -> [buffer, ...]
+        self._free = {}            # nbytes -> [buffer, ...], least recently given back size first
         self._lock = threading.Lock()
         self.total_bytes = 0       # owned by the pool, free or in use
         self.in_use_bytes = 0
@@ -154,6 +168,13 @@ class HostBufferPool:
         self.allocations = 0
         self.reuses = 0
         self.refusals = 0
+        self.idle_frees = 0        # buffers freed by the idle bound
+        self._logged_idle_bound = False
+
+    @property
+    def idle_bound(self):
+        """Bytes of idle buffers the pool keeps at most (``max_idle_bytes``, else the peak bytes in use)."""
+        return self.max_idle_bytes if self.max_idle_bytes is not None else self.peak_in_use_bytes
 
     def _evict_idle(self, needed):
         # Caller holds the lock. Drop idle buffers of other sizes until `needed` fits.
@@ -166,6 +187,39 @@ class HostBufferPool:
             if self.total_bytes + needed <= self.max_bytes:
                 return
 
+    def _put_free(self, buf, nbytes):
+        # Caller holds the lock. The size moves to the end: the idle bound frees the oldest sizes first.
+        bucket = self._free.pop(nbytes, None)
+        if bucket is None:
+            bucket = []
+        bucket.append(buf)
+        self._free[nbytes] = bucket
+
+    def _trim_idle(self):
+        # Caller holds the lock. Deferred buffers count as idle but can only go once recycled.
+        excess = self.total_bytes - self.in_use_bytes - self.idle_bound
+        if excess <= 0:
+            return
+        freed = 0
+        for size in list(self._free):
+            bucket = self._free[size]
+            while bucket and freed < excess:
+                bucket.pop()
+                freed += size
+                self.total_bytes -= size
+                self.idle_frees += 1
+            if not bucket:
+                del self._free[size]
+            if freed >= excess:
+                break
+        if freed and not self._logged_idle_bound:
+            self._logged_idle_bound = True
+            rule = ("max_idle_bytes" if self.max_idle_bytes is not None
+                    else "the peak bytes in use since the pool was made")
+            logger.info("swap host pool: freeing idle host buffers beyond %.2f MiB (%s); saved tensors of "
+                        "changing shapes would otherwise keep a buffer of every size seen", self.idle_bound / 2**20,
+                        rule)
+
     def acquire(self, nbytes):
         """A buffer of exactly ``nbytes`` bytes, or ``None`` when the bound forbids it."""
         if self._deferred:
@@ -174,6 +228,8 @@ class HostBufferPool:
             bucket = self._free.get(nbytes)
             if bucket:
                 buf = bucket.pop()
+                if not bucket:
+                    del self._free[nbytes]
                 self.reuses += 1
             else:
                 if self.max_bytes is not None and self.total_bytes + nbytes > self.max_bytes:
@@ -197,6 +253,7 @@ class HostBufferPool:
             self.in_use_bytes -= nbytes
             self.deferred_bytes += nbytes
             self._deferred.append((buf, nbytes))
+            self._trim_idle()
 
     def _recycle_deferred(self):
         if not self._deferred:   # unlocked peek: a buffer given back meanwhile waits for the next acquire
@@ -210,14 +267,15 @@ class HostBufferPool:
         with self._lock:
             for buf, nbytes in deferred:
                 self.deferred_bytes -= nbytes
-                self._free.setdefault(nbytes, []).append(buf)
+                self._put_free(buf, nbytes)
+            self._trim_idle()
 
     def release(self, buf, nbytes):
         """Give a buffer back; it must not be read or written by the caller afterwards."""
         with self._lock:
             self.in_use_bytes -= nbytes
-            self._free.setdefault(nbytes, []).append(buf)
-
+            self._put_free(buf, nbytes)
+            self._trim_idle()
 
     def stats(self):
         with self._lock:
@@ -225,7 +283,9 @@ class HostBufferPool:
                     "pool_deferred_bytes": self.deferred_bytes,
                     "pool_peak_bytes": self.peak_total_bytes, "pool_peak_in_use_bytes": self.peak_in_use_bytes,
                     "pool_max_bytes": self.max_bytes, "pool_allocations": self.allocations,
-                    "pool_reuses": self.reuses, "pool_refusals": self.refusals}
+                    "pool_reuses": self.reuses, "pool_refusals": self.refusals,
+                    "pool_idle_bytes": self.total_bytes - self.in_use_bytes,
+                    "pool_idle_bound_bytes": self.idle_bound, "pool_idle_frees": self.idle_frees}
 
 
 def _libc_memcmp():

@@ -267,6 +267,8 @@ class SwapExecutor:
         backend: a ``SwapBackend`` (default: ``select_backend()`` from the device target).
         max_pool_bytes: bound of the host buffer pool (None: unbounded). A tensor that
             does not fit stays on the device and is counted as ``over_budget``.
+        max_idle_bytes: bound of the pool's buffers not in use (None: the peak bytes in use, so the
+            pool never owns more than twice a step's peak, whatever shapes come; see ``HostBufferPool``).
         verify: compare the device tensor with its host copy where they can differ: at load, if the
             tensor is still alive (written in place after its layer's forward), and when the offload
             finishes if the backend copied earlier; a difference raises RuntimeError.
@@ -275,19 +277,21 @@ class SwapExecutor:
     Call ``close()`` (or drop the executor) to stop the worker thread.
     """
 
-    def __init__(self, backend=None, max_pool_bytes=None, verify=True, report=None):
+    def __init__(self, backend=None, max_pool_bytes=None, verify=True, report=None, max_idle_bytes=None):
         self.backend = backend if backend is not None else select_backend()
         if not isinstance(self.backend, SwapBackend):
             missing = [m for m in protocol_members(SwapBackend) if not hasattr(self.backend, m)]
             raise TypeError(f"swap backend {type(self.backend).__name__} lacks {', '.join(missing)} "
                             "(see mindformers_ac.swap.backends.SwapBackend)")
         self._aliased = self.backend.loads_alias_host
-        self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes, fence=self.backend.fence)
+        self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes, fence=self.backend.fence,
+                                   max_idle_bytes=max_idle_bytes)
         self.verify = verify
         self.report = report if report is not None else SwapReport()
         self.report.pool_stats = self.pool.stats
         self._give_back = self.pool.release_later if self._aliased else self.pool.release
         self._closer = weakref.finalize(self, self.backend.close)
+        self.closed = False
 
     # --- offload -------------------------------------------------------------------------
     def start_offload(self, tensor, key=None, tag=None):
@@ -360,8 +364,9 @@ class SwapExecutor:
 
     # --- load ----------------------------------------------------------------------------
     def prefetch(self, handle):
-        """Start loading ``handle`` on the copy worker/stream; no-op if already loading or loaded."""
-        if handle.state is not HandleState.OFFLOADED:
+        """Start loading ``handle`` on the copy worker/stream; no-op if already loading or loaded, or once
+        the executor is closed (the handle then loads on demand)."""
+        if handle.state is not HandleState.OFFLOADED or self.closed:
             return False
         handle.start_load(self.backend.start_h2d(handle.ticket))
         return True
@@ -400,6 +405,11 @@ class SwapExecutor:
         return tensor
 
     def close(self):
-        """Stop the copy worker. Handles not yet loaded can still be loaded on demand."""
+        """Stop the copy worker. Handles not yet loaded can still be loaded on demand.
+
+        A backward recorded before the close (``remove_ac`` between an ``ms.vjp`` forward and its
+        backward) still runs the prefetch triggers it holds: from now on they start nothing, and
+        ``load`` copies each tensor back on demand."""
+        self.closed = True
         self._closer()
 

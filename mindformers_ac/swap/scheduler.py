@@ -7,19 +7,26 @@ layer id, a cell label, a block id); prefetching a key loads back the tensors
 of its most recent call.
 
 Per saved tensor, in order:
-1. weights (``data_ptr`` or storage equal to a known parameter) are returned as is;
-   the pointers are checked for changes (a checkpoint reload, ``set_data``) at the
-   first outermost swap region of each forward pass (after a backward, or when an
-   outermost key comes again), so reloaded weights stay weights. A change inside
-   a pass is seen at the next one; until then it costs copies, never exactness
-   (a weight taken for an activation is copied and loaded back with its values;
-   an activation at a stale weight address is kept on the device);
+1. weights are returned as is: a tensor MindSpore marks as a Parameter's
+   (``param_info``, whichever cell holds it: one added after the install, a LoRA
+   adapter, the cells a ``swap(lambda z: cell(z), x)`` reaches), or whose
+   ``data_ptr`` or storage equals a known parameter's. A parameter met in pack is
+   learnt, so later views of its storage stay too. The pointers are checked for
+   changes (a checkpoint reload, ``set_data``) at the first outermost swap region
+   of each forward pass (after a backward, or when an outermost key comes again),
+   so reloaded weights stay weights. A change inside a pass is seen at the next
+   one; until then it costs copies of views, never exactness (a weight taken for
+   an activation is copied and loaded back with its values; an activation at a
+   stale weight address is kept on the device);
 2. a view already offloaded in this group shares that handle (one copy per view);
 3. kept on device, with a reason counted in the report: ``input`` (storage of a
    tensor the group, layer or model received as input), ``unmarked`` (group
    swaps only ``swap_tensor_wrapper`` tensors), ``check_fn`` / ``policy``
    (user rule said keep), ``small`` (< ``min_bytes``), ``over_budget`` (host
-   pool full);
+   pool full). A kept tracked tensor is held as its untracked ``data`` (same
+   storage, no graph node): held with its node, the packed object would tie the
+   graph to itself, and a step that fails before its backward would never free
+   that graph, its host buffers or its kept tensors;
 4. otherwise offloaded: pack takes a host buffer; the device tensor is held
    until the group closes (so its address cannot be reused by a new tensor
    while the dedup table is live), then copied (the host backend; a device
@@ -29,11 +36,29 @@ import weakref
 
 import mindspore as ms
 
+from ..precision import no_casts
 from ..recompute.policy import CheckpointPolicy
-from ..tensors import WeightPointers, storage_info, storage_ptr
+from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr
 from .executor import SwapExecutor, SwapHandle
 
 DEFAULT_MIN_BYTES = 1024
+
+
+def _untracked(t):
+    """``t``'s storage, shape and strides as a tensor autograd does not track (``Tensor.data``, 0.3 us;
+    ``detached``, about 12 us, where a release lacks it).
+
+    What a pack hook keeps must not hold a tracked tensor: its autograd node leads back to the graph that
+    holds the packed object, a cycle reference counting can't free when the step never reaches its
+    backward (a failed forward or backward would keep the whole graph, its host buffers and kept tensors).
+    """
+    if not is_tracked(t):
+        return t
+    try:
+        return t.data
+    except AttributeError:
+        with no_casts():   # inside a to_float / amp layer the detaching op would be cast too
+            return detached(t)
 
 
 class _Kept:
@@ -198,9 +223,10 @@ class SwapScheduler:
         return g
 
     def prefetch(self, key, trigger=None):
-        """Start loading the latest call of ``key``; returns the number of loads issued."""
+        """Start loading the latest call of ``key``; returns the number of loads issued (none once the executor
+        is closed: a backward recorded before ``remove_ac`` loads its tensors on demand)."""
         groups = self._waiting.pop(key, None)
-        if not groups:
+        if not groups or self.executor.closed:
             return 0
         gen = max(g.gen for g in groups)
         older = [g for g in groups if g.gen != gen]
@@ -244,6 +270,13 @@ class SwapScheduler:
         params = self.param_ptrs
         if ptr in params:
             return t
+        info = t.param_info
+        if info is not None:
+            # A Parameter's own tensor (MindSpore marks it, whichever cell holds it: one added after the
+            # install, or reached through a lambda); learnt, so that views of its storage stay too.
+            if info.obj is not None:
+                self.weights.learn(info.obj)
+            return t
         sptr, snbytes = storage_info(t)
         if sptr in params:
             return t
@@ -286,7 +319,7 @@ class SwapScheduler:
             if reason == "over_budget":
                 stats.over_budget_bytes += nbytes
         self.report.add_resident(sptr, nbytes)
-        return _Kept(t, g, self.report, sptr)
+        return _Kept(_untracked(t), g, self.report, sptr)
 
     def _unpack(self, packed):
         if isinstance(packed, SwapHandle):

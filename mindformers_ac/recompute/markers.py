@@ -1,0 +1,131 @@
+"""What model code may ask a recompute: whether this is the re-run, and what its own forward left for it.
+
+Model code may branch on a recompute marker to skip one-shot side effects in
+the backward-time re-run (an aux-loss tracker, a counter, a host copy), and
+may hand small host values from a forward to its own re-run (MindFormers'
+expert parallelism keeps its host-side split lists so the replay needs no
+second device-to-host copy). Two markers answer:
+
+* ours, ``is_in_recompute()``: true while any region of this engine re-runs a
+  forward (a recompute, or a nested region's replay inside one), on this
+  thread;
+* MindFormers' ``mindformers.pynative.distributed.activation_checkpoint.
+  is_in_recompute()``: true inside the recompute context of its
+  ``recompute_context_fn``. ``apply_ac`` passes that ``context_fn`` to every
+  region by default when the module is loaded (``default_context_fn``), so
+  MindFormers' own models see their marker, and their ``save_for_recompute``
+  / ``get_recompute_metadata`` work, under this engine.
+
+``save_for_recompute(key, value)`` / ``get_recompute_metadata(key)`` have
+MindFormers' semantics: values are queued per key, per region call, in call
+order; saving outside a region's forward does nothing (returns False);
+asking outside a re-run returns None; asking in a re-run for a key the
+forward never saved (or saved fewer times) raises ``RecomputeError``.
+
+What the engine accepts of a re-run under the marker: it may run *fewer* ops
+than its forward (the skipped ones are the one-shot side effects, which must
+leave nothing that backward needs), never other or extra ones; the checks of
+both ways into a region enforce it (``messages.SAME_PATH``).
+"""
+import collections
+import importlib
+import importlib.util
+import logging
+import sys
+
+from . import messages
+from .state import ENGINE, FORWARD
+
+logger = logging.getLogger("mindformers_ac")
+
+MINDFORMERS_MARKER_MODULE = "mindformers.pynative.distributed.activation_checkpoint"
+
+
+def is_in_recompute():
+    """True only while a backward-time recompute re-runs a forward (per thread)."""
+    return ENGINE.in_recompute()
+
+
+def save_for_recompute(key, value):
+    """Queue ``value`` under ``key`` for the re-run of the region whose forward is running.
+
+    Returns True when it was saved, False outside a region's forward (no
+    region, or inside a re-run: a re-run consumes, it does not save).
+    """
+    run = ENGINE.top()
+    if run is None or run.mode != FORWARD:
+        return False
+    region = run.region
+    if region.metadata is None:
+        region.metadata = collections.defaultdict(collections.deque)
+    region.metadata[key].append(value)
+    return True
+
+
+def get_recompute_metadata(key):
+    """The next value the forward of the running re-run saved under ``key``; None outside a re-run.
+
+    Raises ``RecomputeError`` when the forward saved nothing (more) under
+    ``key``: repeating the host work silently would hide a key or ordering
+    bug in the model.
+    """
+    run = ENGINE.top()
+    if run is None or run.mode == FORWARD or not ENGINE.in_recompute():
+        return None
+    values = run.region.metadata.get(key) if run.region.metadata is not None else None
+    if not values:
+        raise messages.no_metadata(key)
+    return values.popleft()
+
+
+def default_context_fn():
+    """MindFormers' ``recompute_context_fn`` when MindFormers' marker module is loaded or importable, else None.
+
+    Loaded: a MindFormers model imported it for its ``is_in_recompute()``.
+    Importable only: it is imported here; any failure to import it (a
+    MindFormers built for another MindSpore) means no bridge, logged at
+    debug level.
+    """
+    module = sys.modules.get(MINDFORMERS_MARKER_MODULE)
+    if module is None:
+        try:
+            if importlib.util.find_spec("mindformers") is None:
+                return None
+            module = importlib.import_module(MINDFORMERS_MARKER_MODULE)
+        except Exception as exc:   # noqa: BLE001  (an unusable MindFormers: no bridge, not an error)
+            logger.debug("MindFormers' recompute marker not bridged: %s: %s", type(exc).__name__, exc)
+            return None
+    fn = getattr(module, "recompute_context_fn", None)
+    return fn if callable(fn) else None
+
+
+def resolve_context_fn(context_fn):
+    """``apply_ac``'s ``context_fn``: None -> ``default_context_fn()``, False -> none, else the callable.
+
+    Raises TypeError naming ``context_fn`` for anything else.
+    """
+    if context_fn is False:
+        return None
+    if context_fn is None:
+        return default_context_fn()
+    check_context_fn(context_fn)
+    return context_fn
+
+
+def check_context_fn(context_fn):
+    """TypeError unless ``context_fn`` is None or a callable."""
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"context_fn must be a callable returning (forward_ctx, recompute_ctx), "
+                        f"got {type(context_fn).__name__}")
+
+
+def context_pair(context_fn):
+    """Call ``context_fn`` and check it returned two context managers; TypeError naming it otherwise."""
+    pair = context_fn()
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or not all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)):
+        name = getattr(context_fn, "__qualname__", type(context_fn).__name__)
+        raise TypeError(f"context_fn {name} must return a pair (forward_ctx, recompute_ctx) of context "
+                        f"managers, got {type(pair).__name__}"
+                        + (f" of {len(pair)}" if isinstance(pair, (tuple, list)) else ""))
+    return pair

@@ -1,0 +1,130 @@
+"""A stand-in for the parts of MindFormers 2.1.0 that its PyNative models use around recompute.
+
+MindFormers needs MindSpore 2.11, so it can't be installed next to 2.10. Its
+marker API (``mindformers/pynative/distributed/activation_checkpoint.py``:
+``recompute_context_fn``, ``is_in_recompute``, ``save_for_recompute``,
+``get_recompute_metadata``, with the ContextVar semantics copied here) and
+its MoE logging tracker (``moe_utils.save_to_aux_losses_tracker``, guarded
+by that marker) are rebuilt below and installed under MindFormers' module
+names for a test's duration (``installed()``), so that ``apply_ac``'s bridge
+finds them exactly where it would find MindFormers' own.
+"""
+import contextlib
+import contextvars
+import sys
+import types
+from collections import defaultdict, deque
+
+from mindspore import mint, ops
+
+MARKER_MODULE = "mindformers.pynative.distributed.activation_checkpoint"
+MOE_UTILS_MODULE = "mindformers.pynative.transformers.moe.moe_utils"
+
+
+# -- mindformers/pynative/distributed/activation_checkpoint.py (the marker API, as in 2.1.0) -------------
+
+class _RecomputeInvocationState:
+    def __init__(self):
+        self.metadata = defaultdict(deque)
+
+
+_RECOMPUTE_CONTEXT = contextvars.ContextVar("mindformers_recompute_context", default=None)
+
+
+@contextlib.contextmanager
+def _recompute_phase(state, is_recompute):
+    token = _RECOMPUTE_CONTEXT.set((state, is_recompute))
+    try:
+        yield
+    finally:
+        _RECOMPUTE_CONTEXT.reset(token)
+
+
+@contextlib.contextmanager
+def recompute_marker(state=None):
+    with _recompute_phase(state if state is not None else _RecomputeInvocationState(), is_recompute=True):
+        yield
+
+
+def recompute_context_fn():
+    state = _RecomputeInvocationState()
+    return _recompute_phase(state, is_recompute=False), recompute_marker(state)
+
+
+def is_in_recompute():
+    context = _RECOMPUTE_CONTEXT.get()
+    return context is not None and context[1]
+
+
+def save_for_recompute(key, value):
+    context = _RECOMPUTE_CONTEXT.get()
+    if context is None or context[1]:
+        return False
+    context[0].metadata[key].append(value)
+    return True
+
+
+def get_recompute_metadata(key):
+    context = _RECOMPUTE_CONTEXT.get()
+    if context is None or not context[1]:
+        return None
+    values = context[0].metadata.get(key)
+    if not values:
+        raise RuntimeError(f"No forward metadata was saved for recompute key {key!r}.")
+    return values.popleft()
+
+
+# -- mindformers/pynative/transformers/moe/moe_utils.py (the layer-wise aux-loss tracker) ------------------
+
+class Tracker:
+    """MindFormers' module-level ``_MOE_LAYER_WISE_LOGGING_TRACKER``, with the marker it asks."""
+
+    def __init__(self, marker):
+        self.values = {}
+        self.marker = marker
+
+    def save(self, loss, layer_number, num_layers):
+        """``save_to_aux_losses_tracker``: skipped during a recompute, as MindFormers does."""
+        if layer_number is None or self.marker():
+            return
+        if not self.values:
+            self.values["values"] = mint.zeros(num_layers)
+        cur = self.values["values"][layer_number] + ops.stop_gradient(loss)   # MindFormers: loss.detach()
+        self.values["values"][layer_number] = cur
+
+    def snapshot(self):
+        return self.values["values"].asnumpy().copy() if self.values else None
+
+    def clear(self):
+        self.values.clear()
+
+
+def _module(name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    return module
+
+
+@contextlib.contextmanager
+def installed():
+    """MindFormers' marker module (and its parent packages) in ``sys.modules`` for the ``with`` block."""
+    names = ["mindformers", "mindformers.pynative", "mindformers.pynative.distributed", MARKER_MODULE]
+    saved = {n: sys.modules.get(n) for n in names}
+    marker = _module(MARKER_MODULE, recompute_context_fn=recompute_context_fn, is_in_recompute=is_in_recompute,
+                     save_for_recompute=save_for_recompute, get_recompute_metadata=get_recompute_metadata,
+                     recompute_marker=recompute_marker)
+    modules = [_module(n) for n in names[:-1]] + [marker]
+    for parent, child in zip(modules, modules[1:]):
+        setattr(parent, child.__name__.rsplit(".", 1)[1], child)
+    for m in modules:
+        if m is not marker:
+            m.__path__ = []   # a package, so that the marker module's parents import as MindFormers' do
+        sys.modules[m.__name__] = m
+    try:
+        yield marker
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
