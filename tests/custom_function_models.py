@@ -13,12 +13,14 @@ models use them, and the reference MoE GPT routed through them.
 
 ``build_function_moe`` is ``harness.moe.build_moe_gpt`` (same weights and parameter names) whose
 routers inject the aux loss through a scaler (its gradient reaches the router through backward,
-not through the loss) and whose experts activate with ``ScaledSilu``. ``reset_function_state``
+not through the loss) and whose experts activate with ``ScaledSilu``; with ``global_aux`` the
+routers average the load over the steps in two Parameters the forward updates (MindFormers'
+``global_aux_loss``). ``reset_function_state``
 forgets the class-level state and the call counters.
 """
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common._grad_function import _Function
 
 from mindformers_ac.harness.moe import MoEGPTModel, TopKRouter, moe_config
@@ -136,6 +138,23 @@ class FunctionRouter(TopKRouter):
         return self.aux_scaler(weights, aux * self.aux_coeff), indices, aux
 
 
+class GlobalAuxRouter(FunctionRouter):
+    """MindFormers' ``global_aux_loss``: the load is averaged over the steps so far, in two
+    non-trainable Parameters the forward updates with ``+=`` (``Cell.__setattr__`` then gives the
+    Parameter the sum's storage: a ``set_data``, not an op)."""
+
+    def construct(self, x):
+        logits = ops.matmul(x, self.weight.T)
+        scores = ops.softmax(logits, -1)
+        weights, indices = ops.topk(scores, self.top_k)
+        chosen = ops.one_hot(indices, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+        self.global_tokens_per_expert += ops.stop_gradient(chosen.sum((0, 1)))
+        self.ga_steps += 1
+        averaged = self.global_tokens_per_expert / self.ga_steps
+        aux = (scores.sum(0) * averaged).sum() * (self.num_experts / (self.top_k * x.shape[0] ** 2))
+        return self.aux_scaler(weights, aux * self.aux_coeff), indices, aux
+
+
 class FunctionMoEGPT(MoEGPTModel):
     """The loss is the cross-entropy alone: the aux loss's gradient comes from the routers' scalers."""
 
@@ -152,9 +171,10 @@ DIMS = dict(num_layers=4, hidden_size=16, num_heads=2, seq_length=8, vocab_size=
 BATCH = 2
 
 
-def build_function_moe(scaler=AuxLossAutoScaler, seed=0, **dims):
+def build_function_moe(scaler=AuxLossAutoScaler, seed=0, global_aux=False, **dims):
     """The reference MoE GPT (``DIMS``, every layer MoE) with ``scaler`` in every router and
-    ``ScaledSilu`` in every expert; every build has the same weights."""
+    ``ScaledSilu`` in every expert; every build has the same weights. ``global_aux``: the routers
+    are ``GlobalAuxRouter`` (with their two counters)."""
     config = moe_config(**{**DIMS, **dims})
     ms.set_seed(seed)
     np.random.seed(seed)
@@ -164,9 +184,13 @@ def build_function_moe(scaler=AuxLossAutoScaler, seed=0, **dims):
             continue
         router = layer.mlp.router
         # The reference router keeps its weight and parameter names: only construct differs.
-        router.__class__ = FunctionRouter
+        router.__class__ = GlobalAuxRouter if global_aux else FunctionRouter
         router.aux_scaler = AuxScalerCell(scaler)
         router.aux_coeff = config.aux_loss_coeff
+        if global_aux:
+            router.global_tokens_per_expert = Parameter(Tensor(np.zeros(config.num_experts, np.float32)),
+                                                        name="global_tokens_per_expert", requires_grad=False)
+            router.ga_steps = Parameter(Tensor(0.0, ms.float32), name="ga_steps", requires_grad=False)
         for expert in (*layer.mlp.experts.local_experts, layer.mlp.shared_experts):
             expert.activation_func = scaled_silu
     model.set_train(True)

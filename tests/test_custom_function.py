@@ -13,9 +13,17 @@ import pytest
 from mindspore import nn
 
 import mindformers_ac as mac
+from mindformers_ac.swap import install_layer_swap
 
-from custom_function_models import (FUNCTIONS, AttrAuxLossAutoScaler, AuxLossAutoScaler, ScaledSilu,
-                                    build_function_moe, function_batch, reset_function_state)
+from custom_function_models import (
+    FUNCTIONS,
+    AttrAuxLossAutoScaler,
+    AuxLossAutoScaler,
+    ScaledSilu,
+    build_function_moe,
+    function_batch,
+    reset_function_state,
+)
 from steps import assert_acted, first_difference, run_steps
 
 pytestmark = pytest.mark.usefixtures("fresh_function_state")
@@ -73,6 +81,34 @@ def test_the_aux_loss_reaches_the_router_only_through_the_scaler():
     assert router and all(not np.array_equal(grads[i].asnumpy(), grads_off[i].asnumpy()) for i in router)
 
 
+@pytest.mark.parametrize("mode", ["layer_swap", "op_swap"])
+def test_global_aux_loss_counters_with_swap_are_bitwise(mode):
+    """MindFormers' global aux loss updates two non-trainable Parameters in every router's forward
+    (``+=``, which gives them new storage): swapped, they count once per step, as without swap."""
+    base = run_steps(build_function_moe(global_aux=True), function_batch, steps=4)
+    model = build_function_moe(global_aux=True)
+    mac.apply_ac(model, config=mac.AcConfig.from_dict(CONFIGS[mode]))
+    diff = first_difference(base, run_steps(model, function_batch, steps=4))
+    assert diff is None, f"{mode}: {diff}"
+    assert float(model.decoder.layers[0].mlp.router.ga_steps.asnumpy()) == 4
+    assert_acted(MODE_KIND[mode], model, None)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "recompute engine: a non-trainable Parameter updated in a recomputed region's forward by "
+    "Cell.__setattr__ (`self.ga_steps += 1` is AddExt then Parameter.set_data, not an op the engine "
+    "sees) is updated again by the re-run, which also reads the forward's written value: the counters "
+    "advance twice per step (the light path's BufferGuard undoes it only after the re-run read it), "
+    "and the gradients diverge a few steps later, the embedding's first. Fix in recompute/, not swap/"))
+@pytest.mark.parametrize("mode", ["full", "select"])
+def test_global_aux_loss_counters_under_recompute_are_bitwise(mode):
+    base = run_steps(build_function_moe(global_aux=True), function_batch, steps=4)
+    model = build_function_moe(global_aux=True)
+    mac.apply_ac(model, config=mac.AcConfig.from_dict(CONFIGS[mode]))
+    diff = first_difference(base, run_steps(model, function_batch, steps=4))
+    assert diff is None, f"{mode}: {diff}"
+
+
 def _orders(num_models, steps, seed=0):
     """Per step, the order the models step in: in turn, then pairs of one model twice in a row (the
     reported case: 100 plain first, 101 swapped first, 102 plain first), then shuffled."""
@@ -94,16 +130,12 @@ def _trainer(model):
     return opt, ms.value_and_grad(model, None, opt.parameters)
 
 
-@pytest.mark.slow
-def test_models_stepping_in_changing_orders_stay_bitwise():
-    """A plain model and one per AC mode share the functions' class-level state and step in one
-    process, in turn, twice in a row and shuffled, 200 steps: every step's loss, every gradient and
-    every parameter of each equals the plain model's."""
-    modes = [None, "layer_swap", "op_swap", "full", "select"]
-    models = [_with_ac(mode) for mode in modes]
+def _step_in_orders(models, labels, steps):
+    """Train ``models`` in one process in the orders of ``_orders``; after each step every model's
+    loss, gradients and parameters must equal ``models[0]``'s (plain)."""
     trainers = [_trainer(m) for m in models]
     names = [p.name for p in models[0].trainable_params()]
-    for step, order in enumerate(_orders(len(models), 200)):
+    for step, order in enumerate(_orders(len(models), steps)):
         batch = function_batch(step)
         seen = {}
         for i in order:
@@ -113,12 +145,40 @@ def test_models_stepping_in_changing_orders_stay_bitwise():
             seen[i] = (loss.asnumpy().tobytes(), [g.asnumpy().tobytes() for g in grads],
                        [p.asnumpy().tobytes() for p in models[i].get_parameters()])
         base = seen[0]
-        for i, mode in enumerate(modes[1:], 1):
+        for i, label in enumerate(labels[1:], 1):
             loss, grads, params = seen[i]
-            assert loss == base[0], f"step {step} (order {order}): {mode} loss differs"
+            assert loss == base[0], f"step {step} (order {order}): {label} loss differs"
             bad = [names[k] for k, (a, b) in enumerate(zip(base[1], grads)) if a != b]
-            assert not bad, f"step {step} (order {order}): {mode} gradients differ: {bad[:3]}"
-            assert params == base[2], f"step {step} (order {order}): {mode} parameters differ"
+            assert not bad, f"step {step} (order {order}): {label} gradients differ: {bad[:3]}"
+            assert params == base[2], f"step {step} (order {order}): {label} parameters differ"
+
+
+def test_function_state_and_saved_tensors_offloaded_too():
+    """With no size threshold every saved tensor of the swapped layers goes to host, the 0-d aux
+    losses the scalers save included; two such models and a plain one share the functions'
+    class-level state and stay bitwise in changing orders."""
+    models = [build_function_moe()]
+    installs = []
+    for _ in range(2):
+        model = build_function_moe()
+        installs.append(install_layer_swap(model.decoder.layers, [0, 1, 2], model=model, min_bytes=0))
+        models.append(model)
+    _step_in_orders(models, ["plain", "swap a", "swap b"], steps=12)
+    for inst in installs:
+        stats = inst.report.layers
+        assert all(stats[i].num_offloaded > 0 and not stats[i].kept_reasons.get("small") for i in (0, 1, 2))
+        inst.remove()
+
+
+@pytest.mark.slow
+def test_models_stepping_in_changing_orders_stay_bitwise():
+    """A plain model, a layer-swapped one and a recomputed one share the functions' class-level
+    state and step in one process, in turn, twice in a row and shuffled, 200 steps: every step's
+    loss, every gradient and every parameter of each equals the plain model's. (Op swap and select
+    recompute are covered per mode by the test above.)"""
+    modes = [None, "layer_swap", "full"]
+    models = [_with_ac(mode) for mode in modes]
+    _step_in_orders(models, modes, steps=200)
     for model, mode in zip(models[1:], modes[1:]):
         assert_acted(MODE_KIND[mode], model, None)
     assert AuxLossAutoScaler.backward_calls == 200 * len(models) * 4

@@ -228,3 +228,55 @@ def test_an_in_place_write_into_a_region_input_runs_again_on_a_private_copy(kind
         # setitem is invisible to the dispatch and harmless on the light path; a copy_ keeps the layer
         # intercepted (its input is copied for the re-run before the write)
         assert all(s.light_calls == (2 if kind == "setitem" else 0) for s in stats), [s.as_dict() for s in stats]
+
+
+# -- a saved tensor written after it was saved ----------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [None, FULL], ids=["plain", "full"])
+def test_a_write_into_a_saved_output_fails_backward_as_without_ac(config):
+    """Layer 1 ``copy_``s its input, which layer 0's Tanh saved: MindSpore refuses the backward without AC;
+    with layer 0 recomputed the saved tensor was dropped, and the engine refuses it alike (on the checking
+    call and on the light path)."""
+    res = run_isolated(textwrap.dedent(f"""
+        import numpy as np
+        from mindspore import Tensor, nn, ops
+        import mindformers_ac as mac
+
+        class Layer(nn.Cell):
+            def __init__(self, writes):
+                super().__init__()
+                self.fc = nn.Dense(8, 8)
+                self.writes = writes
+
+            def construct(self, x):
+                if self.writes[0]:
+                    x.copy_(x * 0.5)
+                return ops.tanh(self.fc(x))
+
+        class Net(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.writes = [False]
+                self.layers = nn.CellList([Layer([False]), Layer(self.writes)])
+
+            def construct(self, x):
+                for layer in self.layers:
+                    x = layer(x)
+                return x.sum()
+
+        net = Net()
+        config = {config!r}
+        if config:
+            mac.apply_ac(net, config={{"recompute": {{"mode": "full", "full_recompute_layer": [0]}}}})
+        grad_fn = ms.value_and_grad(net, None, net.trainable_params())
+        x = Tensor(np.ones((2, 8), np.float32))
+        grad_fn(x)
+        grad_fn(x)   # layer 0 goes light from here
+        net.layers[1].writes[0] = True
+        grad_fn(x)
+    """))
+    assert res.returncode != 0
+    assert "has been modified by an inplace operation" in res.stderr, res.stderr[-3000:]
+    if config:
+        assert "RecomputeError: mindformers_ac: one of the tensors needed for gradient computation" in res.stderr

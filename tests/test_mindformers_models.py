@@ -242,3 +242,21 @@ def test_functional_random_ops_bitwise_on_both_paths_and_in_select(light_path):
     model = _stack(0.1)
     mac.apply_ac(model, config={"recompute": {"mode": "select", "select_module": {"drop": ["0-2"]}}})
     assert first_difference(base, run_steps(model, _hidden, steps=3)) is None
+
+
+@pytest.mark.parametrize("config", [
+    {"recompute": {"mode": "full", "full_recompute_layer": ["0-3"]}},
+    {"recompute": {"mode": "select", "select_module": {r"mlp\.experts": [3]}},
+     "swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}},
+], ids=["full_with_mtp", "select_mtp_swap_decoder"])
+def test_apply_ac_on_the_decoder_with_mtp_block_as_mindformers_parallelize_does(plain, config):
+    """``apply_ac(gptmodel.decoder, ..., mtp_block=gptmodel.mtp)``: MTP layer 0 is global layer 3."""
+    base, base_trackers = plain("mindformers")
+    with mf.installed():
+        model = build_mindformers_moe("mindformers")
+        plan = mac.apply_ac(model.decoder, config=config, mtp_block=model.mtp)
+        history, trackers = _train(model)
+    assert first_difference(base, history) is None
+    assert all(np.array_equal(a, b) for a, b in zip(base_trackers, trackers))
+    assert sorted(plan.layers) == [0, 1, 2, 3] and plan.layers[3].recomputed
+    assert mac.ac_state(model.decoder).recompute_stats[3].recompute_calls == 3

@@ -41,7 +41,7 @@ from ..mindspore_compat import no_grad
 from ..precision import no_casts
 from ..tensors import tensor_leaves, tensors_equal
 from . import messages
-from .rerun import RegionBase, RegionRun, recompute_graph
+from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
 
@@ -193,6 +193,9 @@ class LightRegion(RegionBase):
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
+            if self.check.saved_outputs:   # as the checking call saw: their in-place writes fail backward
+                leaves = tensor_leaves(out)
+                self.note_saved_outputs([leaves[i] for i in self.check.saved_outputs if i < len(leaves)])
         finally:
             ENGINE.pop(run)
         check = self.check
@@ -251,9 +254,10 @@ class LightRegion(RegionBase):
         run = RegionRun(self, RECOMPUTE)
         collector = self._collector = _Collector()
         guard = BufferGuard(self.check.buffers) if self.check.buffers else None
+        args, kwargs = self.load_inputs()
         try:
             with recompute_graph(run, self.precision, self.random_state):
-                args, kwargs = self.load_inputs()   # in the graph, as on the intercepting path
+                args, kwargs = rerun_inputs(args, kwargs)   # in the graph: tracked as in forward
                 with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
                     out = self.fn(*args, **kwargs)
                 saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector

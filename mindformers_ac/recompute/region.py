@@ -21,12 +21,12 @@ from mindspore.ops import Primitive
 
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
+from ..tensors import output_tensors, param_ptrs, root_cell_of, tensor_leaves, tensors_equal
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
-from .rerun import RegionBase, RegionRun, recompute_graph
+from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
 from .saved import SwappedTensor, Token, drop_saved, keep_saved, unpack_saved
 from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
@@ -64,6 +64,7 @@ class Region(RegionBase):
         self.snapshots = {}       # op index -> StateSnapshot of a side-effect op's written tensors
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
+        self.dropped_ptrs = set()  # their storage pointers (forward only: is an output among them?)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.path_check = path_check
         if path_check is not None:
@@ -325,7 +326,11 @@ class Region(RegionBase):
         if run.mode != FORWARD or run.in_hook:
             return prim(x)
         start = run.op_idx
-        out = prim(x)
+        run.in_cell_dropout = True
+        try:
+            out = prim(x)
+        finally:
+            run.in_cell_dropout = False
         if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD:
             self.cell_dropouts.add(run.op_idx)
         return out
@@ -340,14 +345,16 @@ class Region(RegionBase):
             # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
             # which no RandomState covers: its early launches may repeat, later ones do not.
             return
-        run.in_hook = True
+        run.in_hook = run.noting_replay = True
         try:
-            if tensors_equal(out, func(*args, **kwargs)):
+            again = func(*args, **kwargs)
+            run.noting_replay = False
+            if tensors_equal(out, again):
                 self.replayed.add(idx)
         except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
             pass
         finally:
-            run.in_hook = False
+            run.in_hook = run.noting_replay = False
 
     def rebuild_dropout(self, run, idx, args):
         record = self.dropouts[idx]
@@ -369,7 +376,8 @@ class Region(RegionBase):
             return t
         key = run.next_key()   # first: the recompute numbers every pack, weights included
         decision = self.decisions.get(key[0]) if key is not None else SAVE
-        if self.path_check is not None and decision != REBUILD:   # a light run numbers Dropout packs apart
+        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
+            # as a light run numbers them: an nn.Dropout's packs apart, a functional dropout's as any op's
             self.path_check.note_forward(t, key)
         ptr = t.data_ptr()
         if ptr in self.param_ptrs:
@@ -381,6 +389,7 @@ class Region(RegionBase):
             return self.offload(run, t)
         token = Token(self, key)
         self.token_meta[key] = (tuple(t.shape), t.dtype)   # checked against the recompute's
+        self.dropped_ptrs.add(ptr)
         if key[0] not in self.op_paths:
             self.op_paths[key[0]] = run.cell_path()
         if decision == REBUILD:
@@ -392,6 +401,8 @@ class Region(RegionBase):
     def pack_recompute(self, run, t):
         """Recompute pack hook: file each regenerated tensor under its forward key; the graph keeps nothing."""
         if run.in_hook:
+            if run.noting_replay:   # a random op run again by check_replay: saves as a light re-run's would
+                self.path_check.note_recompute(t)
             return None
         idx = run.current_op()
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
@@ -426,6 +437,12 @@ class Region(RegionBase):
             ENGINE.pop(run)
         self.fwd_npacks = run.npacks
         self._swap_holders = None
+        leaves = tensor_leaves(out)
+        saved = [i for i, t in enumerate(leaves) if t.data_ptr() in self.dropped_ptrs]
+        self.note_saved_outputs([leaves[i] for i in saved])
+        if self.path_check is not None:
+            self.path_check.saved_outputs = tuple(saved)
+        self.dropped_ptrs = None
         self.bytes.close(self.stats, self)
         return out
 
@@ -448,11 +465,15 @@ class Region(RegionBase):
             r = wrun()
             return r.region.pack_recompute(r, t) if r is not None else None
 
-        with recompute_graph(run, self.precision, self.random_state):
-            args, kwargs = self.load_inputs()   # in the graph: an input made for an in-place write is tracked
-            with self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(pack, keep_saved):
-                self.fn(*args, **kwargs)
+        args, kwargs = self.load_inputs()
+        with recompute_graph(run, self.precision, self.random_state), self.run_context(RECOMPUTE), \
+                self._tracking(), RegionDispatch(run), ms.saved_tensors_hooks(pack, keep_saved):
+            run.in_hook = True   # the inputs' views are ours, not ops of the region
+            try:
+                args, kwargs = rerun_inputs(args, kwargs)
+            finally:
+                run.in_hook = False
+            self.fn(*args, **kwargs)
         self.check_recompute(run)
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None

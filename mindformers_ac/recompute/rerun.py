@@ -40,7 +40,7 @@ import contextlib
 
 from mindspore import Parameter, Tensor, ops
 
-from ..mindspore_compat import RandomState, no_grad
+from ..mindspore_compat import RandomState, no_grad, tensor_version
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked
@@ -62,7 +62,8 @@ class RegionRun:
     """
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
-                 "child_idx", "in_hook", "pending", "written", "dropout_idx", "__weakref__")
+                 "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
+                 "__weakref__")
 
     def __init__(self, region, mode, tracker=None):
         self.region, self.mode, self.tracker = region, mode, tracker
@@ -77,6 +78,8 @@ class RegionRun:
         self.pending = []      # (token, tensor) packed inside a Dropout call, settled when it returns
         self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
         self.dropout_idx = 0   # nn.Dropout calls so far (light path)
+        self.in_cell_dropout = False   # an nn.Dropout's kernel call through its DropoutProxy is running
+        self.noting_replay = False     # Region.check_replay's run of a random op: note its saves
 
     def dropout_call(self, prim, x):
         """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""
@@ -125,19 +128,51 @@ def recompute_input(a):
     """
     if not isinstance(a, SavedInput):
         return a   # not a tensor, or a Parameter: passed as is
-    tracked, written, a = a.tracked, a.written, a.value
+    tracked, a = a.tracked, a.value
     if isinstance(a, SwappedTensor):
         a = a.load()
     a = detached(a)
     if tracked:
         a.requires_grad_()
-    # The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as
-    # a write into a leaf (setitem: "input tensor from network"; copy_: "leaf tensor that requires grad").
-    # A view costs nothing; a copy_ target needs a copy of its own, so the saved one stays as it was
-    # (``* 1``: a recorded, exact copy; ``deepcopy`` would not be tracked).
-    if written:
-        return a * 1 if tracked else ops.deepcopy(a)
-    return a.view(a.shape) if tracked else a
+    return a
+
+
+def _region_input(a):
+    """``recompute_input(a)``, to be handed to the re-run through an op when it must (``_RerunInput``).
+
+    The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as a
+    write into a leaf (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires
+    grad"). A view costs nothing; a ``copy_`` target needs a copy of its own, so the saved one stays as
+    it was (``* 1``: a recorded, exact copy; ``deepcopy`` would not be tracked).
+    """
+    t = recompute_input(a)
+    if not isinstance(a, SavedInput):
+        return t
+    if a.written:
+        return _RerunInput(t, "copy" if a.tracked else "deepcopy")
+    return _RerunInput(t, "view") if a.tracked else t
+
+
+class _RerunInput:
+    """A saved input that the re-run gets through an op, made inside the re-run's graph (``rerun_inputs``)."""
+
+    __slots__ = ("tensor", "how")
+
+    def __init__(self, tensor, how):
+        self.tensor, self.how = tensor, how
+
+    def made(self):
+        t = self.tensor
+        if self.how == "view":
+            return t.view(t.shape)
+        return t * 1 if self.how == "copy" else ops.deepcopy(t)
+
+
+def rerun_inputs(args, kwargs):
+    """``load_inputs``' arguments with each ``_RerunInput`` made: call inside ``recompute_graph``."""
+    def made(a):
+        return a.made() if isinstance(a, _RerunInput) else a
+    return tuple(made(a) for a in args), {k: made(v) for k, v in kwargs.items()}
 
 
 def refuse_higher_order():
@@ -197,6 +232,7 @@ class RegionBase:
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
+        self.out_versions = ()    # (output tensor the region saved, its version at the forward's end)
         self.metadata = None      # key -> deque of values the forward saved for the re-run (markers)
         self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
         self.children = []        # regions nested in this one's forward, in call order
@@ -209,6 +245,20 @@ class RegionBase:
         """Note what the re-run must start from; called once the forward's run is on the ENGINE stack
         (so an enclosing region's dispatch does not number the snapshot's op)."""
         self.random_state = RandomState()
+
+    def note_saved_outputs(self, outputs):
+        """Hold the region's outputs that it also saved for backward, with their versions: a later in-place
+        write into one (the next layer's ``copy_`` of its input) must fail backward as without AC, where
+        MindSpore's check of that saved tensor sees the write; here it was dropped, and the re-run would
+        rebuild the value from before the write. The outputs are held, not copied: what consumes them
+        saves them too, as a rule, so this keeps their storage no longer than the graph does."""
+        self.out_versions = tuple((t, tensor_version(t)) for t in outputs)
+
+    def check_saved_outputs(self):
+        for t, version in self.out_versions:
+            now = tensor_version(t)
+            if now != version:
+                raise messages.modified_inplace(tuple(t.shape), t.dtype, now, version)
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None):
@@ -257,9 +307,10 @@ class RegionBase:
         return False
 
     def load_inputs(self):
-        """The saved arguments for the recompute: loaded if swapped, tracked as in forward."""
+        """The saved arguments for the recompute: loaded if swapped, tracked as in forward; pass them
+        through ``rerun_inputs`` inside the re-run's graph."""
         args, kwargs = self.inputs
-        return tuple(recompute_input(a) for a in args), {k: recompute_input(v) for k, v in kwargs.items()}
+        return tuple(_region_input(a) for a in args), {k: _region_input(v) for k, v in kwargs.items()}
 
     # -- Dropout ------------------------------------------------------------------------------------
     def keep_dropout(self, key, x, out, keep_prob, packed):
@@ -330,6 +381,8 @@ class RegionBase:
         if self._running:
             raise messages.recompute_reentered()
         refuse_higher_order()
+        self.check_saved_outputs()
+        self.out_versions = ()
         self._running = True
         try:
             self._recompute()
