@@ -226,7 +226,7 @@ class _OutputRecord:
         of what it keeps) or keep (tokens hold what they stand for; inputs released)."""
         self.dropped = drop
         if not drop:
-            self.inputs = None
+            self.inputs = self.views = None
             # an output no consumer saved is not held past the scope
             self.held_outs = [t if n else None for t, n in zip(self.held_outs, self.out_tokens)]
             return {}
