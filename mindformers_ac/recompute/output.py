@@ -37,7 +37,6 @@ re-running it would draw other numbers or write twice. An input counted as
 free is one saved inside the scope; one saved only outside it (by another
 layer) counts as a cost, so the decision errs towards keeping.
 """
-import contextlib
 import copy
 import logging
 import weakref
@@ -55,7 +54,7 @@ from ..tensors import detached, is_tracked, output_tensors, param_ptrs, storage_
 from . import messages
 from .dispatch import op_name_of
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import SavedInput, recompute_input, refuse_higher_order
+from .rerun import SavedInput, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
@@ -273,7 +272,7 @@ class _OutputRecord:
         if any(m is not None for m in self.inner_meta):
             saved = []
             # The throw-away graph keeps nothing (pack returns None); the saves are collected in order.
-            with _rerun_graph(self.precision), ms.saved_tensors_hooks(saved.append, _keep):
+            with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, _keep):
                 out = output_tensors(target.call_original(*args, **kwargs))
             self._check(saved)
             with no_grad():
@@ -325,31 +324,6 @@ def _unpack_output(obj):
 
 def _keep(obj):
     return obj
-
-
-@contextlib.contextmanager
-def _rerun_graph(precision):
-    """Record the op's re-run in a throw-away graph, under the forward's mixed-precision type.
-
-    ``rerun.recompute_graph`` without a run on the engine stack: the op's
-    forward had none either, so code inside it (``is_in_recompute`` aside)
-    sees the same in both runs.
-    """
-    grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
-    ENGINE.enter_recompute()
-    try:
-        _executor.set_grad_flag(True)
-        _executor.set_enable_grad(True)
-        _executor.new_empty_graph()
-        try:
-            with under_precision(precision):
-                yield
-        finally:
-            _executor.end_empty_graph()
-    finally:
-        _executor.set_grad_flag(grad_flag)
-        _executor.set_enable_grad(enable_grad)
-        ENGINE.exit_recompute()
 
 
 class _Scope:

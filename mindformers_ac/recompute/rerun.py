@@ -192,14 +192,16 @@ def refuse_higher_order():
 def recompute_graph(run, precision=None, random_state=None):
     """Run a region's function again as ``run``: recording on, in a new graph, under the forward's
     mixed-precision type ``precision`` and from the forward's ``random_state``; everything restored
-    on every exit path (the random state to what it was before the re-run)."""
+    on every exit path (the random state to what it was before the re-run). ``run`` None: nothing
+    on the engine stack (an op output's re-run, whose forward had no run either)."""
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
     if random_state is not None:
         current = RandomState()
         random_state.restore()
     ENGINE.enter_recompute()
-    ENGINE.push(run)
+    if run is not None:
+        ENGINE.push(run)
     try:
         _executor.set_grad_flag(True)
         _executor.set_enable_grad(True)
@@ -212,7 +214,8 @@ def recompute_graph(run, precision=None, random_state=None):
     finally:
         _executor.set_grad_flag(grad_flag)
         _executor.set_enable_grad(enable_grad)
-        ENGINE.pop(run)
+        if run is not None:
+            ENGINE.pop(run)
         ENGINE.exit_recompute()
         if current is not None:
             current.restore()
