@@ -16,9 +16,6 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
-* ``tensor_version``: a tensor's ``_version``, the counter MindSpore's
-  autograd bumps on an in-place write (``copy_``, ``Inplace*`` ops; not on a
-  setitem) and checks for the tensors it saved;
 * ``RandomState``: MindSpore's two sources of seeds for random ops, the
   per-kernel seed table of ``mindspore.common.seed`` (``_KERNEL_SEED``, which
   ``ops.dropout``, ``ops.rand_like``, ``ops.uniform`` ... advance on every
@@ -45,11 +42,6 @@ MIN_MINDSPORE = "2.9.0"
 # ``mindspore.common.seed`` is shadowed by the function ``seed`` in ``mindspore.common``'s namespace.
 _seed_module = importlib.import_module("mindspore.common.seed")
 _generator_module = importlib.import_module("mindspore.common.generator")
-
-
-def tensor_version(t):
-    """``t._version`` (None where the release has no such counter)."""
-    return getattr(t, "_version", None)   # pylint: disable=protected-access
 
 
 class RandomState:

@@ -25,7 +25,12 @@ forward never saved (or saved fewer times) raises ``RecomputeError``.
 What the engine accepts of a re-run under the marker: it may run *fewer* ops
 than its forward (the skipped ones are the one-shot side effects, which must
 leave nothing that backward needs), never other or extra ones; the checks of
-both ways into a region enforce it (``messages.SAME_PATH``).
+both ways into a region enforce it (``messages.SAME_PATH``). "Under the
+marker": the re-run's code asked ours (``is_in_recompute``,
+``get_recompute_metadata``) before the skip, or the region has a
+``context_fn`` (MindFormers' marker is asked inside its own module, out of
+sight); a re-run that skips ops without either still fails as another code
+path.
 """
 import collections
 import importlib
@@ -43,7 +48,17 @@ MINDFORMERS_MARKER_MODULE = "mindformers.pynative.distributed.activation_checkpo
 
 def is_in_recompute():
     """True only while a backward-time recompute re-runs a forward (per thread)."""
-    return ENGINE.in_recompute()
+    if not ENGINE.in_recompute():
+        return False
+    note_marker_asked()
+    return True
+
+
+def note_marker_asked():
+    """The running re-run's code asked the marker: from here it may skip one-shot side effects."""
+    run = ENGINE.top()
+    if run is not None:
+        run.asked_marker = True
 
 
 def save_for_recompute(key, value):
@@ -72,6 +87,7 @@ def get_recompute_metadata(key):
     run = ENGINE.top()
     if run is None or run.mode == FORWARD or not ENGINE.in_recompute():
         return None
+    run.asked_marker = True
     values = run.region.metadata.get(key) if run.region.metadata is not None else None
     if not values:
         raise messages.no_metadata(key)

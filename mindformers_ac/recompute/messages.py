@@ -99,15 +99,6 @@ def other_tensor(where, fwd_meta, rec_meta):
         f"the recompute. {_SAME_SHAPES}")
 
 
-def modified_inplace(shape, dtype, version, expected):
-    """A region's output that it saved for backward was written in place after the forward."""
-    return RecomputeError(
-        f"mindformers_ac: one of the tensors needed for gradient computation has been modified by an inplace "
-        f"operation: the {describe_meta((shape, dtype))} output of a recomputed region, which the region saved "
-        f"for backward; its version is {version}, expected version {expected} (MindSpore raises the same "
-        "without AC). Write into a copy instead (e.g. x = x * 1 before the in-place op).")
-
-
 def other_output():
     """A light re-run computed another output than its forward (sampled elements differ)."""
     return RecomputeError(

@@ -70,7 +70,7 @@ class PathCheck:
     """
 
     __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
-                 "n_dropouts", "dropped", "param_ptrs", "buffers", "probe_index", "saved_outputs", "_owner")
+                 "n_dropouts", "dropped", "param_ptrs", "buffers", "probe_index", "_owner")
 
     def __init__(self):
         self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
@@ -82,7 +82,6 @@ class PathCheck:
         self.param_ptrs = frozenset()
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
         self.probe_index = {}         # output size -> the indices light._OutputProbe samples
-        self.saved_outputs = ()       # positions (in tensor_leaves) of outputs the region saved for backward
         self._owner = None
 
     def attach(self, region):

@@ -21,7 +21,7 @@ from mindspore.ops import Primitive
 
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import output_tensors, param_ptrs, root_cell_of, tensor_leaves, tensors_equal
+from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
 from .policy import CheckpointPolicy
@@ -64,7 +64,6 @@ class Region(RegionBase):
         self.snapshots = {}       # op index -> StateSnapshot of a side-effect op's written tensors
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
-        self.dropped_ptrs = set()  # their storage pointers (forward only: is an output among them?)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.path_check = path_check
         if path_check is not None:
@@ -203,10 +202,12 @@ class Region(RegionBase):
         return replace_at(args, served) if served else args
 
     # -- aligning a re-run that skips ops ---------------------------------------------
-    def skippable(self, idx):
-        """May the re-run skip forward op ``idx``? Only if it left nothing for backward: it saved no
-        tensor and its output is not kept (a one-shot side effect under ``is_in_recompute()``)."""
-        return idx not in self.decisions and not self.fwd_npacks.get(idx)
+    def skippable(self, idx, run):
+        """May ``run`` skip forward op ``idx``? Only under the marker (its code asked it, or the region has
+        a ``context_fn``), and only an op that left nothing for backward: it saved no tensor and its
+        output is not kept (a one-shot side effect under ``is_in_recompute()``)."""
+        return ((run.asked_marker or self.context_fn is not None) and idx not in self.decisions
+                and not self.fwd_npacks.get(idx))
 
     def align(self, run, idx, name, args):
         """The forward index of the re-run's next op ``name`` (``idx``: right after the previous one).
@@ -221,7 +222,7 @@ class Region(RegionBase):
         while j < len(names):
             if names[j] == name and (j not in self.arg_metas or self.arg_metas[j] == arg_meta(args)):
                 return j
-            if not self.skippable(j):
+            if not self.skippable(j, run):
                 break
             j += 1
         raise messages.other_op(idx, self.describe_op(idx), names[idx] if idx < len(names) else "", name,
@@ -232,8 +233,10 @@ class Region(RegionBase):
         forward op of its name that saved some, past skippable ops (the re-run skipped a same-named side
         effect). Renumbers the run and returns the new index, or ``idx`` when there is no such op."""
         names = self.op_names
+        if not self.skippable(idx, run):
+            return idx
         j = idx + 1
-        while j < len(names) and names[j] != names[idx] and self.skippable(j):
+        while j < len(names) and names[j] != names[idx] and self.skippable(j, run):
             j += 1
         if j >= len(names) or names[j] != names[idx] or not self.fwd_npacks.get(j) or j in self.decisions:
             return idx
@@ -259,7 +262,7 @@ class Region(RegionBase):
         the op and what differed, instead of failing later or silently.
         """
         n = len(self.op_names)
-        missing = next((i for i in range(run.op_idx + 1, n) if not self.skippable(i)), None)
+        missing = next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)), None)
         if missing is not None:
             raise messages.missing_ops(missing, n, self.describe_op(missing))
         for key, meta in self.token_meta.items():
@@ -389,7 +392,6 @@ class Region(RegionBase):
             return self.offload(run, t)
         token = Token(self, key)
         self.token_meta[key] = (tuple(t.shape), t.dtype)   # checked against the recompute's
-        self.dropped_ptrs.add(ptr)
         if key[0] not in self.op_paths:
             self.op_paths[key[0]] = run.cell_path()
         if decision == REBUILD:
@@ -437,12 +439,6 @@ class Region(RegionBase):
             ENGINE.pop(run)
         self.fwd_npacks = run.npacks
         self._swap_holders = None
-        leaves = tensor_leaves(out)
-        saved = [i for i, t in enumerate(leaves) if t.data_ptr() in self.dropped_ptrs]
-        self.note_saved_outputs([leaves[i] for i in saved])
-        if self.path_check is not None:
-            self.path_check.saved_outputs = tuple(saved)
-        self.dropped_ptrs = None
         self.bytes.close(self.stats, self)
         return out
 

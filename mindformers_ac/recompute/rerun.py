@@ -40,7 +40,7 @@ import contextlib
 
 from mindspore import Parameter, Tensor, ops
 
-from ..mindspore_compat import RandomState, no_grad, tensor_version
+from ..mindspore_compat import RandomState, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked
@@ -63,7 +63,7 @@ class RegionRun:
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
-                 "__weakref__")
+                 "asked_marker", "__weakref__")
 
     def __init__(self, region, mode, tracker=None):
         self.region, self.mode, self.tracker = region, mode, tracker
@@ -80,6 +80,7 @@ class RegionRun:
         self.dropout_idx = 0   # nn.Dropout calls so far (light path)
         self.in_cell_dropout = False   # an nn.Dropout's kernel call through its DropoutProxy is running
         self.noting_replay = False     # Region.check_replay's run of a random op: note its saves
+        self.asked_marker = False      # a re-run whose code asked is_in_recompute(): may skip side effects
 
     def dropout_call(self, prim, x):
         """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""
@@ -235,7 +236,6 @@ class RegionBase:
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
-        self.out_versions = ()    # (output tensor the region saved, its version at the forward's end)
         self.metadata = None      # key -> deque of values the forward saved for the re-run (markers)
         self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
         self.children = []        # regions nested in this one's forward, in call order
@@ -248,20 +248,6 @@ class RegionBase:
         """Note what the re-run must start from; called once the forward's run is on the ENGINE stack
         (so an enclosing region's dispatch does not number the snapshot's op)."""
         self.random_state = RandomState()
-
-    def note_saved_outputs(self, outputs):
-        """Hold the region's outputs that it also saved for backward, with their versions: a later in-place
-        write into one (the next layer's ``copy_`` of its input) must fail backward as without AC, where
-        MindSpore's check of that saved tensor sees the write; here it was dropped, and the re-run would
-        rebuild the value from before the write. The outputs are held, not copied: what consumes them
-        saves them too, as a rule, so this keeps their storage no longer than the graph does."""
-        self.out_versions = tuple((t, tensor_version(t)) for t in outputs)
-
-    def check_saved_outputs(self):
-        for t, version in self.out_versions:
-            now = tensor_version(t)
-            if now != version:
-                raise messages.modified_inplace(tuple(t.shape), t.dtype, now, version)
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None):
@@ -384,8 +370,6 @@ class RegionBase:
         if self._running:
             raise messages.recompute_reentered()
         refuse_higher_order()
-        self.check_saved_outputs()
-        self.out_versions = ()
         self._running = True
         try:
             self._recompute()
