@@ -10,13 +10,21 @@ bytes are ``measure_step``'s; gradients, losses and every parameter are compared
 import logging
 
 import mindspore as ms
-import numpy as np
 import pytest
-from mindspore import Tensor, mint, nn, ops
+from mindspore import mint, nn, ops
 
 import mindformers_ac as mac
 
-from model_patterns import B, H, LlamaRMSNorm, S, causal_padding_mask, init_weights, rope_tables, rotate_half
+from model_patterns import (
+    B,
+    H,
+    LlamaRMSNorm,
+    S,
+    init_weights,
+    rope_tables,
+    rotate_half,
+    token_batch,
+)
 from steps import first_difference, run_steps
 
 N_HEADS, N_KV, FFN, N_LAYERS, VOCAB = 4, 2, 64, 3, 40
@@ -161,12 +169,7 @@ def build(mlp="ops.silu"):
     return init_weights(GPTModel(MLPS[mlp], ScoreCoreAttention if mlp == "score" else CoreAttention))
 
 
-def batch(step):
-    rng = np.random.RandomState(300 + step)
-    ids = Tensor(rng.randint(0, VOCAB, (B, S)).astype(np.int32))
-    labels = Tensor(rng.randint(0, VOCAB, (B * S,)).astype(np.int32))
-    pos = Tensor(np.tile(np.arange(S, dtype=np.int32), (B, 1)))
-    return ids, labels, pos, causal_padding_mask()
+batch = token_batch(VOCAB, seed=300)
 
 
 def select(pattern):
