@@ -25,6 +25,8 @@ step and returns a ``StepMemory`` with the per-layer figures.
 import contextlib
 from dataclasses import dataclass, field
 
+from mindspore import nn
+
 from .apply import ac_state
 from .layers import find_layer_stack
 from .logs import OnceLogger
@@ -189,12 +191,16 @@ class StepMeter:
 
     Each step attaches the layer hooks and detaches them when it ends. Works
     with or without ``apply_ac`` (also applied or removed after the meter was
-    made): the engines' per-step counters are read and reset.
+    made): the engines' per-step counters are read and reset. ``mtp_block``:
+    MindFormers' multi-token-prediction block, whose layer ``i`` is measured as
+    global layer ``num_layers + i`` (default: the block ``apply_ac`` was given).
     """
 
-    def __init__(self, model, layers=None):
+    def __init__(self, model, layers=None, mtp_block=None):
         self.model = model
-        stack = find_layer_stack(model, layers)
+        if mtp_block is None:   # the MTP block an apply_ac on the model (or its decoder) was given
+            mtp_block = next((s.mtp_block for s in self._ac_states() if isinstance(s.mtp_block, nn.Cell)), None)
+        stack = find_layer_stack(model, layers, mtp_block)
         self.layer_ids = list(stack.layer_ids)
         self.layer_cells = {i: stack.cell(i) for i in stack.layer_ids}
         self.params = list(model.get_parameters())
@@ -235,14 +241,15 @@ class StepMeter:
             _engine_figures(state, memory)
 
 
-def measure_step(model, step_fn, *args, layers=None, **kwargs):
+def measure_step(model, step_fn, *args, layers=None, mtp_block=None, **kwargs):
     """Run ``step_fn(*args, **kwargs)`` (forward + backward of ``model``) once; return its ``StepMemory``.
 
     ``step_fn`` is typically ``ms.value_and_grad(model, None, params)`` or a
     training step that calls it. Works on any model whose layer list
-    ``plan_ac`` finds (or that ``layers`` names), with or without ``apply_ac``.
+    ``plan_ac`` finds (or that ``layers`` names), with or without ``apply_ac``;
+    MTP layers (``mtp_block``, as ``apply_ac`` takes it) are global ids after the decoder's.
     """
-    meter = StepMeter(model, layers)
+    meter = StepMeter(model, layers, mtp_block)
     with meter.step() as memory:
         step_fn(*args, **kwargs)
     return memory

@@ -55,7 +55,7 @@ from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges, swa
 from .layers import find_layer_stack
 from .limits import MAX_LAYERS
 from .matching import MatchBudget, drop_covered, match_entries
-from .whitelist import is_under, layer_inventory, sub_cell
+from .whitelist import as_op_target, is_under, layer_inventory, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -555,6 +555,10 @@ class _PlanPass:
                 self.plans[i].recompute = tuple(e.path for e in kept)
                 self.plans[i].targets.update({e.path: e for e in kept})
         self.plan_exclude(rc.exclude_op)
+        for i, lp in self.plans.items():
+            if lp.recompute and not lp.exclude:   # exclude_op keeps ops of a region: it stays one
+                layer = self.stack.cell(i)
+                lp.targets.update({p: as_op_target(lp.targets[p], layer) for p in lp.recompute})
 
     def plan_exclude(self, exclude_op):
         if not exclude_op:

@@ -106,6 +106,22 @@ def cell_method_entries(cell, path):
             if name not in children and (name not in own or getattr(own[name], METHOD_WRAPPER_MARK, False))]
 
 
+def as_op_target(entry, layer):
+    """``entry`` as an op target when it names a Cell with no parameters and no sub-cells (``nn.SiLU`` as a
+    layer's ``activation_func``), else ``entry``.
+
+    Such a cell computes like a function in its place: recomputed as a region it would keep its input
+    besides what its consumers keep of its output (a SwiGLU gate, a view of the fc1 output, is copied:
+    more than without AC); recomputed as an op, its output is dropped for its consumers too.
+    """
+    if entry.kind != "cell":
+        return entry
+    cell = sub_cell(layer, entry.path)
+    if cell.name_cells() or next(iter(cell.get_parameters()), None) is not None:
+        return entry
+    return WhitelistEntry(entry.path, "op", entry.owner_path, entry.attr)
+
+
 def layer_inventory(layer):
     """Every ``WhitelistEntry`` of ``layer`` in deterministic tree order."""
     entries = []

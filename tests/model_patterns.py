@@ -181,6 +181,11 @@ class Pattern:
     op_swap: str = "mlp"
     layers: str = "layers"
     refused: dict = field(default_factory=dict)
+    # how a training loop meets the model (``steps.train_pattern``): "plain" (``run_steps``),
+    # "skip_nonfinite" (a loss scaler's skipped step), "failed_forward" (a forward that raises, caught),
+    # "remove_mid_step" (``remove_ac`` between the last forward and its backward)
+    loop: str = "plain"
+    prepare: object = None   # called on the model once AC is installed (and on the baseline): e.g. LoRA
 
 
 # int/bool inputs used inside the layer ----------------------------------------------------------
@@ -508,16 +513,18 @@ def build_llama():
 MOE_VOCAB = 24
 
 
-def build_moe():
+def build_moe(microbatches=1):
     """The reference MoE GPT, MoE in layers 0 and 2 (a dense layer between), top-2 of 4 experts with
-    capacity drops, router jitter and dropout, its layer calls routed through ``run_layer``."""
+    capacity drops, router jitter and dropout (replayed: ``SeededDropout``'s step counter), its layer
+    calls routed through ``run_layer``. ``microbatches=2``: each forward runs the batch's two rows as
+    two microbatches, both forwards before their backwards (gradient accumulation in one graph)."""
     from mindformers_ac.harness.moe import MoEGPTModel, moe_config
 
     class MoEPatternModel(MoEGPTModel):
         def run_layer(self, layer, *args, **kwargs):
             return layer(*args, **kwargs)
 
-        def construct(self, ids, labels, pos, mask):   # MoEGPTModel's, its layer calls through run_layer
+        def forward_one(self, ids, labels):   # MoEGPTModel's, its layer calls through run_layer
             self.dropout_seeds.step += 1
             x, aux_total = self.embedding(ids), 0.0
             for layer in self.decoder.layers:
@@ -530,6 +537,11 @@ def build_moe():
             logits = self.output_layer(self.decoder.final_layernorm(x))
             return self.loss(logits.reshape(-1, MOE_VOCAB), labels) + self.config.aux_loss_coeff * aux_total
 
+        def construct(self, ids, labels, pos, mask):
+            if microbatches == 1:
+                return self.forward_one(ids, labels)
+            return self.forward_one(ids[:1], labels[:S]) + self.forward_one(ids[1:], labels[S:])
+
     ms.set_seed(0)
     np.random.seed(0)
     model = MoEPatternModel(moe_config(num_layers=N_LAYERS, hidden_size=H, num_heads=2, seq_length=S,
@@ -537,6 +549,150 @@ def build_moe():
                                        capacity_factor=0.75, moe_layer_freq=2, router_jitter=0.05))
     model.set_train(True)
     return model
+
+
+# the blind spots of issue 29: state and paths that change between calls ------------------------------
+
+LARGE = 2.5
+
+
+class BranchWriteLayer(Layer):
+    """A data-dependent branch and a buffer write only large activations trigger (step 0's are small):
+    the checking call sees neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.large = Parameter(Tensor(np.zeros(1, np.float32)), name="large", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        if float(h.abs().max()) > LARGE:
+            ops.assign_add(self.large, Tensor(np.ones(1, np.float32)))
+            h = h + ops.sin(h)
+        return h + self.mlp(self.norm2(h))
+
+
+def build_branch_write():
+    return init_weights(PatternModel([BranchWriteLayer() for _ in range(N_LAYERS)]))
+
+
+def growing_batch(step):
+    """``hidden_batch`` with small inputs at step 0 and large ones after."""
+    x, y, pos, mask = hidden_batch(step)
+    return (x * (0.05 if step == 0 else 3.0), y, pos, mask)
+
+
+class InputWriteLayer(Layer):
+    """Writes into its input before using it: a setitem (no op dispatch sees it) and an in-place mul."""
+
+    def construct(self, x, pos, mask, scale):
+        x[:, 0] = 0
+        x.mul_(0.5)
+        return super().construct(x, pos, mask, scale)
+
+
+def build_input_write():
+    # not layer 0: its input is the grad function's, which MindSpore refuses to write without AC too
+    return init_weights(PatternModel([Layer()] + [InputWriteLayer() for _ in range(N_LAYERS - 1)]))
+
+
+class LoraLayer(Layer):
+    """Its MLP gets a low-rank adapter once one is added (fine-tuning: after ``apply_ac``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lora = None
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        n = self.norm2(h)
+        out = self.mlp(n)
+        if self.lora is not None:
+            out = out + self.lora(n)
+        return h + out
+
+
+class LoraAdapter(nn.Cell):
+    def __init__(self, rank=4):
+        super().__init__()
+        self.a = mint.nn.Linear(H, rank, bias=False)
+        self.b = mint.nn.Linear(rank, H, bias=False)
+
+    def construct(self, x):
+        return self.b(self.a(x))
+
+
+def add_lora(model):
+    """A LoRA adapter in every layer, weights set from a fixed stream (the same for every model)."""
+    for i, layer in enumerate(model.layers):
+        layer.lora = LoraAdapter()
+        rng = np.random.RandomState(50 + i)
+        for p in layer.lora.get_parameters():
+            p.name = f"layers.{i}.{p.name}"   # assigned after construction: no layer prefix of its own
+            p.set_data(Tensor(rng.uniform(-0.3, 0.3, p.shape).astype(np.float32)))
+
+
+def build_lora():
+    return init_weights(PatternModel([LoraLayer() for _ in range(N_LAYERS)]))
+
+
+class DropoutLayer(Layer):
+    """``nn.Dropout`` after the attention: its mask-bits check is decided on the first (NaN) step."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(p=0.25)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.drop(self.attn(self.norm1(x), pos, mask, scale))
+        return h + self.mlp(self.norm2(h))
+
+
+def build_dropout():
+    ms.set_seed(0)   # nn.Dropout's seeds: the same masks in every build
+    return init_weights(PatternModel([DropoutLayer() for _ in range(N_LAYERS)]))
+
+
+def nan_first_batch(step):
+    """``hidden_batch`` with an inf at step 0: that step's loss and gradients are NaN (a loss scaler skips it)."""
+    x, y, pos, mask = hidden_batch(step)
+    if step == 0:
+        data = x.asnumpy().copy()
+        data[0, 0, 0] = np.inf
+        x = Tensor(data)
+    return x, y, pos, mask
+
+
+class InjectedFailure(Exception):
+    """What ``FailingLayer`` raises when told to (a bad batch, an OOM: caught by the training loop)."""
+
+
+class FailingLayer(Layer):
+    """Raises after its attention when ``fail`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail = False
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        if self.fail:
+            raise InjectedFailure("injected failure in the layer's forward")
+        return h + self.mlp(self.norm2(h))
+
+
+def build_failing():
+    return init_weights(PatternModel([FailingLayer() for _ in range(N_LAYERS)]))
+
+
+def varlen_batch(step):
+    """(x, y, pos, mask) of a sequence length that changes every step (packing, a length curriculum)."""
+    s = (8, 5, 7, 3)[step % 4]
+    rng = np.random.RandomState(300 + step)
+    m = np.broadcast_to(np.triu(np.ones((s, s), bool), 1), (B, s, s)).copy()
+    pos = Tensor(np.tile(np.arange(s, dtype=np.int32), (B, 1)))
+    return (Tensor(rng.randn(B, s, H).astype(np.float32)), Tensor(rng.randn(B, s).astype(np.float32)),
+            pos, Tensor(m))
 
 
 # one cell twice in the layer list (weight-shared layers) -------------------------------------------
@@ -572,6 +728,16 @@ PATTERNS = {p.name: p for p in [
     Pattern("mindformers_moe", _build_mindformers_moe, token_batch(24), cell=r"mlp\.experts",
             op=r"mlp\.shared_experts\.activation_func", comm=r"mlp\.shared_experts\.all_gather", op_swap="mlp",
             layers="decoder.layers"),
+    Pattern("branch_and_late_write", build_branch_write, growing_batch, cell="attn"),
+    Pattern("input_write", build_input_write, hidden_batch, cell="attn"),
+    Pattern("lora_after_apply", build_lora, hidden_batch, cell="attn", prepare=add_lora),
+    Pattern("two_microbatches_replayed_dropout", lambda: build_moe(microbatches=2), token_batch(MOE_VOCAB),
+            cell=r"mlp\.experts", op=r"mlp\.shared_experts\.activation_func",
+            comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers"),
+    Pattern("nan_first_step", build_dropout, nan_first_batch, cell="attn", loop="skip_nonfinite"),
+    Pattern("failed_forward", build_failing, hidden_batch, cell="attn", loop="failed_forward"),
+    Pattern("changing_lengths", build_int_bool, varlen_batch, cell="attn"),
+    Pattern("remove_ac_mid_step", build_int_bool, hidden_batch, cell="attn", loop="remove_mid_step"),
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
             refused={mode: SHARED for mode in ("full", "select_cell", "select_op", "exclude_op", "recompute_comm",
                                                "layer_swap", "op_swap", "mixed")}),

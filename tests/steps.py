@@ -11,22 +11,76 @@ import numpy as np
 from mindspore import nn
 
 import mindformers_ac as mac
+from mindformers_ac.mindspore_compat import pynative_executor
 
-from model_patterns import RECOMPUTE_MODES, SWAP_MODES
+from model_patterns import RECOMPUTE_MODES, SWAP_MODES, InjectedFailure
 
 
-def run_steps(model, batch, steps=3):
-    """Per step: loss bytes, every gradient's bytes, and every parameter's (name, bytes) after the update."""
+def _record(model, loss, grads):
+    return (loss.asnumpy().tobytes(), [g.asnumpy().tobytes() for g in grads],
+            [(name, p.asnumpy().tobytes()) for name, p in model.parameters_and_names()])
+
+
+def run_steps(model, batch, steps=3, skip_nonfinite=False, fail_at=None):
+    """Per step: loss bytes, every gradient's bytes, and every parameter's (name, bytes) after the update.
+
+    ``skip_nonfinite``: a step whose loss is NaN/Inf updates nothing (what a loss scaler does).
+    ``fail_at``: before that step, a forward that raises ``InjectedFailure`` inside layer 1 (its
+    ``fail`` flag) is caught and the executor cleared, as a loop that skips a bad batch does.
+    """
     model.set_train(True)
     opt = nn.SGD(model.trainable_params(), learning_rate=0.05)
     grad_fn = ms.value_and_grad(model, None, opt.parameters)
     history = []
     for step in range(steps):
+        if step == fail_at:
+            _failed_forward(model, grad_fn, batch(step))
         loss, grads = grad_fn(*batch(step))
-        opt(grads)
-        history.append((loss.asnumpy().tobytes(), [g.asnumpy().tobytes() for g in grads],
-                        [(name, p.asnumpy().tobytes()) for name, p in model.parameters_and_names()]))
+        if not skip_nonfinite or np.isfinite(loss.asnumpy()).all():
+            opt(grads)
+        history.append(_record(model, loss, grads))
     return history
+
+
+def _failed_forward(model, grad_fn, inputs):
+    layer = model.layers[1]
+    layer.fail = True
+    try:
+        grad_fn(*inputs)
+    except InjectedFailure:
+        failed = True
+    else:
+        failed = False
+    finally:
+        layer.fail = False
+    assert failed, "the injected failure did not raise"
+    pynative_executor.clear_res()   # docs/exactness.md's failure path, as without AC
+
+
+def run_steps_removing_ac(model, batch, steps=3):
+    """``run_steps`` through ``ms.vjp``; the last step's forward runs with AC, then ``remove_ac`` (a
+    callback or a ``finally:`` that turns AC off), then its backward."""
+    model.set_train(True)
+    params = model.trainable_params()
+    opt = nn.SGD(params, learning_rate=0.05)
+    history = []
+    for step in range(steps):
+        first, *rest = batch(step)   # only the float input is differentiated (the others are int and bool)
+        loss, vjp_fn = ms.vjp(lambda x: model(x, *rest), first, weights=params)
+        if step == steps - 1 and mac.ac_state(model) is not None:
+            mac.remove_ac(model)
+        _, grads = vjp_fn(ms.Tensor(1.0, ms.float32))
+        opt(grads)
+        history.append(_record(model, loss, grads))
+    return history
+
+
+def train_pattern(pattern, model, steps=3):
+    """``model`` trained as ``pattern.loop`` says (see ``model_patterns.Pattern``)."""
+    if pattern.loop == "remove_mid_step":
+        return run_steps_removing_ac(model, pattern.batch, steps)
+    return run_steps(model, pattern.batch, steps, skip_nonfinite=pattern.loop == "skip_nonfinite",
+                     fail_at=1 if pattern.loop == "failed_forward" else None)
 
 
 def first_difference(base, other):
@@ -68,20 +122,28 @@ def ac_work(model):
     return sum(s.ops_rerun for s in state.recompute_stats.values()), offloaded(state.swap_report)
 
 
-def assert_acted(mode, model, counter):
-    """A mode that silently did nothing must fail: count what was re-run or offloaded."""
+def ac_counters(model):
+    """``(recompute_stats, swap_report)`` of the model's AC, taken before training for ``assert_acted``
+    (``remove_ac`` detaches them from the model); None without AC."""
+    state = mac.ac_state(model)
+    return None if state is None else (state.recompute_stats, state.swap_report)
+
+
+def assert_acted(mode, model, counter, counters=None):
+    """A mode that silently did nothing must fail: count what was re-run or offloaded. ``counters``:
+    ``ac_counters(model)`` taken before a ``remove_ac``."""
     if mode == "checkpoint_api":
         assert counter.ops_rerun > 0 and counter.recompute_calls > 0, counter
         return
     if mode == "swap_api":
         assert offloaded(counter) > 0, counter.as_dict()
         return
-    state = mac.ac_state(model)
+    recompute_stats, swap_report = counters if counters is not None else ac_counters(model)
     if mode in RECOMPUTE_MODES:
-        stats = state.recompute_stats.values()
+        stats = recompute_stats.values()
         assert sum(s.ops_rerun for s in stats) > 0 and sum(s.recompute_calls for s in stats) > 0, \
             [s.as_dict() for s in stats]
     if mode in ("exclude_op", "mixed"):
-        assert sum(s.ops_reused for s in state.recompute_stats.values()) > 0
+        assert sum(s.ops_reused for s in recompute_stats.values()) > 0
     if mode in SWAP_MODES:
-        assert offloaded(state.swap_report) > 0, state.swap_report.as_dict()
+        assert offloaded(swap_report) > 0, swap_report.as_dict()

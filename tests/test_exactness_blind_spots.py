@@ -228,3 +228,64 @@ def test_an_in_place_write_into_a_region_input_runs_again_on_a_private_copy(kind
         # setitem is invisible to the dispatch and harmless on the light path; a copy_ keeps the layer
         # intercepted (its input is copied for the re-run before the write)
         assert all(s.light_calls == (2 if kind == "setitem" else 0) for s in stats), [s.as_dict() for s in stats]
+
+
+# -- buffers a forward replaces (``self.buf += x``: ``Parameter.set_data``, no op writes) -------------------
+
+class _CountsItsCalls(nn.Cell):
+    """Divides by how often it ran (MindFormers' global aux loss: ``self.ga_steps += 1``, then a read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(8, 8)
+        self.calls = ms.Parameter(Tensor(0.0, ms.float32), name="calls", requires_grad=False)
+
+    def construct(self, x):
+        self.calls += 1
+        return self.fc(ops.tanh(x) / self.calls)
+
+
+class _Counters(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([_CountsItsCalls() for _ in range(3)])
+
+    def construct(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return ((x - y) ** 2).mean()
+
+
+def _counters(how):
+    from model_patterns import init_weights
+    model = init_weights(_Counters())
+    if how == "full":
+        mac.apply_ac(model, config={"recompute": {"mode": "full", "full_recompute_layer": ["0-2"]}},
+                     layers="layers")
+    elif how == "checkpoint":
+        for layer in model.layers:
+            mac.checkpoint_wrapper(layer)
+    return model
+
+
+def _counter_steps(model, steps=4):
+    """Two microbatches in one graph: each layer replaces its counter twice before any backward."""
+    opt = nn.SGD(model.trainable_params(), learning_rate=0.1)
+    grad_fn = ms.value_and_grad(lambda a, b, c, d: model(a, b) + model(c, d), None, opt.parameters)
+    history = []
+    for step in range(steps):
+        loss, grads = grad_fn(*_pairs(2 * step), *_pairs(2 * step + 1))
+        opt(grads)
+        history.append(_state(model, loss, grads))
+    return history
+
+
+@pytest.mark.parametrize("how", ["full", "checkpoint"])
+def test_a_buffer_the_forward_replaces_is_replaced_once_per_call(how):
+    base = _counter_steps(_counters(None))
+    model = _counters(how)
+    assert _first_diff(base, _counter_steps(model)) is None
+    assert [float(layer.calls.asnumpy()) for layer in model.layers] == [8.0] * 3
+    if how == "full":
+        stats = mac.ac_state(model).recompute_stats.values()
+        assert all(s.recompute_calls == 8 and s.light_calls == 6 for s in stats), [s.as_dict() for s in stats]

@@ -276,3 +276,23 @@ def test_summary_marks_mtp_layers(caplog):
     summaries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("apply_ac:")]
     assert summaries == ["apply_ac: full recompute on layers 0, 4-5 (MTP 0-1); layer swap on layer 2 (prefetch 1)"]
     mac.remove_ac(model.decoder)
+
+
+def test_measure_step_reports_mtp_layers_under_their_global_ids():
+    def measure(model, **kwargs):
+        return mac.measure_step(model, ms.value_and_grad(model, None, model.trainable_params()), *batch(0),
+                                **kwargs)
+
+    plain = build()
+    base = measure(plain, mtp_block=plain.mtp)
+    assert sorted(k for k in base.layers if k != "other") == list(range(NUM_LAYERS + NUM_MTP))
+    assert all(base.layers[i].kept_bytes > 0 for i in range(NUM_LAYERS + NUM_MTP))
+    model = build()
+    mac.apply_ac(model.decoder, config={"recompute": {"mode": "full", "full_recompute_layer": ["4-5"]}},
+                 mtp_block=model.mtp)
+    memory = measure(model)   # the MTP block apply_ac was given
+    for i in range(NUM_LAYERS):
+        assert memory.layers[i].kept_bytes == base.layers[i].kept_bytes
+    for i in (4, 5):
+        assert memory.layers[i].kept_bytes < base.layers[i].kept_bytes and memory.layers[i].recomputed_bytes > 0
+    assert memory.layers["other"].kept_bytes == base.layers["other"].kept_bytes

@@ -160,6 +160,7 @@ class GPTModel(nn.Cell):
 MLPS = {
     "ops.silu": lambda: SwiGLUMLP(ops.silu),
     "mint.silu": lambda: SwiGLUMLP(mint.nn.functional.silu),
+    "cell.silu": lambda: SwiGLUMLP(nn.SiLU()),   # a Cell with no parameters: recomputed as an op
     "narrow": NarrowMLP,
     "score": lambda: SwiGLUMLP(ops.silu),   # with the tuple-returning attention op
 }
@@ -190,7 +191,8 @@ def with_ac(mlp, pattern):
 TARGETS = [("ops.silu", r".*core_attention.flash_attention"),
            ("score", r".*core_attention.flash_attention"),
            ("ops.silu", r".*mlp.activation_func"),
-           ("mint.silu", r".*mlp.activation_func")]
+           ("mint.silu", r".*mlp.activation_func"),
+           ("cell.silu", r".*mlp.activation_func")]
 
 
 @pytest.fixture(scope="module")

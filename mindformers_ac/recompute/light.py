@@ -152,7 +152,7 @@ class LightRegion(RegionBase):
     """
 
     def __init__(self, fn, check, checks, key, stats, context_fn, precision):
-        super().__init__(fn, stats, context_fn, check.param_ptrs)
+        super().__init__(fn, stats, context_fn, check.param_ptrs, check.buffers)
         self.check = check
         self.precision = precision
         self._checks, self._key = checks, key
@@ -195,11 +195,12 @@ class LightRegion(RegionBase):
         try:
             self.start_forward()
             self.save_inputs(args, kwargs)
-            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack):
+            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.watch_buffers():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
         finally:
             ENGINE.pop(run)
+        self.keep_replaced()
         check = self.check
         if self.sig != check.fwd or len(self.dropouts) != check.n_dropouts:
             # Its code path changed since the checking call: this call's recompute is still checked
@@ -258,7 +259,7 @@ class LightRegion(RegionBase):
         guard = BufferGuard(self.check.buffers) if self.check.buffers else None
         args, kwargs = self.load_inputs()
         try:
-            with recompute_graph(run, self.precision, self.random_state):
+            with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state):
                 args, kwargs = rerun_inputs(args, kwargs)   # in the graph: tracked as in forward
                 with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
                     out = self.fn(*args, **kwargs)

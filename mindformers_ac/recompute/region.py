@@ -45,8 +45,9 @@ class Region(RegionBase):
                  path_check=None):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
-        ptrs = param_ptrs(root.get_parameters()) if root is not None else set()
-        super().__init__(fn, stats, context_fn, ptrs)
+        params = list(root.get_parameters()) if root is not None else []
+        ptrs = param_ptrs(params)
+        super().__init__(fn, stats, context_fn, ptrs, [p for p in params if not p.requires_grad])
         self.policy_fn = policy_fn
         self.swap_executor = swap_executor
         self.swap_inputs = swap_inputs
@@ -433,10 +434,12 @@ class Region(RegionBase):
                        if self.swap_inputs and self.swap_executor is not None else None)
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved):
+                    ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
+                    self.watch_buffers(run.engine_ops):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
+        self.keep_replaced()
         self.fwd_npacks = run.npacks
         self._swap_holders = None
         self.bytes.close(self.stats, self)
@@ -462,8 +465,9 @@ class Region(RegionBase):
             return r.region.pack_recompute(r, t) if r is not None else None
 
         args, kwargs = self.load_inputs()
-        with recompute_graph(run, self.precision, self.random_state), self.run_context(RECOMPUTE), \
-                self._tracking(), RegionDispatch(run), ms.saved_tensors_hooks(pack, keep_saved):
+        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state), \
+                self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
+                ms.saved_tensors_hooks(pack, keep_saved):
             run.in_hook = True   # the inputs' views are ours, not ops of the region
             try:
                 args, kwargs = rerun_inputs(args, kwargs)

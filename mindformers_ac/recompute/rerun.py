@@ -24,7 +24,10 @@ decision (``path_choice``). Everything else is here, once:
   that functional random ops draw from) as it was when the forward started,
   set again for the re-run and put back after it: a re-run draws what its
   forward drew and leaves the state as it found it, so the state advances
-  exactly as without AC.
+  exactly as without AC;
+* the region's buffers that its forward replaced (``self.count += 1`` on a
+  Cell's non-trainable Parameter: ``side_effects.ReplacedBuffers``), set back
+  to their pre-forward values for the re-run and put back after it.
 
 A divergence is described by ``messages`` for both ways in.
 
@@ -48,6 +51,7 @@ from . import messages
 from .markers import context_pair
 from .random_ops import DropoutRecord
 from .saved import SwappedTensor
+from .side_effects import ReplacedBuffers
 from .state import ENGINE, FORWARD, RECOMPUTE
 from .stats import RegionBytes
 
@@ -85,6 +89,15 @@ class RegionRun:
     def dropout_call(self, prim, x):
         """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""
         return self.region.dropout_call(self, prim, x)
+
+    @contextlib.contextmanager
+    def engine_ops(self):
+        """Ops the engine runs in the middle of the region's code: no op of the region."""
+        in_hook, self.in_hook = self.in_hook, True
+        try:
+            yield
+        finally:
+            self.in_hook = in_hook
 
     def cell_path(self):
         return self.path[-1][0] if self.path else ""
@@ -232,8 +245,9 @@ class RegionBase:
     holds the region, so it dies with the graph after backward.
     """
 
-    def __init__(self, fn, stats, context_fn, param_ptrs):
+    def __init__(self, fn, stats, context_fn, param_ptrs, buffers=()):
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
+        self.replaced = ReplacedBuffers(buffers) if buffers else None   # None: the root has no buffers
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
         self.metadata = None      # key -> deque of values the forward saved for the re-run (markers)
@@ -248,6 +262,20 @@ class RegionBase:
         """Note what the re-run must start from; called once the forward's run is on the ENGINE stack
         (so an enclosing region's dispatch does not number the snapshot's op)."""
         self.random_state = RandomState()
+
+    def watch_buffers(self, hidden=contextlib.nullcontext):
+        """Around the forward's call: note the buffers it replaces (``ReplacedBuffers.watch``)."""
+        return contextlib.nullcontext() if self.replaced is None else self.replaced.watch(hidden)
+
+    def keep_replaced(self):
+        """After the forward: count the pre-forward copies of replaced buffers as kept."""
+        if self.replaced is not None:
+            for i, c in enumerate(self.replaced.copies()):
+                self.bytes.add(("replaced", i), int(c.nbytes))
+
+    def buffers_as_before(self):
+        """Around the re-run, outside its graph: replaced buffers as before the forward, then as now."""
+        return contextlib.nullcontext() if self.replaced is None else self.replaced.rerun_from()
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None):

@@ -29,11 +29,21 @@ forward, before the call (the op writes during it), in one of two ways:
 All parameter arguments are copied, not only the written ones: the
 primitive's signature can't tell them apart (BatchNorm marks gamma and beta
 writable too).
+
+A buffer can also be *replaced* rather than written: ``self.count += 1`` on a
+Cell's non-trainable Parameter (MindFormers' global aux loss) is an add and
+then ``Parameter.set_data``, which gives the Parameter the sum's storage. No op
+writes, so neither the dispatch nor ``BufferGuard`` sees it;
+``ReplacedBuffers`` gives the re-run the values from before the forward.
 """
+import contextlib
+import functools
+
 from mindspore import Parameter, Tensor, ops
 from mindspore.ops import Primitive
 
 from ..mindspore_compat import no_grad
+from ..precision import no_casts
 from ..tensors import is_tracked
 
 SNAPSHOT, KEEP = "snapshot", "keep"
@@ -191,3 +201,72 @@ class BufferGuard:
                     ops.assign(p, c)   # in place: the Parameter keeps its storage
                 written = True
         return written
+
+
+class ReplacedBuffers:
+    """A region's non-trainable Parameters whose storage its forward replaced, with their values from before.
+
+    While the forward runs, each buffer's ``set_data`` is wrapped on the
+    instance (and put back after, on every exit path); the first call per
+    buffer keeps a copy of the value it replaces. The re-run starts from those
+    copies, so it reads what its forward read and replaces them as the forward
+    did, and each buffer then gets back what it held before the re-run: the
+    update lands once per step, as without AC. Cost: two attribute writes per
+    buffer and forward; one copy per replaced buffer, kept until backward.
+    Nested regions chain their wrappers, so an enclosing region sees the write too.
+    """
+
+    __slots__ = ("params", "before")
+
+    def __init__(self, params):
+        self.params = params   # the root's non-trainable Parameters
+        self.before = ()       # (param, copy of its value before the forward replaced it), in order
+
+    @contextlib.contextmanager
+    def watch(self, hidden=contextlib.nullcontext):
+        """Around the forward: note each buffer's value before its first ``set_data``. ``hidden``: a
+        context under which the copy is no op of the region (the intercepting path's dispatch)."""
+        before = {}
+        wrapped = []
+
+        def set_data(p, call, data, slice_shape=False):
+            if id(p) not in before:
+                with hidden(), no_grad(), no_casts():
+                    before[id(p)] = (p, ops.deepcopy(p))
+            return call(data, slice_shape)
+
+        try:
+            for p in self.params:
+                outer = p.__dict__.get("set_data")   # an enclosing region's wrapper
+                call = outer if outer is not None else functools.partial(type(p).set_data, p)
+                wrapped.append((p, outer))
+                p.__dict__["set_data"] = functools.partial(set_data, p, call)
+            yield
+        finally:
+            for p, outer in reversed(wrapped):
+                if outer is None:
+                    del p.__dict__["set_data"]
+                else:
+                    p.__dict__["set_data"] = outer
+            self.before = tuple(before.values())
+
+    def copies(self):
+        """The kept copies (for the region's byte count)."""
+        return [c for _, c in self.before]
+
+    @contextlib.contextmanager
+    def rerun_from(self):
+        """Around the re-run (outside its graph): the replaced buffers hold their pre-forward values,
+        and what they held before the re-run afterwards."""
+        if not self.before:
+            yield
+            return
+        with no_grad(), no_casts():
+            current = [(p, ops.deepcopy(p)) for p, _ in self.before]
+            for p, copy in self.before:
+                type(p).set_data(p, ops.deepcopy(copy))   # fresh: the re-run may write it in place
+        try:
+            yield
+        finally:
+            for p, value in current:
+                type(p).set_data(p, value)
