@@ -35,6 +35,7 @@ from .plan import plan_with_layers, refuse_copied_patches
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
 from .recompute.markers import resolve_context_fn
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
+from .swap.backends import select_backend
 from .whitelist import METHOD_WRAPPER_MARK, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
@@ -187,8 +188,9 @@ def _install_swap(state, plan, model):
     swapped = [lp for lp in plan.layers.values() if lp.swapped]
     if not swapped:
         return
-    state.swap_executor = SwapExecutor()
-    p = plan.config.swap.default_prefetch
+    sc = plan.config.swap
+    state.swap_executor = SwapExecutor(select_backend(kind=sc.backend), max_pool_bytes=sc.max_host_bytes)
+    p = sc.default_prefetch
     # MTP layers run in the MTP block's call, not the model's: the tensors that call receives (the
     # decoder's output, masks) stay on the device for them, as the model's inputs do for the decoder.
     # Parameters of both never leave the device.
@@ -203,7 +205,7 @@ def _install_swap(state, plan, model):
     for ids in ([i for i in layer_ids if top(i) is model], [i for i in layer_ids if top(i) is not model]):
         if ids:
             inst = install_layer_swap(by_id, ids, prefetch=p, executor=state.swap_executor, model=top(ids[0]),
-                                      params=params)
+                                      min_bytes=sc.min_bytes, params=params)
             state.add_undo(inst.remove)
     for i in layer_ids:
         logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",
@@ -212,7 +214,8 @@ def _install_swap(state, plan, model):
         if lp.op_swap:
             inst = install_op_swap(state.layer_cells[lp.layer_id], list(lp.op_swap), layer_id=lp.layer_id,
                                    prefetch_layer=state.layer_cells[lp.prefetch_layer],
-                                   executor=state.swap_executor, model=top(lp.layer_id), params=params)
+                                   executor=state.swap_executor, model=top(lp.layer_id), min_bytes=sc.min_bytes,
+                                   params=params)
             state.add_undo(inst.remove)
             logger.debug("Set op swap at layer %s: %s, prefetched when layer %s starts backward",
                          lp.label, ", ".join(lp.op_swap), plan.layer_label(lp.prefetch_layer))

@@ -22,12 +22,19 @@ import yaml
 
 from .errors import ConfigError, child_field, item_field, quote, type_name
 from .layer_specs import RangeSet, format_layer_specs, spec_ranges
+from .limits import MAX_CONFIG_BYTE_COUNT
 from .matching import check_pattern
 from .yaml_loading import config_path, load_yaml_file
 
 logger = logging.getLogger("mindformers_ac")
 
 SECTIONS = ("recompute", "recompute_comm", "swap")
+
+# The smallest saved tensor swap moves to host by default: smaller ones cost more in copy calls than
+# they free.
+DEFAULT_MIN_BYTES = 1024
+SWAP_BACKENDS = ("auto", "host", "device")
+DEVICE_BACKEND_TARGETS = ("Ascend", "GPU")   # device targets with copy streams and pinned memory
 
 
 class RecomputeMode(str, enum.Enum):
@@ -46,6 +53,23 @@ class RecomputeMode(str, enum.Enum):
 def check_bool(value, field_path):
     if not isinstance(value, bool):
         raise ConfigError(field_path, f"expected true or false, got {type_name(value)} {quote(value)}")
+    return value
+
+
+def check_byte_count(value, field_path, allow_none=False):
+    """A number of bytes: an int in ``[0, MAX_CONFIG_BYTE_COUNT]`` (or None when ``allow_none``)."""
+    if value is None and allow_none:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONFIG_BYTE_COUNT:
+        what = " or null (no bound)" if allow_none else ""
+        raise ConfigError(field_path, f"expected a number of bytes (an integer from 0 to "
+                                      f"{MAX_CONFIG_BYTE_COUNT}){what}, got {type_name(value)} {quote(value)}")
+    return value
+
+
+def check_choice(value, choices, field_path):
+    if not isinstance(value, str) or value not in choices:
+        raise ConfigError(field_path, f"expected one of {', '.join(choices)}, got {type_name(value)} {quote(value)}")
     return value
 
 
@@ -259,6 +283,12 @@ class SwapConfig(_Section):
         entries must not overlap); mappings become ``LayerSwapEntry``.
     op_swap: ``[{op_name: path regex, layers: specs}, ...]`` modules/ops inside
         layers; mappings become ``OpSwapEntry``.
+    min_bytes: saved tensors smaller than this stay on the device.
+    max_host_bytes: bound of the host buffer pool in bytes; a tensor that would
+        exceed it stays on the device (counted as over budget). None: no bound on
+        bytes in use (idle buffers are always bounded by the peak in use).
+    backend: ``auto`` (host copies on CPU, copy streams on Ascend/GPU),
+        ``host``, or ``device`` (Ascend/GPU only).
     """
 
     FIELD = "swap"
@@ -266,6 +296,9 @@ class SwapConfig(_Section):
     default_prefetch: int = 1
     layer_swap: Optional[Union[list, tuple]] = None
     op_swap: Optional[Union[list, tuple]] = None
+    min_bytes: int = DEFAULT_MIN_BYTES
+    max_host_bytes: Optional[int] = None
+    backend: str = field(default="auto", metadata={"choices": SWAP_BACKENDS})
 
     def __post_init__(self):
         self.validate()
@@ -286,6 +319,9 @@ class SwapConfig(_Section):
         self.layer_swap = self._entries("layer_swap", LayerSwapEntry)
         self.op_swap = self._entries("op_swap", OpSwapEntry)
         self._check_layer_swap_disjoint()
+        check_byte_count(self.min_bytes, "swap.min_bytes")
+        check_byte_count(self.max_host_bytes, "swap.max_host_bytes", allow_none=True)
+        check_choice(self.backend, SWAP_BACKENDS, "swap.backend")
 
     def _entries(self, name, cls):
         entries, path = getattr(self, name), f"swap.{name}"
@@ -379,26 +415,40 @@ class AcConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
 
-def config_for_layers(full=(), select_module=None, exclude_op=None, comm_select=None, layer_swap=(),
-                      op_swap=None, default_prefetch=1):
-    """The ``AcConfig`` that does exactly this per layer: what ``plan --out`` and ``AcPlan.to_dict`` write.
+# The fields ``with_layer_lists`` rewrites: which layers and paths get which action. Every other field
+# of a section is a setting, written back as the user gave it.
+LAYER_LIST_FIELDS = {
+    "recompute": ("mode", "full_recompute_layer", "select_module", "exclude_op"),
+    "recompute_comm": ("enable", "select_module"),
+    "swap": ("enable", "layer_swap", "op_swap"),
+}
 
-    ``full`` and ``layer_swap`` are layer ids; ``select_module``, ``comm_select``
-    and ``op_swap`` map a path regex to layer specs. The recompute mode follows
+
+def with_layer_lists(config, full=(), select_module=None, exclude_op=None, comm_select=None, layer_swap=(),
+                     op_swap=None):
+    """``config`` with its per-layer lists replaced: what ``plan --out`` and ``AcPlan.to_dict`` write.
+
+    Only the lists that say which layers and paths get which action are
+    replaced (and the switches that follow from them); every other field of
+    every section (``swap.default_prefetch``, ``swap.min_bytes`` ...) is
+    ``config``'s own, by construction (``dataclasses.replace``), so a field
+    added later is written back without a change here. ``full`` and
+    ``layer_swap`` are layer ids; ``select_module``, ``comm_select`` and
+    ``op_swap`` map a path regex to layer specs. The recompute mode follows
     from what is there (select if any module is selected, else full if any
     layer is, else None); ``exclude_op`` is dropped when nothing is recomputed,
     where it would have no effect; each section is enabled when it has work.
     """
-    recompute = RecomputeConfig()
-    if select_module or full:
-        recompute = RecomputeConfig(
-            mode=RecomputeMode.SELECT if select_module else RecomputeMode.FULL,
-            full_recompute_layer=format_layer_specs(full) if full else None,
-            select_module=select_module or None, exclude_op=exclude_op or None)
-    comm = RecomputeCommConfig(enable=True, select_module=comm_select) if comm_select else RecomputeCommConfig()
-    swap = SwapConfig(enable=bool(layer_swap or op_swap), default_prefetch=default_prefetch,
-                      layer_swap=[LayerSwapEntry(format_layer_specs(layer_swap))] if layer_swap else None,
-                      op_swap=[OpSwapEntry(name, specs) for name, specs in op_swap.items()] if op_swap else None)
+    recomputed = bool(select_module or full)
+    mode = RecomputeMode.SELECT if select_module else RecomputeMode.FULL if full else RecomputeMode.NONE
+    recompute = dataclasses.replace(
+        config.recompute, mode=mode, full_recompute_layer=format_layer_specs(full) if full else None,
+        select_module=select_module or None, exclude_op=(exclude_op or None) if recomputed else None)
+    comm = dataclasses.replace(config.recompute_comm, enable=bool(comm_select), select_module=comm_select or None)
+    swap = dataclasses.replace(
+        config.swap, enable=bool(layer_swap or op_swap),
+        layer_swap=[LayerSwapEntry(format_layer_specs(layer_swap))] if layer_swap else None,
+        op_swap=[OpSwapEntry(name, specs) for name, specs in op_swap.items()] if op_swap else None)
     return AcConfig(recompute=recompute, recompute_comm=comm, swap=swap)
 
 

@@ -28,6 +28,9 @@ MAX_NUMBER_CHARS = 100
 # ``--num-layers`` are checked against it before anything is expanded.
 MAX_LAYERS = 10_000
 
+# Byte counts in a config (swap.min_bytes, swap.max_host_bytes): a PiB is more than any host has.
+MAX_CONFIG_BYTE_COUNT = 1 << 50
+
 # select_module / exclude_op / op_name patterns. ``regex`` expands counted
 # repetitions at compile time, so nested ``{m,n}`` multiply compile memory
 # (``(?:(?:a{200}){200}){200}`` takes 2.5 GB). The product of every ``{m,n}``

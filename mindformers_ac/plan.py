@@ -48,7 +48,7 @@ import mindspore as ms
 import regex
 import yaml
 
-from .config import AcConfig, RecomputeMode, config_for_layers, resolve_config
+from .config import DEVICE_BACKEND_TARGETS, AcConfig, RecomputeMode, resolve_config, with_layer_lists
 from .construct_patch import copied_patch_message, find_patch, foreign_patches
 from .errors import ConfigError, clip, item_field, quote
 from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges, swappable_layers
@@ -196,6 +196,10 @@ class AcPlan:
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [header] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                             for row in rows]
+        if any(lp.swapped for lp in self.layers.values()):
+            sc = self.config.swap
+            bound = "none (no bound)" if sc.max_host_bytes is None else str(sc.max_host_bytes)
+            lines.append(f"Swap settings: min_bytes {sc.min_bytes}, max_host_bytes {bound}, backend {sc.backend}")
         notes = [f"  layer {lp.label}: {note}" for lp in self.layers.values() for note in lp.notes]
         if notes:
             lines += ["Notes:"] + notes
@@ -259,12 +263,12 @@ class AcPlan:
         if excluded:
             exclude_op = (_paths_to_layers(excluded, "exclude") if excluded[0].exclude_by_path
                           else list(excluded[0].exclude))
-        return config_for_layers(
-            full=[lp.layer_id for lp in layers if lp.full_recompute],
+        return with_layer_lists(
+            self.config, full=[lp.layer_id for lp in layers if lp.full_recompute],
             select_module=_paths_to_layers(layers, "recompute"), exclude_op=exclude_op,
             comm_select=_paths_to_layers(layers, "recompute_comm"),
             layer_swap=[lp.layer_id for lp in layers if lp.layer_swap],
-            op_swap=_paths_to_layers(layers, "op_swap"), default_prefetch=self.config.swap.default_prefetch)
+            op_swap=_paths_to_layers(layers, "op_swap"))
 
     def to_dict(self):
         """The three YAML sections that reproduce this plan with exact paths."""
@@ -615,6 +619,10 @@ class _PlanPass:
         if not sc.enabled:
             return
         check_swap_pp(self.config, self.pp)
+        target = ms.get_context("device_target") if self.stack is not None else None
+        if sc.backend == "device" and target is not None and target not in DEVICE_BACKEND_TARGETS:
+            raise ConfigError("swap.backend", f"device copies need an Ascend or GPU device, and MindSpore's "
+                                              f"device_target is {target}: use auto or host")
         p = sc.default_prefetch
         if p > self.num_layers - 1:
             mtp = "" if self.num_layers == self.num_decoder else \

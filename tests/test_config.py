@@ -1,11 +1,14 @@
+import dataclasses
 import os
 import textwrap
+import typing
 
 import pytest
 import yaml
 
 import mindformers_ac as mac
 from mindformers_ac import AcConfig, ConfigError, RecomputeCommConfig, RecomputeConfig, SwapConfig
+from mindformers_ac.config import LAYER_LIST_FIELDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -229,7 +232,70 @@ def test_plan_writers_share_the_section_dicts(gpt8):
     written = mac.plan_ac(gpt8, config=config).to_dict()
     assert mac.AcConfig.from_dict(written).to_dict() == written
     assert written["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": ["0-1"]}],
-                               "op_swap": [{"op_name": "self_attention", "layers": [4]}]}
+                               "op_swap": [{"op_name": "self_attention", "layers": [4]}], "min_bytes": 1024,
+                               "backend": "auto"}
     sections = option_sections({0: Option("layer swap", OptionKind.SWAP), 1: Option("full", OptionKind.FULL)}, prefetch=2)
-    assert sections["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": [0]}]}
+    assert sections["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": [0]}],
+                                "min_bytes": 1024, "backend": "auto"}
     assert sections["recompute"] == {"mode": "full", "full_recompute_layer": [1]}
+
+
+# -- every setting round-trips through the plan's YAML, found from the dataclasses ------------------------
+
+def _non_default(section, f):
+    """A valid value of field ``f`` other than its default, made from its type (or its ``choices``)."""
+    hint = typing.get_type_hints(section)[f.name]
+    args = typing.get_args(hint)
+    kind = next((a for a in args if a is not type(None)), hint) if args else hint
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if "choices" in f.metadata:
+        return next(c for c in f.metadata["choices"] if c != default)
+    if kind is bool:
+        return not default
+    if kind is int:
+        return 12345 if default is None else 2 * default + 1
+    raise AssertionError(f"{section.__name__}.{f.name}: say how to make a non-default value of {hint} here")
+
+
+SETTINGS = [(name, f.name) for name, cls in (("recompute", RecomputeConfig), ("recompute_comm", RecomputeCommConfig),
+                                           ("swap", SwapConfig))
+            for f in dataclasses.fields(cls) if f.name not in LAYER_LIST_FIELDS[name]]
+
+
+def test_every_setting_is_found_and_has_a_non_default_value():
+    assert ("swap", "min_bytes") in SETTINGS and ("swap", "default_prefetch") in SETTINGS
+    assert ("swap", "backend") in SETTINGS and ("swap", "max_host_bytes") in SETTINGS
+    for name, field_name in SETTINGS:
+        cls = type(getattr(AcConfig(), name))
+        f = next(f for f in dataclasses.fields(cls) if f.name == field_name)
+        assert _non_default(cls, f) != getattr(cls(), field_name)
+
+
+def test_every_setting_of_every_section_round_trips_through_the_plan(gpt8, tmp_path):
+    """Each setting (a field the plan does not rewrite) set to a non-default value comes back with that
+    value from plan_ac(...).to_dict(), from the YAML plan.to_yaml() writes, and from AcConfig.from_yaml
+    of it; the layer lists come back as the same plan. A field added later is in SETTINGS by itself."""
+    layer_lists = {"recompute": {"mode": "select", "full_recompute_layer": [0], "select_module": {"mlp": [1]},
+                                 "exclude_op": ["Softmax"]},
+                   "swap": {"enable": True, "layer_swap": [{"layers": [3]}],
+                            "op_swap": [{"op_name": "self_attention", "layers": [4]}]}}
+    settings = {}
+    for name, field_name in SETTINGS:
+        cls = type(getattr(AcConfig(), name))
+        f = next(f for f in dataclasses.fields(cls) if f.name == field_name)
+        settings.setdefault(name, {})[field_name] = _non_default(cls, f)
+    data = {name: {**layer_lists.get(name, {}), **settings.get(name, {})} for name in ("recompute", "swap")}
+    if "recompute_comm" in settings:
+        data["recompute_comm"] = settings["recompute_comm"]
+    config = AcConfig.from_dict(data)
+    plan = mac.plan_ac(gpt8, config=config)
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan.to_yaml())
+    for label, written in (("plan.to_dict()", AcConfig.from_dict(plan.to_dict())),
+                           ("plan.to_yaml()", AcConfig.from_dict(yaml.safe_load(path.read_text()))),
+                           ("AcConfig.from_yaml", AcConfig.from_yaml(str(path)))):
+        for name, field_name in SETTINGS:
+            assert getattr(getattr(written, name), field_name) == settings[name][field_name], \
+                f"{label}: {name}.{field_name}"
+        again = mac.plan_ac(gpt8, config=written)
+        assert str(again) == str(plan) and again.to_dict() == plan.to_dict(), label

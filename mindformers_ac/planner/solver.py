@@ -31,7 +31,7 @@ import numpy as np
 import regex
 import yaml
 
-from ..config import config_for_layers
+from ..config import AcConfig, SwapConfig, with_layer_lists
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
 from ..limits import MAX_PATTERN_CHARS
@@ -325,8 +325,9 @@ def option_sections(options, prefetch=1):
                 exclude.setdefault(pattern, []).append(i)
         elif option.kind == OptionKind.SWAP:
             swapped.append(i)
-    return config_for_layers(full=full, select_module=_specs(select), exclude_op=_specs(exclude),
-                             layer_swap=swapped, default_prefetch=prefetch).to_dict()
+    base = AcConfig(swap=SwapConfig(default_prefetch=prefetch))
+    return with_layer_lists(base, full=full, select_module=_specs(select), exclude_op=_specs(exclude),
+                            layer_swap=swapped).to_dict()
 
 
 def _specs(ids_by_pattern):

@@ -45,6 +45,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
+from ..config import DEVICE_BACKEND_TARGETS
 from ..mindspore_compat import pynative_executor
 from ..precision import no_casts
 
@@ -601,11 +602,18 @@ class DeviceCopyBackend:
         """Streams are released with the backend; nothing to stop."""
 
 
-def select_backend(device_target=None):
-    """``HostCopyBackend`` for CPU, ``DeviceCopyBackend`` for Ascend/GPU."""
+def select_backend(device_target=None, kind="auto"):
+    """The backend ``kind`` (``swap.backend``) names: ``host`` is ``HostCopyBackend``, ``device``
+    ``DeviceCopyBackend`` (Ascend/GPU only: ValueError elsewhere), ``auto`` the host one on CPU and the
+    device one on Ascend/GPU."""
     target = device_target or ms.get_context("device_target")
-    if target == "CPU":
+    if kind == "host":
         return HostCopyBackend()
-    if target in ("Ascend", "GPU"):
+    if kind not in ("auto", "device"):
+        raise ValueError(f"no swap backend {kind!r}; expected 'auto', 'host' or 'device'")
+    if target in DEVICE_BACKEND_TARGETS:
         return DeviceCopyBackend(device_target=target)
-    raise ValueError(f"no swap backend for device_target={target!r}; expected 'CPU', 'Ascend' or 'GPU'")
+    if kind == "auto" and target == "CPU":
+        return HostCopyBackend()
+    raise ValueError(f"no {kind} swap backend for device_target={target!r}; expected "
+                     f"{'Ascend or GPU' if kind == 'device' else 'CPU, Ascend or GPU'}")
