@@ -16,8 +16,14 @@ forward pass (where activation memory peaks in a training step):
 * the engines of every ``apply_ac`` on the model or on one of its sub-cells
   are read (MindFormers applies it to ``model.decoder``).
 
-On a model without AC the per-layer figures are exactly what an independent
-``SavedTensorMeter`` measures (a test checks this to the byte).
+On a model without AC, the per-layer figures (``"other"`` included) add up to the peak an
+independent ``SavedTensorMeter`` measures over the same step, to the byte
+(``tests/test_apply.py`` on the reference GPT; ``tests/test_meter_foreign_hooks.py``
+on a model with saved-tensor hooks of its own). The split between layers
+is not checked against an independent meter: the tests check that alike
+layers get equal figures, that a model's own hooks leave every per-layer
+figure as it is without them, and that a fully recomputed layer's figure is
+its ``RecomputeStats.kept_bytes``.
 
 Use ``measure_step(model, step_fn, *args)`` on your own model: it runs one
 step and returns a ``StepMemory`` with the per-layer figures.

@@ -33,6 +33,7 @@ from .errors import ConfigError
 from .logs import report_summary
 from .plan import plan_with_layers, refuse_copied_patches
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
+from .recompute.chain import LayerChain
 from .recompute.markers import resolve_context_fn
 from .swap import SwapExecutor, install_layer_swap, install_op_swap
 from .swap.backends import select_backend
@@ -53,6 +54,7 @@ class AcState:
         self.mtp_block = mtp_block              # apply_ac's ``mtp_block=``, likewise
         self.context_fn = context_fn
         self.recompute_stats = {}               # global id -> RecomputeStats
+        self.chains = {}                        # first layer id of a recompute group -> its LayerChain
         self.swap_executor = None
         self._undo = []                         # callables, run in reverse by remove()
 
@@ -122,9 +124,17 @@ def _exclude_policy_for(lp, region_path=""):
     return exclude_policy(path_patterns=patterns) if patterns else None
 
 
-def _install_checkpoint(state, cell, policy_fn, stats):
-    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn)
+def _install_checkpoint(state, cell, policy_fn, stats, chain=None):
+    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn, chain=chain)
     state.add_undo(lambda: unwrap(cell))
+
+
+def _chain_of(state, lp):
+    """``(LayerChain, member index)`` of a layer in a recompute group, one chain per group; None outside one."""
+    if not lp.group:
+        return None
+    chain = state.chains.setdefault(lp.group[0], LayerChain(lp.group))
+    return chain, lp.group.index(lp.layer_id)
 
 
 def _install_op_output(state, layer, entry, stats):
@@ -164,9 +174,10 @@ def _install_method(state, layer, entry, policy_fn, stats):
 def _install_recompute(state, lp, layer):
     stats = state.recompute_stats.setdefault(lp.layer_id, RecomputeStats())
     if lp.full_recompute:
-        _install_checkpoint(state, layer, _exclude_policy_for(lp), stats)
-        logger.debug("Set full recompute at layer %s%s", lp.label,
-                     f", keeping {', '.join(lp.exclude)}" if lp.exclude else "")
+        _install_checkpoint(state, layer, _exclude_policy_for(lp), stats, _chain_of(state, lp))
+        logger.debug("Set full recompute at layer %s%s%s", lp.label,
+                     f", keeping {', '.join(lp.exclude)}" if lp.exclude else "",
+                     f", in the group of layers {', '.join(map(str, lp.group))}" if lp.group else "")
     for path in lp.recompute:
         entry = lp.targets[path]
         if entry.is_op:

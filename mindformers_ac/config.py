@@ -22,7 +22,7 @@ import yaml
 
 from .errors import ConfigError, child_field, item_field, quote, type_name
 from .layer_specs import RangeSet, format_layer_specs, spec_ranges
-from .limits import MAX_CONFIG_BYTE_COUNT
+from .limits import MAX_CONFIG_BYTE_COUNT, MAX_LAYERS
 from .matching import check_pattern
 from .yaml_loading import config_path, load_yaml_file
 
@@ -192,6 +192,10 @@ class RecomputeConfig(_Section):
     exclude_op: ops whose outputs are kept inside recomputed regions: a list of
         names (case-insensitive substrings of the op name) or ``{path regex:
         layer specs}``.
+    group_layers: N >= 1 (MindSpeed's ``--recompute-method uniform
+        --recompute-num-layers N``): the fully recomputed layers, in order, in
+        runs of N consecutive ids, each run one region that keeps only its
+        first layer's inputs. 1: every layer its own region.
     """
 
     FIELD = "recompute"
@@ -199,6 +203,7 @@ class RecomputeConfig(_Section):
     full_recompute_layer: Optional[Union[list, tuple]] = None
     select_module: Optional[dict] = None
     exclude_op: Optional[Union[list, tuple, dict]] = None
+    group_layers: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -217,6 +222,10 @@ class RecomputeConfig(_Section):
             check_pattern_map(self.select_module, "recompute.select_module")
         if self.exclude_op is not None:
             self._check_exclude_op()
+        g = self.group_layers
+        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_LAYERS:
+            raise ConfigError("recompute.group_layers", f"expected an integer from 1 to {MAX_LAYERS} (layers per "
+                                                        f"recompute group), got {type_name(g)} {quote(g)}")
         if self.mode == RecomputeMode.FULL and self.full_recompute_layer is None:
             raise ConfigError("recompute.full_recompute_layer",
                               "required when mode is full: list the layers to recompute, e.g. [0-3]")

@@ -1,6 +1,7 @@
 """Where the package's messages go: warnings once per owner and key, and the one summary a user must see.
 
-``OnceLogger`` keeps warnings that would repeat every step to one per owner.
+``OnceLogger`` keeps warnings that would repeat every step to one per owner
+(the engines' owners are process-wide: see ``OnceLogger``).
 ``report_summary`` is how ``apply_ac`` says what it applied, once per call,
 following the host framework's conventions (see its docstring).
 """
@@ -14,8 +15,16 @@ PACKAGE_LOGGER = "mindformers_ac"
 class OnceLogger:
     """``warning(key, msg, *args)`` logs the first time ``key`` is seen by this object only.
 
-    Each engine object owns one, so a new manager or model warns afresh
-    (nothing process-wide); ``reset()`` forgets the keys seen.
+    Who owns one decides how often a warning is seen. A ``StepMeter`` (and
+    a ``SavedTensorMeter`` given none) has its own, so each new meter warns
+    afresh. The two engines keep theirs process-wide, beside their other
+    process-wide state: ``SwapManager`` is a singleton (its ``reset()``
+    calls ``reset()`` here), and the recompute engine's is
+    ``recompute.state.ENGINE.warnings``, so a recompute warning is logged
+    once per process and key (a key names the warning and, where it has
+    one, the target or op: ``("random_output", "MLP.act")``, ``"must_swap"``)
+    and nothing but a test resets it.
+    ``reset()`` forgets the keys seen.
     """
 
     def __init__(self, logger):

@@ -76,6 +76,7 @@ class LayerPlan:
     targets: dict = field(default_factory=dict, repr=False)   # target path -> its WhitelistEntry
     notes: tuple = ()            # what the engine runs around but can't act on (e.g. jit cells)
     mtp_index: Optional[int] = None   # i for MTP layer i (global id num_layers + i), None for a decoder layer
+    group: tuple = ()            # full recompute in a group (recompute.group_layers): the group's layer ids
 
     @property
     def label(self):
@@ -108,7 +109,7 @@ class LayerPlan:
         """Short human-readable actions, e.g. ``['full recompute', 'exclude AllGather']``."""
         parts = []
         if self.full_recompute:
-            parts.append("full recompute")
+            parts.append("full recompute" + (f" (group {format_layer_specs(self.group)[0]})" if self.group else ""))
         if self.recompute:
             parts.append("recompute " + ", ".join(self.recompute))
         if self.recompute_comm:
@@ -189,6 +190,8 @@ class AcPlan:
         rows = [("layer", "recompute", "comm recompute", "keep (exclude_op)", "swap", "prefetch at")]
         for lp in self.layers.values():
             recompute = "full" if lp.full_recompute else ", ".join(lp.recompute) or "-"
+            if lp.group:
+                recompute += f" (group {format_layer_specs(lp.group)[0]})"
             swap = "layer" if lp.layer_swap else ", ".join(lp.op_swap) or "-"
             rows.append((lp.label, recompute, ", ".join(lp.recompute_comm) or "-",
                          ", ".join(lp.exclude) or "-", swap,
@@ -235,9 +238,11 @@ class AcPlan:
         def keep(lp):
             return f"keeping {', '.join(lp.exclude)}" if lp.exclude else ""
 
+        grouped = self.config.recompute.group_layers > 1 and any(lp.group for lp in self.layers.values())
         for lp in self.layers.values():
             if lp.full_recompute:
-                groups.setdefault(("full recompute", keep(lp)), []).append(lp.layer_id)
+                detail = "; ".join(x for x in (self._groups_text() if grouped else "", keep(lp)) if x)
+                groups.setdefault(("full recompute", detail), []).append(lp.layer_id)
             if lp.recompute:
                 detail = "; ".join(x for x in (", ".join(lp.recompute), keep(lp)) if x)
                 groups.setdefault(("select recompute", detail), []).append(lp.layer_id)
@@ -254,6 +259,14 @@ class AcPlan:
         extra = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((len(self.warnings), "warning"),
                                                                       (notes, "note")) if n]
         return text + (f" ({', '.join(extra)}: see plan.explain())" if extra else "")
+
+    def groups(self):
+        """The recompute groups (``recompute.group_layers``): a tuple of layer ids per group, in order."""
+        return list(dict.fromkeys(lp.group for lp in self.layers.values() if lp.group))
+
+    def _groups_text(self):
+        n = self.config.recompute.group_layers
+        return f"groups of {n}: " + ", ".join(str(format_layer_specs(g)[0]) for g in self.groups())
 
     def to_config(self):
         """The ``AcConfig`` that reproduces this plan with exact paths."""
@@ -546,6 +559,7 @@ class _PlanPass:
             full = set(self.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"))
         for i in full & set(self.plans):
             self.plans[i].full_recompute = True
+        self.plan_groups(sorted(full & set(self.plans)), rc.group_layers)
         if rc.mode == RecomputeMode.SELECT:
             chosen = {i: [] for i in self.plans}
             for pattern, specs in rc.select_module.items():
@@ -563,6 +577,27 @@ class _PlanPass:
             if lp.recompute and not lp.exclude:   # exclude_op keeps ops of a region: it stays one
                 layer = self.stack.cell(i)
                 lp.targets.update({p: as_op_target(lp.targets[p], layer) for p in lp.recompute})
+
+    def plan_groups(self, full, size):
+        """``recompute.group_layers``: runs of ``size`` consecutive ids of ``full`` (a gap, the end of a run
+        or the start of the MTP layers cuts a group short) become one region each (``LayerPlan.group``)."""
+        if size == 1:
+            return
+        if not full:
+            self.warn("recompute.group_layers has no effect without recompute.full_recompute_layer")
+            return
+        runs = []
+        for i in full:
+            if runs and i == runs[-1][-1] + 1 and (i < self.num_decoder) == (runs[-1][-1] < self.num_decoder):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            for k in range(0, len(run), size):
+                group = tuple(run[k:k + size])
+                if len(group) > 1:
+                    for i in group:
+                        self.plans[i].group = group
 
     def plan_exclude(self, exclude_op):
         if not exclude_op:

@@ -181,8 +181,8 @@ def test_the_checker_sees_a_private_import(tmp_path):
     assert [n for n in names + attrs if _private(n)] == ["_Helper", "_no_grad"]
 
 
-# What trainers call (README, DESIGN.md's contract: MindFormers, HyperParallel, MindSpeed) and the types
-# they get back; engine internals live in their subpackages.
+# What trainers call (the README's "In a trainer": MindFormers, HyperParallel, MindSpeed; docs/architecture.md's rule
+# that __all__ is what trainers call) and the types they get back; engine internals live in their subpackages.
 PUBLIC_API = {
     "AcConfig", "AcPlan", "CheckpointPolicy", "ConfigError", "LayerPlan", "RecomputeCommConfig", "RecomputeConfig",
     "RecomputeError",

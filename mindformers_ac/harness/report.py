@@ -1,6 +1,7 @@
 """Print and save the comparison ``train`` produces: a per-layer table, a summary, JSON and a plot."""
 import json
 import os
+from typing import NamedTuple
 
 from ..tensors import MiB
 
@@ -9,20 +10,48 @@ def _mib(nbytes):
     return f"{nbytes / MiB:.2f}"
 
 
+class _LayerRow(NamedTuple):
+    """One line of the per-layer table, each cell as text (the header is one too)."""
+
+    layer: str
+    applied: str
+    baseline: str
+    kept: str
+    recomputed: str
+    offloaded: str
+    prefetched: str
+    on_demand: str
+    ops_rerun: str
+    calls: str
+
+
+_HEADER = _LayerRow("layer", "applied", "baseline MiB", "kept MiB", "recomputed MiB", "offloaded MiB",
+                    "in time MiB", "on demand MiB", "ops re-run", "calls light/intercepted")
+_LEFT_ALIGNED = frozenset(("layer", "applied"))   # words; the figures are right-aligned
+
+
+class _ModuleBytes(NamedTuple):
+    """Bytes one module of a layer kept; sorts largest first with ``reverse=True``."""
+
+    nbytes: int
+    module: str
+
+
 def layer_table(result):
     """The per-layer table as text: what was applied and where the bytes went."""
-    header = ("layer", "applied", "baseline MiB", "kept MiB", "recomputed MiB", "offloaded MiB",
-              "in time MiB", "on demand MiB", "ops re-run", "calls light/intercepted")
-    rows = [header]
+    rows = [_HEADER]
     for row in result["layers"]:
         calls = row["light_calls"] + row["intercepted_calls"]
-        rows.append((str(row["layer"]), "; ".join(row["applied"]) or "-", _mib(row["baseline_kept_bytes"]),
-                     _mib(row["kept_bytes"]), _mib(row["recomputed_bytes"]), _mib(row["offloaded_bytes"]),
-                     _mib(row["prefetched_bytes"]), _mib(row["on_demand_bytes"]), str(row["ops_rerun"]),
-                     f"{row['light_calls']}/{row['intercepted_calls']}" if calls else "-"))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
-    return "\n".join("  ".join(cell.rjust(w) if c >= 2 else cell.ljust(w)
-                               for c, (cell, w) in enumerate(zip(r, widths))).rstrip() for r in rows)
+        rows.append(_LayerRow(
+            layer=str(row["layer"]), applied="; ".join(row["applied"]) or "-",
+            baseline=_mib(row["baseline_kept_bytes"]), kept=_mib(row["kept_bytes"]),
+            recomputed=_mib(row["recomputed_bytes"]), offloaded=_mib(row["offloaded_bytes"]),
+            prefetched=_mib(row["prefetched_bytes"]), on_demand=_mib(row["on_demand_bytes"]),
+            ops_rerun=str(row["ops_rerun"]),
+            calls=f"{row['light_calls']}/{row['intercepted_calls']}" if calls else "-"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(_LayerRow._fields))]
+    return "\n".join("  ".join(cell.ljust(w) if name in _LEFT_ALIGNED else cell.rjust(w)
+                               for name, cell, w in zip(_LayerRow._fields, r, widths)).rstrip() for r in rows)
 
 
 def module_table(result, min_bytes=MiB / 200):
@@ -30,8 +59,8 @@ def module_table(result, min_bytes=MiB / 200):
     ``mlp.token_dispatcher``, ``mlp.experts`` ...), the recompute regions and what swap left on the device.
     Entries under ``min_bytes`` (0.005 MiB) are left out of the text (``report.json`` has them all)."""
     def parts(counts):
-        kept = sorted(((n, m) for m, n in counts.items() if n >= min_bytes), reverse=True)
-        return ", ".join(f"{m} {_mib(n)}" for n, m in kept) or "-"
+        kept = sorted((_ModuleBytes(n, m) for m, n in counts.items() if n >= min_bytes), reverse=True)
+        return ", ".join(f"{e.module} {_mib(e.nbytes)}" for e in kept) or "-"
     lines = ["kept MiB by module (without AC | with AC):"]
     for row in result["layers"]:
         lines.append(f"  {row['layer']}: {parts(row['baseline_kept_by_module'])} | {parts(row['kept_by_module'])}")

@@ -2,8 +2,9 @@
 
 ``profile_model(factory, ...)`` builds one fresh model per candidate option
 with the same factory (``factory() -> (model, make_inputs)``, the contract of
-``--model``: ``model(*make_inputs(step))`` is the loss), applies that option to every layer where it is allowed
-(``apply_ac``), and runs training steps exactly like ``train.run_variant``
+``--model``: ``model(*make_inputs(step))`` is the loss), applies that option
+to every layer where it is allowed (``apply_ac``), and steps it with
+``training.TrainingRun``, the step runner ``train``'s runs use too
 (``value_and_grad`` + SGD, ``StepMeter`` around the step). The models are
 stepped round-robin, so slow phases of a shared machine hit every option
 alike, and each option's step time is the median of its steps.
@@ -17,11 +18,18 @@ From those runs, per layer and option:
   layers are alike: a transformer stack);
 * ``transient``: bytes a recompute rebuilds in backward (``recomputed_bytes``).
 
-The host copy bandwidth is measured with the same ``np.copyto`` the CPU swap
-backend uses; with the swap run's offloaded bytes it gives the fraction of
-the copy time hidden behind compute (``swap_overlap``), reported for the user.
-The swap cost itself is the measured step-time difference, shared among the
-swapped layers in proportion to their offloaded bytes.
+The swap cost is the measured step-time difference of the swap run, shared
+among the swapped layers in proportion to their offloaded bytes. Beside it,
+for ``plan``'s report only (the solver doesn't read them): the host copy
+bandwidth, one ``np.copyto`` of 32 MiB between two host buffers on this
+thread (not the swap backend itself: the CPU backend copies with
+``ctypes.memmove``, splitting large tensors between two threads, and a
+device backend copies over the device link); ``swap_copy_s``, the time the
+offloaded bytes take to copy twice at that bandwidth (out in forward, back
+in backward, although the CPU backend's load copies nothing: it aliases the
+host buffer); and ``swap_overlap``, the fraction of that time hidden behind
+compute (1 - swap cost / copy time, clipped to [0, 1]). All three are
+estimates from a host copy, not measurements of the backend.
 
 Run it in synchronous PyNative mode (``mindspore_compat.synchronous_pynative()``, as
 ``mindformers-ac plan`` does): asynchronous
@@ -91,7 +99,7 @@ def host_copy_bandwidth(nbytes=32 * 2 ** 20, repeats=7):
 
 
 class OptionRun:
-    """One fresh model with one option applied, stepped like ``train.run_variant``."""
+    """One fresh model with one option applied, stepped by ``training.TrainingRun`` as ``train``'s runs are."""
 
     def __init__(self, factory, option, config, lr, layers=None, check_loss=None):
         self.option = option

@@ -4,7 +4,8 @@
   (HyperParallel's checkpoint API);
 * ``markers``: ``is_in_recompute``, ``save_for_recompute`` / ``get_recompute_metadata``
   (MindFormers' marker API) and the bridge to MindFormers' own marker;
-* ``policy``: ``CheckpointPolicy``, the per-op decision;
+* ``policy``: ``CheckpointPolicy``, the per-op decision (defined in ``mindformers_ac.checkpoint_policy``,
+  which the swap engine reads too);
 * ``rerun``: what every region shares (run record, saved inputs, Dropout mask bits, the once-only recompute);
 * ``region``: the op-intercepting way into a region, with ``dispatch`` (op numbering and decisions);
 * ``light``: the light way in (saved-tensor hooks only, tensors matched by position);
@@ -12,6 +13,7 @@
 * ``dropout_proxy``: ``nn.Dropout`` kernels handed to the running region;
 * ``messages``: every error and warning text, and ``RecomputeError``'s uses;
 * ``tracking``: the cell path and op attribute a policy sees;
+* ``op_slot``: ``OpSlotProxy``, the base of every proxy standing in an op attribute slot;
 * ``saved``: what a region leaves in the autograd graph instead of a tensor;
 * ``random_ops``: which ops can't be run again, and Dropout's exact rebuild;
 * ``side_effects``: ops that write parameters (BatchNorm, Assign ...), written once per step;

@@ -139,7 +139,7 @@ def get_checkpoint_stats(cell_or_fn):
 
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
-                       swap_executor=None, light_path=True):
+                       swap_executor=None, light_path=True, chain=None):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
@@ -160,6 +160,10 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     bitwise, and the same errors on a diverging recompute, without Python per
     op. ``RecomputeStats.light_calls`` / ``intercepted_calls`` count which
     path each call took.
+
+    ``chain``: ``(LayerChain, index)`` when the cell is member ``index`` of a
+    layer group (``recompute.group_layers``, see ``chain``): its first argument
+    is then rebuilt from the previous member instead of kept.
     """
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
@@ -167,7 +171,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     check_context_fn(context_fn)
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
-                   swap_inputs=swap_inputs, context_fn=context_fn)
+                   swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
     light = light_path and policy_fn is None and not swap_inputs
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):

@@ -11,23 +11,20 @@ through its dispatch as usual and notes that this Dropout belongs to an
 ``nn.Dropout`` cell (which the path check requires before going light).
 Outside a region the proxy calls the primitive.
 """
-import copy
-
 from mindspore import nn
 from mindspore.ops import Primitive
 
+from .op_slot import OpSlotProxy
 from .state import ENGINE
 
 
-class DropoutProxy:
+class DropoutProxy(OpSlotProxy):
     """Stands in for an ``nn.Dropout`` cell's ``dropout`` primitive; hands each call to the running region.
 
     Wrappers share one proxy per cell (``users``); the last one out restores
     the primitive. Primitive attributes (``keep_prob``, ``name`` ...) stay
     readable through it; a deep copy of the cell gets the plain primitive.
     """
-
-    mac_is_op_proxy = True
 
     def __init__(self, inner):
         self.mac_inner, self.users = inner, 0
@@ -37,12 +34,6 @@ class DropoutProxy:
         if run is None:
             return self.mac_inner(x)
         return run.dropout_call(self.mac_inner, x)
-
-    def __getattr__(self, name):   # keep Primitive attributes (name, keep_prob ...) reachable
-        return getattr(self.__dict__["mac_inner"], name)
-
-    def __deepcopy__(self, memo):   # a copied cell gets the plain primitive (see construct_patch)
-        return copy.deepcopy(self.mac_inner, memo)
 
 
 def install_dropout_proxies(root):

@@ -151,8 +151,8 @@ class LightRegion(RegionBase):
     when this forward saved something else.
     """
 
-    def __init__(self, fn, check, checks, key, stats, context_fn, precision):
-        super().__init__(fn, stats, context_fn, check.param_ptrs, check.buffers)
+    def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None):
+        super().__init__(fn, stats, context_fn, check.param_ptrs, check.buffers, chain)
         self.check = check
         self.precision = precision
         self._checks, self._key = checks, key
@@ -194,13 +194,14 @@ class LightRegion(RegionBase):
         ENGINE.push(run)
         try:
             self.start_forward()
-            self.save_inputs(args, kwargs)
+            self.save_inputs(args, kwargs, chained=self.link_chain(args))
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.watch_buffers():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
         finally:
             ENGINE.pop(run)
         self.keep_replaced()
+        self.finish_chain(out)
         check = self.check
         if self.sig != check.fwd or len(self.dropouts) != check.n_dropouts:
             # Its code path changed since the checking call: this call's recompute is still checked
@@ -273,6 +274,7 @@ class LightRegion(RegionBase):
         if not self.probe.matches(out):
             self._checks.forget(self._key)
             raise messages.other_output()
+        self.keep_rerun_output(out)
         self.recomputed = saved
         self.inputs = self.sig = None
         check, stats = self.check, self.stats

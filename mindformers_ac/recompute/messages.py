@@ -127,6 +127,16 @@ def read_before_kept_write(idx, name, path, writer_idx, writer_desc):
         f"{name}'s output too (exclude_op) or move the write out of the recomputed region.")
 
 
+def group_not_chained(layer_ids, index, reason):
+    """A layer group's member ``index`` did not receive the previous member's output first."""
+    ids = ", ".join(map(str, layer_ids))
+    return RecomputeError(
+        f"mindformers_ac: recompute.group_layers: layer {layer_ids[index]} of the group of layers {ids} {reason}; "
+        f"a group rebuilds each member's first argument from the previous member's output, so its layers must "
+        f"be called in order, each on the previous one's output (x = layer(x, ...)). Use group_layers: 1 for "
+        f"this model.")
+
+
 # -- the engine used the wrong way ---------------------------------------------------------------
 
 def already_used(what):

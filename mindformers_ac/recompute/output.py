@@ -37,9 +37,10 @@ re-running it would draw other numbers or write twice. An input counted as
 free is one saved inside the scope; one saved only outside it (by another
 layer) counts as a cost, so the decision errs towards keeping.
 """
-import copy
+import dataclasses
 import logging
 import weakref
+from typing import NamedTuple
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
@@ -53,6 +54,7 @@ from ..precision import cell_precision, no_casts, under_precision
 from ..tensors import detached, is_tracked, output_tensors, param_ptrs, storage_info, tensor_leaves
 from . import messages
 from .dispatch import op_name_of
+from .op_slot import OpSlotProxy
 from .random_ops import is_random_op_name, is_unreplayable_random_op
 from .rerun import SavedInput, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
@@ -67,6 +69,22 @@ _OUTPUT_KIND = "wrap_op_output"
 
 # Why a settled call kept what it saved (the warning of its target).
 _NOTHING, _KEPT_ELSEWHERE, _INPUTS_COST = "nothing", "kept_elsewhere", "inputs_cost"
+
+
+class _KeptReason(NamedTuple):
+    """Why a target's first settled call kept what it saved, for its warning."""
+
+    reason: str          # _NOTHING, _KEPT_ELSEWHERE or _INPUTS_COST
+    input_bytes: int     # what keeping the inputs would have cost
+    freed_bytes: int     # what dropping the call would have freed
+
+
+@dataclasses.dataclass(slots=True)
+class _StatsDrop:
+    """One stats object's share of a scope forward: the bytes its targets' dropped calls freed."""
+
+    stats: RecomputeStats
+    dropped_bytes: int = 0
 
 
 class _RerunProbe(MsDispatchMode):
@@ -384,30 +402,30 @@ class _Scope:
         """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
         passed = run.alive_passed()
         kept = dict(passed)
-        # stats id -> [stats, bytes dropped]: summed as decided, a freed storage's address may be reused
+        # stats id -> its _StatsDrop: summed as decided, a freed storage's address may be reused
         dropped = {}
-        why = {}       # target -> (reason, cost, gain) of its first kept call, while none was dropped
+        why = {}       # target -> _KeptReason of its first kept call, while none was dropped
         for rec in records:
             target, freeable = rec.target, rec.freeable()
             gain = {p: n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes}
             cost, compact = rec.input_cost(kept, freeable)
-            entry = dropped.setdefault(id(target.stats), [target.stats, 0])
+            entry = dropped.setdefault(id(target.stats), _StatsDrop(target.stats))
             if target.keep_output is not True and sum(gain.values()) > cost:
                 kept.update(rec.settle(True, compact))
-                entry[1] += sum(gain.values())
+                entry.dropped_bytes += sum(gain.values())
                 why[target] = None
                 continue
             rec.settle(False)
             kept.update(freeable)
             if target.keep_output is not True and target not in why:
-                why[target] = (_reason(rec, freeable, gain), cost, sum(gain.values()))
+                why[target] = _KeptReason(_reason(rec, freeable, gain), cost, sum(gain.values()))
         kept_total = sum(n for p, n in kept.items() if p not in passed)   # the meter counts what was passed
-        for stats, gone in dropped.values():
-            stats.open_region(run, kept_total, gone, 0)
+        for entry in dropped.values():
+            entry.stats.open_region(run, kept_total, entry.dropped_bytes, 0)
             kept_total = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
         for target, reason in why.items():
             if reason is not None:
-                _warn_kept(target, *reason)
+                _warn_kept(target, reason)
 
     def record(self, rec, out):
         rec.note_outputs(out)
@@ -443,14 +461,14 @@ def _reason(rec, freeable, gain):
     return _NOTHING
 
 
-def _warn_kept(target, reason, cost, gain):
-    if reason == _NOTHING:
+def _warn_kept(target, why):
+    if why.reason == _NOTHING:
         ENGINE.warnings.warning(("nothing_dropped", target.name), messages.OUTPUT_NOTHING_DROPPED, target.name)
-    elif reason == _KEPT_ELSEWHERE:
+    elif why.reason == _KEPT_ELSEWHERE:
         ENGINE.warnings.warning(("output_kept_by_op", target.name), messages.OUTPUT_KEPT_ELSEWHERE, target.name)
     else:
-        ENGINE.warnings.warning(("inputs_cost", target.name), messages.OUTPUT_INPUTS_COST, target.name, cost,
-                                gain)
+        ENGINE.warnings.warning(("inputs_cost", target.name), messages.OUTPUT_INPUTS_COST, target.name,
+                                why.input_bytes, why.freed_bytes)
 
 
 class _Target:
@@ -500,23 +518,20 @@ class _Target:
         return out
 
 
-class _FunctionProxy:
-    """Stands in the attribute slot of a function or Primitive op."""
+class _FunctionProxy(OpSlotProxy):
+    """Stands in the attribute slot of a function or Primitive op (``mac_inner``: the op, ``target.op``).
 
-    mac_is_op_proxy = True   # a checkpoint region's PathTracker may name it too
+    An op proxy, so a checkpoint region's PathTracker may name it too.
+    """
 
     def __init__(self, target):
-        self._mac_target = target
+        self._mac_target, self.mac_inner = target, target.op
 
     def __call__(self, *args, **kwargs):
         t = self._mac_target
         return t.observe(args, kwargs, lambda: t.op(*args, **kwargs))
 
-    def __getattr__(self, name):   # keep Primitive attributes (name, attrs) reachable
-        return getattr(self.__dict__["_mac_target"].op, name)
 
-    def __deepcopy__(self, memo):   # a copied cell gets the plain op (see construct_patch)
-        return copy.deepcopy(self._mac_target.op, memo)
 class OpOutputHandle:
     """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
 

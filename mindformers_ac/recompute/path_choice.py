@@ -116,7 +116,7 @@ class PathCheck:
                                                 if i not in cell_dropouts)
         self.n_rerun = sum(self.rerun_counts.values())
         self.n_dropouts = len(cell_dropouts)
-        self.dropped = region.bytes.totals[1] if region.bytes.totals is not None else 0
+        self.dropped = region.bytes.totals.dropped if region.bytes.totals is not None else 0
         self.param_ptrs = frozenset(region.param_ptrs)
         self.rec = None
         self._owner = None
@@ -212,7 +212,7 @@ def run_checkpoint(fn, args, kwargs, checks, root, **options):
     check = checks.lookup(key) if key is not None else None
     if check is not None and check.ok:
         return LightRegion(fn, check, checks, key, options["stats"], options["context_fn"],
-                           cell_precision(root)).run_forward(args, kwargs)
+                           cell_precision(root), options.get("chain")).run_forward(args, kwargs)
     if key is not None and check is None:
         options["path_check"] = checks.start(key)
     return run_region(fn, args, kwargs, root=root, **options)

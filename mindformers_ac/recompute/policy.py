@@ -1,24 +1,5 @@
-"""What to do with one op's output inside a checkpointed region (HyperParallel's enum)."""
-import enum
+"""``CheckpointPolicy`` under the recompute engine's name for it: the enum lives in ``checkpoint_policy``
+(the swap engine reads it too, without importing this engine)."""
+from ..checkpoint_policy import CheckpointPolicy
 
-
-class CheckpointPolicy(enum.Enum):
-    """Per-op decision returned by a ``policy_fn``.
-
-    The engine applies every decision as returned, MUST_* and PREFER_* alike,
-    with one exception: a random op whose second call would draw different
-    numbers (``Dropout`` and the like, unless its primitive is marked
-    ``mac_replayable``) is never run again, so a recompute decision for it is
-    overridden and its output (or, for Dropout, its mask) is kept. The MUST/PREFER
-    distinction is kept for policies written against HyperParallel's API.
-    """
-
-    MUST_SAVE = "must_save"
-    PREFER_SAVE = "prefer_save"
-    MUST_RECOMPUTE = "must_recompute"
-    PREFER_RECOMPUTE = "prefer_recompute"
-    MUST_SWAP = "must_swap"
-
-    @property
-    def recomputes(self):
-        return self in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+__all__ = ["CheckpointPolicy"]

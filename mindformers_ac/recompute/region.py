@@ -42,12 +42,12 @@ class Region(RegionBase):
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None):
+                 path_check=None, chain=None):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []
         ptrs = param_ptrs(params)
-        super().__init__(fn, stats, context_fn, ptrs, [p for p in params if not p.requires_grad])
+        super().__init__(fn, stats, context_fn, ptrs, [p for p in params if not p.requires_grad], chain)
         self.policy_fn = policy_fn
         self.swap_executor = swap_executor
         self.swap_inputs = swap_inputs
@@ -432,7 +432,7 @@ class Region(RegionBase):
                 ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
             offload = (functools.partial(self._offload_input, run)
                        if self.swap_inputs and self.swap_executor is not None else None)
-            self.input_ptrs = set(self.save_inputs(args, kwargs, offload))
+            self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
                     self.watch_buffers(run.engine_ops):
@@ -440,6 +440,7 @@ class Region(RegionBase):
         finally:
             ENGINE.pop(run)
         self.keep_replaced()
+        self.finish_chain(out)
         self.fwd_npacks = run.npacks
         self._swap_holders = None
         self.bytes.close(self.stats, self)
@@ -473,8 +474,9 @@ class Region(RegionBase):
                 args, kwargs = rerun_inputs(args, kwargs)
             finally:
                 run.in_hook = False
-            self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
         self.check_recompute(run)
+        self.keep_rerun_output(out)
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None
             check.validate(self)

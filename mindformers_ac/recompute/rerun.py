@@ -48,6 +48,7 @@ from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked
 from . import messages
+from .chain import first_output
 from .markers import context_pair
 from .random_ops import DropoutRecord
 from .saved import SwappedTensor
@@ -130,6 +131,23 @@ class SavedInput:
         self.value, self.tracked, self.ptr, self.written = value, tracked, ptr, False
 
 
+class ChainedInput:
+    """A layer group member's first argument, not kept: the previous member's region rebuilds it (``chain``).
+
+    ``region``: that member's region (held until this one's recompute); ``tracked`` and ``ptr`` as for
+    ``SavedInput``.
+    """
+
+    __slots__ = ("region", "tracked", "ptr")
+
+    def __init__(self, region, tracked, ptr):
+        self.region, self.tracked, self.ptr = region, tracked, ptr
+
+    def saved(self):
+        """A ``SavedInput`` of the previous member's re-run output (which runs that re-run first)."""
+        return SavedInput(self.region.rerun_output(), self.tracked, self.ptr)
+
+
 def recompute_input(a):
     """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward.
 
@@ -159,6 +177,8 @@ def _region_input(a):
     grad"). A view costs nothing; a ``copy_`` target needs a copy of its own, so the saved one stays as
     it was (``* 1``: a recorded, exact copy; ``deepcopy`` would not be tracked).
     """
+    if isinstance(a, ChainedInput):
+        a = a.saved()
     t = recompute_input(a)
     if not isinstance(a, SavedInput):
         return t
@@ -245,8 +265,11 @@ class RegionBase:
     holds the region, so it dies with the graph after backward.
     """
 
-    def __init__(self, fn, stats, context_fn, param_ptrs, buffers=()):
+    def __init__(self, fn, stats, context_fn, param_ptrs, buffers=(), chain=None):
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
+        self.chain = chain           # (LayerChain, member index) of a layer group, or None
+        self.feeds_next = False      # a group's next member rebuilds its first argument from this re-run's output
+        self._rerun_out = None
         self.replaced = ReplacedBuffers(buffers) if buffers else None   # None: the root has no buffers
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
@@ -277,8 +300,38 @@ class RegionBase:
         """Around the re-run, outside its graph: replaced buffers as before the forward, then as now."""
         return contextlib.nullcontext() if self.replaced is None else self.replaced.rerun_from()
 
+    # -- layer groups (see ``chain``) -----------------------------------------------------------------
+    def link_chain(self, args):
+        """As a group member's forward starts: the previous member's region (None: the first member, or no
+        group). ``RecomputeError`` when ``args[0]`` is not that member's output."""
+        if self.chain is None:
+            return None
+        chain, index = self.chain
+        prev = chain.link(index, args)
+        if prev is not None:
+            prev.feeds_next = True
+        return prev
+
+    def finish_chain(self, out):
+        if self.chain is not None:
+            chain, index = self.chain
+            chain.done(index, self, out)
+
+    def keep_rerun_output(self, out):
+        """After the re-run: its first output, for the group's next member (only when one asks for it)."""
+        if self.feeds_next:
+            self._rerun_out = first_output(out)
+
+    def rerun_output(self):
+        """The first output of this region's re-run (run now if it has not run yet), handed out once."""
+        self.ensure_recomputed()
+        out, self._rerun_out = self._rerun_out, None
+        if out is None:
+            raise messages.already_used("the output a layer group's next layer is rebuilt from")
+        return out
+
     # -- inputs ---------------------------------------------------------------------------------------
-    def save_inputs(self, args, kwargs, offload=None):
+    def save_inputs(self, args, kwargs, offload=None, chained=None):
         """Keep the tensor arguments for the recompute; returns their storage pointers.
 
         Each is detached (the recompute makes its own graph) and remembered
@@ -290,8 +343,15 @@ class RegionBase:
         hands them to a swap executor instead of keeping them on the device;
         kept ones are counted in ``bytes``. Parameters and non-tensors are
         passed as they are (a Parameter is read at recompute time).
+        ``chained``: the previous member's region in a layer group; the first
+        argument is then not kept but rebuilt from it (``ChainedInput``).
         """
         ptrs = []
+        if chained is not None:
+            first = args[0]
+            ptrs.append(first.data_ptr())
+            head = ChainedInput(chained, is_tracked(first), ptrs[0])
+            args = args[1:]
 
         def save(a):
             if not isinstance(a, Tensor) or isinstance(a, Parameter):
@@ -305,7 +365,8 @@ class RegionBase:
             return SavedInput(kept, is_tracked(a), ptr)
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
-            self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
+            saved = tuple(save(a) for a in args)
+            self.inputs = ((head,) + saved if chained is not None else saved, {k: save(v) for k, v in kwargs.items()})
         return ptrs
 
     def protect_input(self, ptr):

@@ -1,10 +1,11 @@
-"""Per-thread state of the recompute engine: the stack of running region runs and the recompute depth.
+"""The recompute engine's state: per thread, the stack of running region runs and the recompute depth.
 
-Process-wide on purpose: ``is_in_recompute()`` and nested regions must be
-answerable from any code on the thread without a handle; the mutable per-run
-state is thread-local inside ``ENGINE``, and the only shared state is a
-warn-once log and the Dropout formula check (both caches of facts that hold
-for the whole process).
+``ENGINE`` is one object for the process, on purpose: ``is_in_recompute()``
+and nested regions must be answerable from any code on the thread without a
+handle. The per-run state inside it is thread-local; shared by every thread
+are only the warn-once log (``ENGINE.warnings``: an engine warning is logged
+once per process and key, see ``logs.OnceLogger``) and the Dropout formula
+check (a fact of the installed MindSpore, cached per dtype and keep_prob).
 """
 import logging
 import threading
@@ -18,7 +19,7 @@ FORWARD, RECOMPUTE, REPLAY = "forward", "recompute", "replay"
 
 
 class EngineState:
-    """Per-thread stack of running region runs plus the engine's process-wide caches."""
+    """Per-thread stack of running region runs, plus the process-wide warn-once log and Dropout check."""
 
     def __init__(self):
         self._local = threading.local()

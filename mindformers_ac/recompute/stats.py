@@ -5,10 +5,19 @@
 """
 import collections
 import weakref
+from typing import NamedTuple
 
 from mindspore import Tensor
 
 from ..tensors import output_tensors, storage_info
+
+
+class RegionTotals(NamedTuple):
+    """What one closed region forward kept, dropped and swapped, in bytes (``RegionBytes.totals``)."""
+
+    kept: int
+    dropped: int
+    swapped: int
 
 
 class RegionBytes:
@@ -27,7 +36,7 @@ class RegionBytes:
         self.param_ptrs = param_ptrs
         self.kept, self.dropped, self.swapped = {}, {}, {}
         self.producer = {}   # storage ptr -> index of the latest op whose output lives there
-        self.totals = None   # (kept, dropped, swapped) once closed
+        self.totals = None   # a RegionTotals once closed
 
     def keep(self, t):
         """``t`` stays alive until backward because the region keeps it."""
@@ -70,7 +79,7 @@ class RegionBytes:
             dropped = sum(n for (p, _), n in self.dropped.items() if p not in self.kept)
         swapped = sum(n for p, n in self.swapped.items() if p not in self.kept)
         self.kept = self.dropped = self.swapped = self.producer = None   # only the totals are needed now
-        self.totals = (kept, dropped, swapped)
+        self.totals = RegionTotals(kept, dropped, swapped)
         stats.open_region(owner, kept, dropped, swapped)
 
 

@@ -6,7 +6,6 @@ innermost running region on this thread; ``OpContext`` is what the policy is
 handed per op.
 """
 import contextlib
-import copy
 import functools
 import types
 
@@ -14,6 +13,7 @@ import mindspore as ms
 from mindspore.ops import Primitive
 
 from ..construct_patch import drop_on_copy, hold_copy_hook, release_copy_hook
+from .op_slot import OpSlotProxy
 from .state import ENGINE
 
 
@@ -77,13 +77,11 @@ def is_op_attribute(value):
         or getattr(value, "mac_is_op_proxy", False)
 
 
-class AttrProxy:
+class AttrProxy(OpSlotProxy):
     """Instance-attribute stand-in that names the attribute for the policy while its op runs.
 
     ``mac_inner`` is the wrapped callable (a later ``wrap_op_output`` may swap it).
     """
-
-    mac_is_op_proxy = True
 
     def __init__(self, tracker, path, inner):
         self.mac_tracker, self.mac_path, self.mac_inner = tracker, path, inner
@@ -97,13 +95,6 @@ class AttrProxy:
             return self.mac_inner(*args, **kwargs)
         finally:
             run.attrs.pop()
-
-    def __getattr__(self, name):   # keep Primitive attributes (name, attrs ...) reachable
-        return getattr(self.__dict__["mac_inner"], name)
-
-    def __deepcopy__(self, memo):   # a copied cell gets the plain op (see construct_patch)
-        return copy.deepcopy(self.mac_inner, memo)
-
 
 
 class PathTracker:

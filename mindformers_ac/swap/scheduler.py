@@ -36,12 +36,11 @@ import weakref
 
 import mindspore as ms
 
+from ..checkpoint_policy import CheckpointPolicy
+from ..config import DEFAULT_MIN_BYTES
 from ..precision import no_casts
-from ..recompute.policy import CheckpointPolicy
 from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr
 from .executor import SwapExecutor, SwapHandle
-
-DEFAULT_MIN_BYTES = 1024
 
 
 def _untracked(t):

@@ -1,0 +1,69 @@
+"""Layer groups (``recompute.group_layers``): consecutive layers recomputed together, keeping only the
+first one's inputs.
+
+A group is layers the model calls in a row, each on the previous one's output (``x = layer(x, ...)``:
+MindSpeed's ``--recompute-method uniform``). Each member stays its own checkpointed call, with its own
+region, stats and light path, but a member after the first does not keep its first argument: it holds
+the previous member's region instead (``rerun.ChainedInput``), and its recompute starts by asking that
+region for the output the region's own re-run computed, which runs that re-run first, and so on back
+to the first member, whose inputs are kept. Backward reaches the last member first, so a group is
+rebuilt at once: less is kept at the end of forward, more is alive inside backward. Everything else
+a member receives (masks, rotary tuples, keyword arguments) is kept as it received it.
+
+``LayerChain`` is the forward's bookkeeping of one group: which member ran last and its output, held
+weakly (a failed forward leaves nothing alive). A member whose first argument is not the previous
+member's output, or that runs out of order, is refused with a ``RecomputeError`` naming the layers.
+"""
+import weakref
+
+from mindspore import Tensor
+
+from . import messages
+
+
+def first_output(out):
+    """The output a next member receives first: ``out`` itself, or the first item of a tuple output."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+        return out[0]
+    return None
+
+
+class LayerChain:
+    """The members of one group (their global layer ids, in call order) and the forward in progress."""
+
+    __slots__ = ("layer_ids", "_next", "_region", "_output")
+
+    def __init__(self, layer_ids):
+        self.layer_ids = tuple(layer_ids)
+        self._reset()
+
+    def _reset(self):
+        self._next, self._region, self._output = 0, None, None
+
+    def link(self, index, args):
+        """Member ``index`` starts its forward on ``args``: the previous member's region (None for the first)."""
+        if index == 0:
+            self._reset()
+            self._next = 1
+            return None
+        if self._next != index:
+            self._reset()
+            raise messages.group_not_chained(self.layer_ids, index, "ran without the group's previous layer "
+                                                                    "right before it")
+        region = self._region() if self._region is not None else None
+        output = self._output() if self._output is not None else None
+        if region is None or output is None or not args or args[0] is not output:
+            self._reset()
+            raise messages.group_not_chained(self.layer_ids, index, "did not receive the previous layer's output "
+                                                                    "as its first argument")
+        return region
+
+    def done(self, index, region, out):
+        """Member ``index`` returned ``out``: the next member must receive its first output."""
+        first = first_output(out)
+        if index == len(self.layer_ids) - 1 or first is None:
+            self._reset()
+            return
+        self._next, self._region, self._output = index + 1, weakref.ref(region), weakref.ref(first)
