@@ -17,6 +17,7 @@ synchronous_pynative("CPU")
 
 MODES = {
     "full": {"recompute": {"mode": "full", "full_recompute_layer": ["0-2"]}},
+    "group": {"recompute": {"mode": "full", "full_recompute_layer": ["0-2"], "group_layers": 3}},
     "select_op": {"recompute": {"mode": "select", "select_module": {"act": ["0-2"]}}},
     "select_linear": {"recompute": {"mode": "select", "select_module": {"fc": ["0-2"]}}},
     "layer_swap": {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}},

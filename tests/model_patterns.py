@@ -739,8 +739,8 @@ PATTERNS = {p.name: p for p in [
     Pattern("changing_lengths", build_int_bool, varlen_batch, cell="attn"),
     Pattern("remove_ac_mid_step", build_int_bool, hidden_batch, cell="attn", loop="remove_mid_step"),
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
-            refused={mode: SHARED for mode in ("full", "select_cell", "select_op", "exclude_op", "recompute_comm",
-                                               "layer_swap", "op_swap", "mixed")}),
+            refused={mode: SHARED for mode in ("full", "group", "select_cell", "select_op", "exclude_op",
+                                               "recompute_comm", "layer_swap", "op_swap", "mixed")}),
 ]}
 
 
@@ -753,6 +753,8 @@ def mode_config(mode, pattern):
     """The apply_ac config of ``mode`` for ``pattern`` (None for the checkpoint/swap API modes)."""
     if mode == "full":
         return {"recompute": {"mode": "full", "full_recompute_layer": [ALL]}}
+    if mode == "group":   # the three layers one recompute group: only layer 0's inputs are kept
+        return {"recompute": {"mode": "full", "full_recompute_layer": [ALL], "group_layers": N_LAYERS}}
     if mode == "select_cell":
         return {"recompute": {"mode": "select", "select_module": {pattern.cell: [ALL]}}}
     if mode == "select_op":
@@ -772,7 +774,7 @@ def mode_config(mode, pattern):
     return None
 
 
-MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed",
-         "checkpoint_api", "swap_api")
-RECOMPUTE_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "mixed")
+MODES = ("full", "group", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap",
+         "mixed", "checkpoint_api", "swap_api")
+RECOMPUTE_MODES = ("full", "group", "select_cell", "select_op", "exclude_op", "recompute_comm", "mixed")
 SWAP_MODES = ("layer_swap", "op_swap", "mixed")

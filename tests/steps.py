@@ -143,6 +143,8 @@ def assert_acted(mode, model, counter, counters=None):
         stats = recompute_stats.values()
         assert sum(s.ops_rerun for s in stats) > 0 and sum(s.recompute_calls for s in stats) > 0, \
             [s.as_dict() for s in stats]
+    if mode == "group":   # the later members did not keep their first argument
+        assert sum(s.chained_calls for s in recompute_stats.values()) > 0, [s.as_dict() for s in stats]
     if mode in ("exclude_op", "mixed"):
         assert sum(s.ops_reused for s in recompute_stats.values()) > 0
     if mode in SWAP_MODES:

@@ -26,7 +26,7 @@ def run_worker(mode, warm):
 
 
 @pytest.mark.parametrize("warm", ["cold", "warm"])   # op-intercepting first call, then the light path
-@pytest.mark.parametrize("mode", ["full", "select_op"])
+@pytest.mark.parametrize("mode", ["full", "group", "select_op"])
 def test_recompute_refuses_grad_of_grad(mode, warm):
     result = run_worker(mode, warm)
     assert "equal" not in result

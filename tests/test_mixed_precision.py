@@ -39,7 +39,8 @@ from steps import assert_acted, first_difference, install_api, run_steps
 pytestmark = pytest.mark.usefixtures("fresh_swap_manager")   # each test starts from an empty SwapManager
 
 
-AC_MODES = ("full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed")
+AC_MODES = ("full", "group", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap",
+            "mixed")
 ORDERS = ("before", "after")
 
 

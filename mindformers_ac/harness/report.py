@@ -1,6 +1,7 @@
 """Print and save the comparison ``train`` produces: a per-layer table, a summary, JSON and a plot."""
 import json
 import os
+import re
 from typing import NamedTuple
 
 from ..tensors import MiB
@@ -106,6 +107,9 @@ def write_report(result, directory):
     return json_path, png_path
 
 
+_GROUP = re.compile(r"\((group [0-9-]+)\)")   # "full recompute (group 0-1)": a layer group's members
+
+
 def plot_memory(result, path):
     """Per layer: activation bytes without AC beside with AC, split into kept on device / offloaded."""
     import matplotlib
@@ -113,7 +117,8 @@ def plot_memory(result, path):
     import matplotlib.pyplot as plt
 
     rows = result["layers"]
-    labels = [str(r["layer"]) for r in rows]
+    labels = [str(r["layer"]) + "".join(f"\n{m.group(1)}" for a in r["applied"]
+                                        for m in [_GROUP.search(a)] if m) for r in rows]
     x = list(range(len(rows)))
     base = [r["baseline_kept_bytes"] / MiB for r in rows]
     kept = [r["kept_bytes"] / MiB for r in rows]

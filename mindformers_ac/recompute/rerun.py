@@ -310,6 +310,7 @@ class RegionBase:
         prev = chain.link(index, args)
         if prev is not None:
             prev.feeds_next = True
+            self.stats.chained_calls += 1
         return prev
 
     def finish_chain(self, out):
@@ -332,7 +333,7 @@ class RegionBase:
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None, chained=None):
-        """Keep the tensor arguments for the recompute; returns their storage pointers.
+        """Keep the tensor arguments for the recompute; returns the storage pointers of those kept.
 
         Each is detached (the recompute makes its own graph) and remembered
         with whether autograd tracked it. Holding a tracked one with its graph
@@ -347,10 +348,9 @@ class RegionBase:
         argument is then not kept but rebuilt from it (``ChainedInput``).
         """
         ptrs = []
-        if chained is not None:
+        if chained is not None:   # not among the returned pointers: what an op saves of it is dropped too
             first = args[0]
-            ptrs.append(first.data_ptr())
-            head = ChainedInput(chained, is_tracked(first), ptrs[0])
+            head = ChainedInput(chained, is_tracked(first), first.data_ptr())
             args = args[1:]
 
         def save(a):

@@ -101,12 +101,14 @@ class RecomputeStats:
     op-intercepting path / on the light path (see ``path_choice``); a wrapped
     cell without a per-op decision is intercepted on its first call per call
     signature and light afterwards, so ``light_calls`` staying 0 means it
-    never left the slower path.
+    never left the slower path. ``chained_calls``: region forwards of a layer
+    group's later members, whose first argument was not kept but will be
+    rebuilt from the previous member (``chain``).
     """
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
-                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "live_bytes",
-                 "live_regions")
+                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "chained_calls",
+                 "live_bytes", "live_regions")
 
     def __init__(self):
         self._generation = 0
