@@ -12,11 +12,11 @@ import mindspore as ms
 import pytest
 
 import mindformers_ac as mac
-from mindformers_ac.mindspore_compat import pynative_executor
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.mindspore_compat import pynative_executor
 
 from conftest import model_fingerprint
-from model_patterns import PATTERNS, PatternModel, Layer, hidden_batch, init_weights
+from model_patterns import PATTERNS, Layer, PatternModel, hidden_batch, init_weights
 from steps import first_difference, run_steps
 
 GPT = dict(num_layers=8, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64, dropout=0.1)
