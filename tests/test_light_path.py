@@ -330,3 +330,68 @@ def test_failures_in_a_light_region_leave_nothing_behind():
         assert r["light"] >= 2, r   # step 1 (the failing one) and step 2 were light
         assert not r["hook_active"] and r["dispatch_depth"] == 0 and r["engine_clean"], r
         assert np.isfinite(r["loss"]), r
+
+
+# -- the light path is chosen by one mark -------------------------------------------------------------------
+
+class _TanhLayer(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(8, 8)
+
+    def construct(self, x):
+        return ops.tanh(self.fc(x)) * x
+
+
+def _tanh_steps(wrap):
+    from model_patterns import init_weights
+    from steps import run_steps
+    model = init_weights(nn.SequentialCell([_TanhLayer() for _ in range(2)]))
+    stats = mac.RecomputeStats()
+    if wrap:
+        for layer in model:
+            mac.checkpoint_wrapper(layer, stats=stats)
+
+    def loss_model(x, y):
+        return ((model(x) - y) ** 2).mean()
+
+    cell = nn.Cell()
+    cell.construct = loss_model
+    cell.model = model
+    rng = np.random.RandomState(0)
+    batch = [(Tensor(rng.randn(2, 8).astype(np.float32)), Tensor(rng.randn(2, 8).astype(np.float32)))
+             for _ in range(3)]
+    return run_steps(cell, lambda step: batch[step]), stats
+
+
+@pytest.mark.parametrize("kind", ["decision", "mark"])
+def test_a_new_kind_of_per_op_decision_keeps_its_region_intercepted(monkeypatch, kind):
+    """A scratch feature added in a subclass: a new per-op decision (keep Tanh's output) made through
+    ``decide``, or state of its own declared with ``keep_intercepted``. Neither is known to ``PathCheck``;
+    the region still never takes the light path, and trains bitwise."""
+    from mindformers_ac.recompute import region as region_module
+    from mindformers_ac.recompute.dispatch import SAVE
+    from steps import first_difference
+
+    base, _ = _tanh_steps(wrap=False)
+    history, stats = _tanh_steps(wrap=True)
+    assert first_difference(base, history) is None and stats.light_calls == 4   # control: light from call 2
+
+    class ScratchRegion(region_module.Region):
+        def decide(self, run, idx, name, func, args, kwargs):
+            if kind == "decision" and name == "Tanh":
+                self.scratch_kept = getattr(self, "scratch_kept", 0) + 1   # the feature's own field
+                return SAVE
+            return super().decide(run, idx, name, func, args, kwargs)
+
+        def run_forward(self, args, kwargs):
+            if kind == "mark":
+                self.keep_intercepted("scratch", "a scratch feature keeps per-call state of its own")
+            return super().run_forward(args, kwargs)
+
+    monkeypatch.setattr(region_module, "Region", ScratchRegion)
+    history, stats = _tanh_steps(wrap=True)
+    assert first_difference(base, history) is None
+    assert stats.light_calls == 0 and stats.intercepted_calls == 6 and stats.recompute_calls == 6
+    if kind == "decision":
+        assert stats.ops_reused == 6   # the kept Tanh outputs replaced their re-runs

@@ -105,7 +105,7 @@ class RegionDispatch(MsDispatchMode):
             region.guard_input_writes(run, args)
             decision = region.guard_writes(run, idx, name, args, decision)
         if decision is not None:
-            region.decisions[idx] = decision   # before the call: legacy ops pack inside it
+            region.record_decision(idx, decision)   # before the call: legacy ops pack inside it
             region.arg_metas[idx] = arg_meta(args)   # to tell it from a same-named op when the re-run skips ops
         out = self._call(run, idx, func, args, kwargs)
         region.bytes.note_outputs(idx, out)
@@ -126,6 +126,8 @@ class RegionDispatch(MsDispatchMode):
             region.stats.count_rerun(name)
             if region.may_write_seen and may_write(name, args) and written_slots(name, args, region.param_ptrs):
                 region.rerun_wrote = True   # on copies, but a light re-run would write for real
+                region.keep_intercepted("rerun_writes", f"re-run op #{idx} {name} writes (a light re-run would "
+                                                        f"write for real)")
             if region.written:
                 served = region.rerun_args(run, idx, name, args)
                 if served is not args:

@@ -13,7 +13,13 @@ the arguments: tuples, lists and dicts (nested), each tensor's shape, dtype,
 whether autograd tracks it, and the value of each plain scalar, string or
 dtype. It holds no argument itself (a per-step rotary table passed in a tuple
 must die with its step); a call with an argument of any other kind is not
-checked and takes the intercepting path. The check requires:
+checked and takes the intercepting path. The check reads one mark: the
+checking call's ``Region.intercept``, where whoever makes a per-op decision
+(``record_decision``: a kept, swapped or rebuilt op) or finds something a
+light re-run can't reproduce says so (``keep_intercepted``), and a decision
+the light path does reproduce is taken back (``light_reproduces``). So a new
+kind of decision keeps its region intercepted without an edit here. What
+sets the mark today, i.e. what going light requires:
 
 * no policy and no swapped inputs (``checkpoint_wrapper`` without
   ``policy_fn``; ``exclude_op`` is a policy);
@@ -44,6 +50,7 @@ checking call's, which ran the same ops.
 """
 import collections
 import enum
+import logging
 import weakref
 
 import mindspore as ms
@@ -58,6 +65,8 @@ from .dispatch import REBUILD
 from .light import LightRegion
 from .region import run_region
 from .state import ENGINE
+
+logger = logging.getLogger("mindformers_ac")
 
 
 class PathCheck:
@@ -97,19 +106,19 @@ class PathCheck:
     def validate(self, region):
         """After the checking call's recompute: may this signature take the light path?"""
         decisions = region.decisions
-        # Random ops the light path handles: nn.Dropout kernels (mask bits through their DropoutProxy), and
-        # random ops that drew again bitwise from the forward's random state (run again, nothing kept).
+        # nn.Dropout kernels the light path's DropoutProxy handles (mask bits): not re-run ops.
         cell_dropouts = {i for i in region.cell_dropouts if decisions.get(i) == REBUILD}
-        light_random = cell_dropouts | region.replayed
+        if self.fwd != self.rec:
+            region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
+        # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
+        # (``Region.keep_intercepted``); a new kind of decision is covered without an edit here. Writes in
+        # forward only, to buffers, that no re-run op reads, leave no mark: a light re-run writes nothing
+        # either (BufferGuard checks it does not).
+        self.ok = not region.intercept
+        if not self.ok:
+            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
         root = region.root
-        buffers = {p.data_ptr(): p for p in root.get_parameters() if not p.requires_grad} if root else {}
-        # Writes in forward only (the re-run skipped them under is_in_recompute()), to buffers only, that
-        # no op of the re-run reads: a light re-run writes nothing either (BufferGuard checks it does not).
-        writes_ok = not region.may_write_seen or (not region.rerun_wrote and not region.rerun_read_written
-                                                  and set(region.written) <= set(buffers))
-        self.ok = (region.policy_fn is None and not region.swap_inputs and writes_ok and not region.writes_inputs
-                   and set(decisions) <= light_random and not region.children and self.fwd == self.rec)
-        self.buffers = tuple(buffers.values())
+        self.buffers = tuple(p for p in root.get_parameters() if not p.requires_grad) if root else ()
         self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
         self.n_forward = len(self.op_names)
         self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names)

@@ -66,6 +66,14 @@ class Region(RegionBase):
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
+        # Why this call's signature must stay on the intercepting path: whoever makes a per-op decision, or
+        # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``PathCheck``
+        # reads only this. key -> reason, for the debug log.
+        self.intercept = {}
+        if policy_fn is not None:
+            self.keep_intercepted("policy", "a policy_fn decides per op (exclude_op is one)")
+        if swap_inputs:
+            self.keep_intercepted("swap_inputs", "its inputs are swapped")
         self.path_check = path_check
         if path_check is not None:
             path_check.attach(self)
@@ -150,9 +158,18 @@ class Region(RegionBase):
         elif decision is None:
             decision = SAVE
             ENGINE.warnings.warning(("keep_side_effect", name), messages.KEEP_SIDE_EFFECT, name)
+        buffers = self.buffer_ptrs()
         for k, ptr in enumerate(slot_ptrs(args, slots)):
             self.written.setdefault(ptr, (idx, snapshot, k))
+            if ptr not in buffers:
+                self.keep_intercepted(("writes", ptr), f"op #{idx} {name} writes a tensor that is not one of the "
+                                                        f"cell's non-trainable Parameters")
         return decision
+
+    def buffer_ptrs(self):
+        """Storage pointers of the root's non-trainable Parameters (what a light re-run may guard)."""
+        root = self.root
+        return {p.data_ptr() for p in root.get_parameters() if not p.requires_grad} if root is not None else set()
 
     def guard_input_writes(self, run, args):
         """Called in forward before an op that may write: a region input among its tensor arguments is
@@ -164,7 +181,9 @@ class Region(RegionBase):
             if ptr in self.input_ptrs:
                 run.in_hook = True   # the copy is ours: it must not shift the op numbering
                 try:
-                    self.writes_inputs |= self.protect_input(ptr)
+                    if self.protect_input(ptr):
+                        self.writes_inputs = True
+                        self.keep_intercepted("writes_input", "an op writes one of its inputs in place")
                 finally:
                     run.in_hook = False
 
@@ -191,6 +210,7 @@ class Region(RegionBase):
         served = {}
         for pos, ptr in read_slots(args, self.written):
             self.rerun_read_written = True
+            self.keep_intercepted("rerun_reads_written", f"re-run op #{idx} {name} reads a tensor the region writes")
             if ptr not in run.written:
                 first, snap, k = self.written[ptr]
                 if snap is None:
@@ -315,7 +335,7 @@ class Region(RegionBase):
                 record.pack_outputs.append((token.key[1], j))
                 self.bytes.drop(t)
         if record is None:
-            self.decisions[idx] = SAVE
+            self.record_decision(idx, SAVE)
             self.cache_output(run, idx, out)
         else:
             self.dropouts[idx] = record
@@ -337,6 +357,7 @@ class Region(RegionBase):
             run.in_cell_dropout = False
         if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD:
             self.cell_dropouts.add(run.op_idx)
+            self.light_reproduces(("op", run.op_idx))   # the light path's DropoutProxy keeps its mask bits
         return out
 
     def check_replay(self, run, idx, func, args, kwargs, out):
@@ -355,6 +376,7 @@ class Region(RegionBase):
             run.noting_replay = False
             if tensors_equal(out, again):
                 self.replayed.add(idx)
+                self.light_reproduces(("op", idx))   # a light re-run draws it again from the same state
         except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
             pass
         finally:
@@ -416,6 +438,21 @@ class Region(RegionBase):
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
         return None
+
+    # -- the light path's one mark (see path_choice) ------------------------------
+    def keep_intercepted(self, key, reason):
+        """A decision or fact of this call the light path can't reproduce: its signature stays intercepted."""
+        self.intercept.setdefault(key, reason)
+
+    def light_reproduces(self, key):
+        """Decision ``key`` turned out to be one the light path reproduces itself (an nn.Dropout's mask bits,
+        a random op that draws again from the forward's state): it no longer keeps the signature intercepted."""
+        self.intercept.pop(key, None)
+
+    def record_decision(self, idx, decision):
+        """Op ``idx`` is kept, swapped or rebuilt instead of run again: a per-op decision."""
+        self.decisions[idx] = decision
+        self.keep_intercepted(("op", idx), f"op #{idx} {self.op_names[idx]} is {decision}d, not run again")
 
     # -- runs -------------------------------------------------------------------
     def _tracking(self):
@@ -497,4 +534,6 @@ def run_region(fn, args, kwargs, **options):
     region = Region(fn, **options)
     if top is not None:
         top.region.children.append(region)
+        if isinstance(top.region, Region):
+            top.region.keep_intercepted("nested", "a recomputed region runs inside it")
     return region.run_forward(args, kwargs)
