@@ -31,7 +31,8 @@ from mindspore import nn
 from .construct_patch import DROPPED, drop_on_copy, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
 from .logs import report_summary
-from .plan import plan_with_layers, refuse_copied_patches
+from .model_checks import refuse_copied_patches
+from .plan import plan_with_layers
 from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
 from .recompute.chain import LayerChain
 from .recompute.markers import resolve_context_fn

@@ -371,6 +371,7 @@ def test_a_new_kind_of_per_op_decision_keeps_its_region_intercepted(monkeypatch,
     the region still never takes the light path, and trains bitwise."""
     from mindformers_ac.recompute import region as region_module
     from mindformers_ac.recompute.dispatch import SAVE
+
     from steps import first_difference
 
     base, _ = _tanh_steps(wrap=False)

@@ -49,6 +49,8 @@ def _summary(config):
         lines.append(f"  select {pattern!r}: {list(specs)}")
     if rc.exclude_op:
         lines.append(f"  exclude_op: {rc.exclude_op}")
+    if rc.group_layers > 1:
+        lines.append(f"  group_layers: {rc.group_layers}")
     lines.append(f"recompute_comm: enable={comm.enable}")
     for pattern, specs in (comm.select_module or {}).items() if comm.enable else ():
         lines.append(f"  select {pattern!r}: {list(specs)}")
@@ -56,6 +58,7 @@ def _summary(config):
     if swap.enable:
         lines += [f"  layer_swap: {list(e.layers)}" for e in swap.layer_swap or ()]
         lines += [f"  op_swap {e.op_name!r}: {list(e.layers)}" for e in swap.op_swap or ()]
+        lines.append(f"  min_bytes={swap.min_bytes} max_host_bytes={swap.max_host_bytes} backend={swap.backend}")
     return "\n".join(lines)
 
 
