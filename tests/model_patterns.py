@@ -186,6 +186,7 @@ class Pattern:
     # "remove_mid_step" (``remove_ac`` between the last forward and its backward)
     loop: str = "plain"
     prepare: object = None   # called on the model once AC is installed (and on the baseline): e.g. LoRA
+    modes: tuple = None      # the modes the pattern meets (None: every mode); a scenario names those it tests
 
 
 # int/bool inputs used inside the layer ----------------------------------------------------------
@@ -711,6 +712,8 @@ def _build_mindformers_moe():
     from mindformers_models import build_mindformers_moe
     return build_mindformers_moe("ours")
 
+_RERUNS = ("full", "group", "select_cell", "exclude_op", "mixed", "checkpoint_api")
+
 PATTERNS = {p.name: p for p in [
     Pattern("int_bool_inputs", build_int_bool, hidden_batch, cell="attn"),
     Pattern("batchnorm", build_batchnorm, hidden_batch, cell="bn"),
@@ -728,16 +731,24 @@ PATTERNS = {p.name: p for p in [
     Pattern("mindformers_moe", _build_mindformers_moe, token_batch(24), cell=r"mlp\.experts",
             op=r"mlp\.shared_experts\.activation_func", comm=r"mlp\.shared_experts\.all_gather", op_swap="mlp",
             layers="decoder.layers"),
-    Pattern("branch_and_late_write", build_branch_write, growing_batch, cell="attn"),
-    Pattern("input_write", build_input_write, hidden_batch, cell="attn"),
-    Pattern("lora_after_apply", build_lora, hidden_batch, cell="attn", prepare=add_lora),
+    # The scenarios meet the modes whose engine path they test (a re-run, a light path, a swap), to keep
+    # the suite within its time; the structural patterns above meet every mode.
+    Pattern("branch_and_late_write", build_branch_write, growing_batch, cell="attn", modes=_RERUNS),
+    Pattern("input_write", build_input_write, hidden_batch, cell="attn", modes=_RERUNS + ("layer_swap",)),
+    Pattern("lora_after_apply", build_lora, hidden_batch, cell="attn", prepare=add_lora,
+            modes=("full", "layer_swap", "op_swap", "mixed", "swap_api")),
     Pattern("two_microbatches_replayed_dropout", lambda: build_moe(microbatches=2), token_batch(MOE_VOCAB),
             cell=r"mlp\.experts", op=r"mlp\.shared_experts\.activation_func",
-            comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers"),
-    Pattern("nan_first_step", build_dropout, nan_first_batch, cell="attn", loop="skip_nonfinite"),
-    Pattern("failed_forward", build_failing, hidden_batch, cell="attn", loop="failed_forward"),
-    Pattern("changing_lengths", build_int_bool, varlen_batch, cell="attn"),
-    Pattern("remove_ac_mid_step", build_int_bool, hidden_batch, cell="attn", loop="remove_mid_step"),
+            comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers",
+            modes=("full", "group", "select_cell", "layer_swap", "mixed", "checkpoint_api")),
+    Pattern("nan_first_step", build_dropout, nan_first_batch, cell="attn", loop="skip_nonfinite",
+            modes=("full", "group", "select_cell", "exclude_op", "layer_swap", "mixed")),
+    Pattern("failed_forward", build_failing, hidden_batch, cell="attn", loop="failed_forward",
+            modes=("full", "group", "layer_swap", "op_swap", "mixed", "checkpoint_api", "swap_api")),
+    Pattern("changing_lengths", build_int_bool, varlen_batch, cell="attn",
+            modes=("full", "group", "select_cell", "layer_swap", "op_swap", "mixed", "swap_api")),
+    Pattern("remove_ac_mid_step", build_int_bool, hidden_batch, cell="attn", loop="remove_mid_step",
+            modes=("full", "group", "select_op", "exclude_op", "layer_swap", "op_swap", "mixed")),
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
             refused={mode: SHARED for mode in ("full", "group", "select_cell", "select_op", "exclude_op",
                                                "recompute_comm", "layer_swap", "op_swap", "mixed")}),
