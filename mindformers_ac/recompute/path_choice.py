@@ -117,8 +117,7 @@ class PathCheck:
         self.ok = not region.intercept
         if not self.ok:
             logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
-        root = region.root
-        self.buffers = tuple(p for p in root.get_parameters() if not p.requires_grad) if root else ()
+        self.buffers = region.buffers
         self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
         self.n_forward = len(self.op_names)
         self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names)

@@ -47,7 +47,8 @@ class Region(RegionBase):
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []
         ptrs = param_ptrs(params)
-        super().__init__(fn, stats, context_fn, ptrs, [p for p in params if not p.requires_grad], chain)
+        self.buffers = tuple(p for p in params if not p.requires_grad)   # the root's non-trainable Parameters
+        super().__init__(fn, stats, context_fn, ptrs, self.buffers, chain)
         self.policy_fn = policy_fn
         self.swap_executor = swap_executor
         self.swap_inputs = swap_inputs
@@ -158,7 +159,7 @@ class Region(RegionBase):
         elif decision is None:
             decision = SAVE
             ENGINE.warnings.warning(("keep_side_effect", name), messages.KEEP_SIDE_EFFECT, name)
-        buffers = self.buffer_ptrs()
+        buffers = {p.data_ptr() for p in self.buffers}
         for k, ptr in enumerate(slot_ptrs(args, slots)):
             self.written.setdefault(ptr, (idx, snapshot, k))
             if ptr not in buffers:
@@ -166,10 +167,6 @@ class Region(RegionBase):
                                                         f"cell's non-trainable Parameters")
         return decision
 
-    def buffer_ptrs(self):
-        """Storage pointers of the root's non-trainable Parameters (what a light re-run may guard)."""
-        root = self.root
-        return {p.data_ptr() for p in root.get_parameters() if not p.requires_grad} if root is not None else set()
 
     def guard_input_writes(self, run, args):
         """Called in forward before an op that may write: a region input among its tensor arguments is
