@@ -11,13 +11,10 @@ layer; swap figures come from one ``SwapReport`` keyed by global layer id.
 MTP layers (``mtp_block``) are layers like the others, with global ids
 ``num_layers + i``.
 
-A select target may be a cell (its construct becomes a region), an op (its
-output is recomputed, ``wrap_op_output``) or a method of a cell: the method
-is shadowed on that cell instance by a function that runs it as a region
-(``checkpoint_wrapper`` of the bound method), so every call of
-``self.method(...)`` recomputes its work; ``remove_ac`` deletes the instance
-attribute again, and a deep copy of the cell drops it (the copy gets its
-class's method back, and the copied model its own AC).
+Each action of the plan installs itself (``actions``: one class per action,
+installed in ``actions.ACTIONS`` order, each undo added as soon as what it
+undoes exists); this module holds what they share: the state, the all or
+nothing, the copy hook and the report.
 
 What was applied is reported once per call (``logs.report_summary``); the
 per-layer detail is logged at debug level.
@@ -25,20 +22,14 @@ per-layer detail is logged at debug level.
 import copy
 import logging
 
-import regex
-from mindspore import nn
-
-from .construct_patch import DROPPED, drop_on_copy, hold_copy_hook, release_copy_hook
+from .actions import ACTIONS
+from .construct_patch import DROPPED, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
 from .logs import report_summary
 from .model_checks import refuse_copied_patches
 from .plan import plan_with_layers
-from .recompute import RecomputeStats, checkpoint_wrapper, exclude_policy, unwrap, wrap_op_output
-from .recompute.chain import LayerChain
+from .recompute import RecomputeStats
 from .recompute.markers import resolve_context_fn
-from .swap import SwapExecutor, install_layer_swap, install_op_swap
-from .swap.backends import select_backend
-from .whitelist import METHOD_WRAPPER_MARK, sub_cell
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -57,10 +48,15 @@ class AcState:
         self.recompute_stats = {}               # global id -> RecomputeStats
         self.chains = {}                        # first layer id of a recompute group -> its LayerChain
         self.swap_executor = None
+        self.swap_engine = None                 # actions.swap_section.SwapEngine, made by the first swap action
         self._undo = []                         # callables, run in reverse by remove()
 
     def add_undo(self, fn):
         self._undo.append(fn)
+
+    def stats_for(self, layer_id):
+        """The ``RecomputeStats`` every recompute region of layer ``layer_id`` shares."""
+        return self.recompute_stats.setdefault(layer_id, RecomputeStats())
 
     def __deepcopy__(self, memo):   # the copy of the model gets its own state (see _install_copy_hook)
         return DROPPED
@@ -90,7 +86,7 @@ class AcState:
                         failed.append(undo)
         self._undo = failed[::-1]
         if self.swap_executor is not None and not failed:
-            executor, self.swap_executor = self.swap_executor, None
+            executor, self.swap_executor, self.swap_engine = self.swap_executor, None, None
             try:
                 executor.close()
             except BaseException as exc:  # pylint: disable=broad-exception-caught  # re-raised below
@@ -111,126 +107,6 @@ class AcState:
 def ac_state(model):
     """The ``AcState`` of a model ``apply_ac`` was applied to, else None."""
     return model.__dict__.get(STATE_ATTR)
-
-
-def _exclude_policy_for(lp, region_path=""):
-    """The policy_fn that keeps the plan's excluded ops inside a region rooted at ``region_path``."""
-    if not lp.exclude:
-        return None
-    if not lp.exclude_by_path:
-        return exclude_policy(names=lp.exclude)
-    prefix = region_path + "." if region_path else ""
-    patterns = [regex.escape(path[len(prefix):], special_only=True) + r"(\..*)?"
-                for path in lp.exclude if path.startswith(prefix) and path != region_path]
-    return exclude_policy(path_patterns=patterns) if patterns else None
-
-
-def _install_checkpoint(state, cell, policy_fn, stats, chain=None):
-    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn, chain=chain)
-    state.add_undo(lambda: unwrap(cell))
-
-
-def _chain_of(state, lp):
-    """``(LayerChain, member index)`` of a layer in a recompute group, one chain per group; None outside one."""
-    if not lp.group:
-        return None
-    chain = state.chains.setdefault(lp.group[0], LayerChain(lp.group))
-    return chain, lp.group.index(lp.layer_id)
-
-
-def _install_op_output(state, layer, entry, stats):
-    owner = sub_cell(layer, entry.owner_path)
-    registry = entry.registry or None
-    # TODO(lead): context_fn for output recompute
-    handle = wrap_op_output(owner, entry.attr, stats=stats, registry=registry, scope=layer)
-    state.add_undo(handle.remove)
-
-
-def _install_method(state, layer, entry, policy_fn, stats):
-    """Shadow method ``entry.attr`` of its owner cell, on the instance, by a region that runs it."""
-    owner, name = sub_cell(layer, entry.owner_path), entry.attr
-    if name in vars(owner):
-        raise ValueError(f"{type(owner).__name__}.{name}: the instance already has an attribute of this name "
-                         f"(wrapped twice?)")
-    wrapped = checkpoint_wrapper(getattr(owner, name), policy_fn=policy_fn, stats=stats,
-                                 context_fn=state.context_fn)
-    setattr(wrapped, METHOD_WRAPPER_MARK, True)
-    drop_on_copy(wrapped)   # a deep copy of the cell gets its class's method back (construct_patch._scrub)
-
-    held = []
-
-    def undo():
-        if owner.__dict__.get(name) is wrapped:
-            del owner.__dict__[name]
-            unwrap(wrapped)
-        if held:
-            held.pop()
-            release_copy_hook(owner)
-    state.add_undo(undo)     # first: an interrupt in the next lines still finds its undo
-    hold_copy_hook(owner)    # ... also when only the cell or its layer is copied
-    held.append(True)
-    object.__setattr__(owner, name, wrapped)   # an instance attribute, as MindFormers shadows a method
-
-
-def _install_recompute(state, lp, layer):
-    stats = state.recompute_stats.setdefault(lp.layer_id, RecomputeStats())
-    if lp.full_recompute:
-        _install_checkpoint(state, layer, _exclude_policy_for(lp), stats, _chain_of(state, lp))
-        logger.debug("Set full recompute at layer %s%s%s", lp.label,
-                     f", keeping {', '.join(lp.exclude)}" if lp.exclude else "",
-                     f", in the group of layers {', '.join(map(str, lp.group))}" if lp.group else "")
-    for path in lp.recompute:
-        entry = lp.targets[path]
-        if entry.is_op:
-            _install_op_output(state, layer, entry, stats)
-        elif entry.is_method:
-            # the region is rooted at the method's cell: exclude paths are relative to it
-            _install_method(state, layer, entry, _exclude_policy_for(lp, entry.owner_path), stats)
-        else:
-            _install_checkpoint(state, sub_cell(layer, path), _exclude_policy_for(lp, path), stats)
-    if lp.recompute:
-        logger.debug("Set select recompute at layer %s: %s", lp.label, ", ".join(lp.recompute))
-    for path in lp.recompute_comm:
-        _install_op_output(state, layer, lp.targets[path], stats)
-    if lp.recompute_comm:
-        logger.debug("Set comm recompute at layer %s: %s", lp.label, ", ".join(lp.recompute_comm))
-
-
-def _install_swap(state, plan, model):
-    swapped = [lp for lp in plan.layers.values() if lp.swapped]
-    if not swapped:
-        return
-    sc = plan.config.swap
-    state.swap_executor = SwapExecutor(select_backend(kind=sc.backend), max_pool_bytes=sc.max_host_bytes)
-    p = sc.default_prefetch
-    # MTP layers run in the MTP block's call, not the model's: the tensors that call receives (the
-    # decoder's output, masks) stay on the device for them, as the model's inputs do for the decoder.
-    # Parameters of both never leave the device.
-    mtp = state.mtp_block if isinstance(state.mtp_block, nn.Cell) and state.mtp_block is not model else None
-    params = None if mtp is None else list(model.get_parameters()) + list(mtp.get_parameters())
-
-    def top(layer_id):
-        return mtp if mtp is not None and layer_id >= plan.num_layers else model
-
-    layer_ids = [lp.layer_id for lp in swapped if lp.layer_swap]
-    by_id = [state.layer_cells.get(i) for i in range(plan.total_layers)]
-    for ids in ([i for i in layer_ids if top(i) is model], [i for i in layer_ids if top(i) is not model]):
-        if ids:
-            inst = install_layer_swap(by_id, ids, prefetch=p, executor=state.swap_executor, model=top(ids[0]),
-                                      min_bytes=sc.min_bytes, params=params)
-            state.add_undo(inst.remove)
-    for i in layer_ids:
-        logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",
-                     plan.layer_label(i), plan.layer_label(i + p))
-    for lp in swapped:
-        if lp.op_swap:
-            inst = install_op_swap(state.layer_cells[lp.layer_id], list(lp.op_swap), layer_id=lp.layer_id,
-                                   prefetch_layer=state.layer_cells[lp.prefetch_layer],
-                                   executor=state.swap_executor, model=top(lp.layer_id), min_bytes=sc.min_bytes,
-                                   params=params)
-            state.add_undo(inst.remove)
-            logger.debug("Set op swap at layer %s: %s, prefetched when layer %s starts backward",
-                         lp.label, ", ".join(lp.op_swap), plan.layer_label(lp.prefetch_layer))
 
 
 def _install_copy_hook(state, model):
@@ -306,10 +182,10 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_bl
     state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers, mtp_block, context_fn)
     try:
         _install_copy_hook(state, model)
-        for lp in plan.layers.values():
-            if lp.recomputed:
-                _install_recompute(state, lp, state.layer_cells[lp.layer_id])
-        _install_swap(state, plan, model)
+        for action in ACTIONS:
+            items = [(lp, a) for lp in plan.layers.values() for a in lp.actions if type(a) is action]
+            if items:
+                action.install_all(state, items, model)
     except BaseException:
         try:
             state.remove()

@@ -56,11 +56,24 @@ def check_bool(value, field_path):
     return value
 
 
+def is_int_in(value, low, high=None):
+    """``value`` is an int (not a bool) in ``[low, high]`` (no upper bound when ``high`` is None)."""
+    return not isinstance(value, bool) and isinstance(value, int) and low <= value and (high is None or value <= high)
+
+
+def check_int(value, field_path, low, high=None, meaning=""):
+    """An int in ``[low, high]``; ``meaning`` says what it counts, in the message (``(layers per group)``)."""
+    if not is_int_in(value, low, high):
+        bound = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ConfigError(field_path, f"expected an integer {bound}{meaning}, got {type_name(value)} {quote(value)}")
+    return value
+
+
 def check_byte_count(value, field_path, allow_none=False):
     """A number of bytes: an int in ``[0, MAX_CONFIG_BYTE_COUNT]`` (or None when ``allow_none``)."""
     if value is None and allow_none:
         return value
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_CONFIG_BYTE_COUNT:
+    if not is_int_in(value, 0, MAX_CONFIG_BYTE_COUNT):
         what = " or null (no bound)" if allow_none else ""
         raise ConfigError(field_path, f"expected a number of bytes (an integer from 0 to "
                                       f"{MAX_CONFIG_BYTE_COUNT}){what}, got {type_name(value)} {quote(value)}")
@@ -222,10 +235,7 @@ class RecomputeConfig(_Section):
             check_pattern_map(self.select_module, "recompute.select_module")
         if self.exclude_op is not None:
             self._check_exclude_op()
-        g = self.group_layers
-        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_LAYERS:
-            raise ConfigError("recompute.group_layers", f"expected an integer from 1 to {MAX_LAYERS} (layers per "
-                                                        f"recompute group), got {type_name(g)} {quote(g)}")
+        check_int(self.group_layers, "recompute.group_layers", 1, MAX_LAYERS, " (layers per recompute group)")
         if self.mode == RecomputeMode.FULL and self.full_recompute_layer is None:
             raise ConfigError("recompute.full_recompute_layer",
                               "required when mode is full: list the layers to recompute, e.g. [0-3]")
@@ -321,10 +331,7 @@ class SwapConfig(_Section):
     def validate(self):
         """Check every field (again, after changes)."""
         check_bool(self.enable, "swap.enable")
-        p = self.default_prefetch
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-            raise ConfigError("swap.default_prefetch", f"expected an integer >= 1, got "
-                                                       f"{type_name(p)} {quote(p)}")
+        check_int(self.default_prefetch, "swap.default_prefetch", 1)
         self.layer_swap = self._entries("layer_swap", LayerSwapEntry)
         self.op_swap = self._entries("op_swap", OpSwapEntry)
         self._check_layer_swap_disjoint()

@@ -2,8 +2,10 @@
 
 ``plan_ac`` reads the model (layer list, whitelists) and never changes it.
 ``apply_ac`` executes exactly the plan this returns, so what ``explain``
-prints is what training gets. All cross-section rules live here, in one pass,
-so a rejected config fails before anything is installed:
+prints is what training gets. One pass plans every action in turn (``actions``:
+one class per action, each with its section's rules and those against the
+actions planned before it), so a rejected config fails before anything is
+installed:
 
 * layer specs within ``[0, total - 1]`` (global ids; ``total`` is ``num_layers``
   plus the MTP layers, which come after the decoder's: MTP layer ``i`` is
@@ -32,43 +34,88 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import mindspore as ms
-import regex
 import yaml
 
-from .config import DEVICE_BACKEND_TARGETS, AcConfig, RecomputeMode, resolve_config, with_layer_lists
-from .errors import ConfigError, clip, item_field, quote
-from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges, swappable_layers
+from .actions import ACTIONS, TABLE_COLUMNS, GroupRecompute, OpSwap, OutputRecompute, SelectRecompute, layer_lists
+from .actions.region import RegionAction
+from .actions.swap_section import check_swap_pp
+from .config import AcConfig, check_int, resolve_config, with_layer_lists
+from .errors import ConfigError, clip
+from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges
 from .layers import find_layer_stack
 from .limits import MAX_LAYERS
-from .matching import MatchBudget, drop_covered, match_entries
+from .matching import MatchBudget, match_entries
 from .model_checks import check_engine_reach, check_shared_layers, check_shared_targets, refuse_copied_patches
-from .whitelist import as_op_target, is_under, layer_inventory
+from .whitelist import layer_inventory
 
 logger = logging.getLogger("mindformers_ac")
 
 
 @dataclass
 class LayerPlan:
-    """What happens to one layer (global id ``layer_id``)."""
+    """What happens to one layer (global id ``layer_id``): its ``actions`` (``actions.Action``), in plan order.
+
+    The other fields are what every action reads: ``targets`` (path -> ``WhitelistEntry`` of each module,
+    op or method an action names) and ``notes`` (what the engine runs around but can't act on, e.g. jit
+    cells). The per-action attributes (``full_recompute``, ``recompute``, ``op_swap`` ...) are read from
+    the actions.
+    """
 
     layer_id: int
-    full_recompute: bool = False
-    recompute: tuple = ()        # select-recompute target paths (cells or ops)
-    recompute_comm: tuple = ()   # comm op paths re-run in backward
-    exclude: tuple = ()          # op names (list form) or paths (dict form) kept inside recompute
-    exclude_by_path: bool = False
-    layer_swap: bool = False
-    op_swap: tuple = ()          # module / op paths swapped
-    prefetch_layer: Optional[int] = None
+    actions: list = field(default_factory=list)
     targets: dict = field(default_factory=dict, repr=False)   # target path -> its WhitelistEntry
-    notes: tuple = ()            # what the engine runs around but can't act on (e.g. jit cells)
+    notes: tuple = ()
     mtp_index: Optional[int] = None   # i for MTP layer i (global id num_layers + i), None for a decoder layer
-    group: tuple = ()            # full recompute in a group (recompute.group_layers): the group's layer ids
 
     @property
     def label(self):
         """``'3'``, or ``'9 (MTP 1)'`` for an MTP layer."""
         return str(self.layer_id) if self.mtp_index is None else f"{self.layer_id} (MTP {self.mtp_index})"
+
+    def _paths(self, kind):
+        return tuple(p for a in self.actions if isinstance(a, kind) for p in a.paths)
+
+    @property
+    def full_recompute(self):
+        return any(a.recomputes and a.whole_layer for a in self.actions)
+
+    @property
+    def recompute(self):
+        """Select-recompute target paths (cells, methods or ops)."""
+        return self._paths(SelectRecompute)
+
+    @property
+    def recompute_comm(self):
+        """Comm op paths whose outputs are re-run in backward."""
+        return self._paths(OutputRecompute)
+
+    @property
+    def exclude(self):
+        """Op names (``exclude_op``'s list form) or paths (its dict form) the layer's regions keep."""
+        return next((a.keep for a in self.actions if isinstance(a, RegionAction) and a.keep), ())
+
+    @property
+    def exclude_by_path(self):
+        return any(isinstance(a, RegionAction) and a.keep_by_path for a in self.actions)
+
+    @property
+    def group(self):
+        """The layer ids of this layer's recompute group (``recompute.group_layers``), else ()."""
+        return next((a.group for a in self.actions if isinstance(a, GroupRecompute)), ())
+
+    @property
+    def layer_swap(self):
+        return any(a.swaps and a.whole_layer for a in self.actions)
+
+    @property
+    def op_swap(self):
+        """Module paths whose saved tensors are swapped."""
+        return self._paths(OpSwap)
+
+    @property
+    def prefetch_layer(self):
+        """The layer whose backward start brings this layer's swapped tensors back, else None."""
+        return next((a.prefetch_layer for a in self.actions if a.prefetch_layer is not None), None)
 
     @property
     def op_paths(self):
@@ -82,34 +129,19 @@ class LayerPlan:
 
     @property
     def recomputed(self):
-        return self.full_recompute or bool(self.recompute) or bool(self.recompute_comm)
+        return any(a.recomputes for a in self.actions)
 
     @property
     def swapped(self):
-        return self.layer_swap or bool(self.op_swap)
+        return any(a.swaps for a in self.actions)
 
     @property
     def is_empty(self):
-        return not (self.recomputed or self.swapped)
+        return not self.actions
 
     def describe(self):
-        """Short human-readable actions, e.g. ``['full recompute', 'exclude AllGather']``."""
-        parts = []
-        if self.full_recompute:
-            parts.append("full recompute" + (f" (group {format_layer_specs(self.group)[0]})" if self.group else ""))
-        if self.recompute:
-            parts.append("recompute " + ", ".join(self.recompute))
-        if self.recompute_comm:
-            parts.append("comm recompute " + ", ".join(self.recompute_comm))
-        if self.exclude:
-            parts.append("keep " + ", ".join(self.exclude))
-        if self.layer_swap:
-            parts.append("layer swap")
-        if self.op_swap:
-            parts.append("swap " + ", ".join(self.op_swap))
-        if self.prefetch_layer is not None:
-            parts.append(f"prefetch at layer {self.prefetch_layer} backward")
-        return parts
+        """Short human-readable actions, e.g. ``['full recompute', 'keep AllGather']``."""
+        return [part for action in self.actions for part in action.describe()]
 
 
 @dataclass
@@ -174,22 +206,18 @@ class AcPlan:
         total = f"{self.total_layers}" if not self.num_mtp_layers else \
             f"{self.total_layers}: {self.num_layers} decoder + {self.num_mtp_layers} MTP"
         header = f"AcPlan: {where} (global ids {self.format_layers(self.layers)} of {total}), pp={self.pp}"
-        rows = [("layer", "recompute", "comm recompute", "keep (exclude_op)", "swap", "prefetch at")]
+        rows = [("layer",) + TABLE_COLUMNS]
         for lp in self.layers.values():
-            recompute = "full" if lp.full_recompute else ", ".join(lp.recompute) or "-"
-            if lp.group:
-                recompute += f" (group {format_layer_specs(lp.group)[0]})"
-            swap = "layer" if lp.layer_swap else ", ".join(lp.op_swap) or "-"
-            rows.append((lp.label, recompute, ", ".join(lp.recompute_comm) or "-",
-                         ", ".join(lp.exclude) or "-", swap,
-                         "-" if lp.prefetch_layer is None else self.layer_label(lp.prefetch_layer)))
+            cells = {}
+            for action in lp.actions:
+                for column, text in action.table_cells(self).items():
+                    cells.setdefault(column, {})[text] = None   # two actions in one cell: both, once each
+            rows.append((lp.label,) + tuple(", ".join(cells.get(c, ())) or "-" for c in TABLE_COLUMNS))
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = [header] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                             for row in rows]
-        if any(lp.swapped for lp in self.layers.values()):
-            sc = self.config.swap
-            bound = "none (no bound)" if sc.max_host_bytes is None else str(sc.max_host_bytes)
-            lines.append(f"Swap settings: min_bytes {sc.min_bytes}, max_host_bytes {bound}, backend {sc.backend}")
+        kinds = dict.fromkeys(type(a) for lp in self.layers.values() for a in lp.actions)
+        lines += list(dict.fromkeys(line for kind in kinds for line in kind.table_notes(self)))
         notes = [f"  layer {lp.label}: {note}" for lp in self.layers.values() for note in lp.notes]
         if notes:
             lines += ["Notes:"] + notes
@@ -219,26 +247,10 @@ class AcPlan:
         """What the plan does, in one line: each action with its layers, MTP layers marked, e.g.
         ``full recompute on layers 0-1; select recompute on layers 2-3 (mlp); layer swap on layers
         4-6 (prefetch 1)`` (what ``apply_ac`` logs once)."""
-        groups = {}   # action text -> layer ids, in the order the actions are first seen
-        p = self.config.swap.default_prefetch
-
-        def keep(lp):
-            return f"keeping {', '.join(lp.exclude)}" if lp.exclude else ""
-
-        grouped = self.config.recompute.group_layers > 1 and any(lp.group for lp in self.layers.values())
+        groups = {}   # (action, detail) -> layer ids, in the order the actions are first seen
         for lp in self.layers.values():
-            if lp.full_recompute:
-                detail = "; ".join(x for x in (self._groups_text() if grouped else "", keep(lp)) if x)
-                groups.setdefault(("full recompute", detail), []).append(lp.layer_id)
-            if lp.recompute:
-                detail = "; ".join(x for x in (", ".join(lp.recompute), keep(lp)) if x)
-                groups.setdefault(("select recompute", detail), []).append(lp.layer_id)
-            if lp.recompute_comm:
-                groups.setdefault(("comm recompute", ", ".join(lp.recompute_comm)), []).append(lp.layer_id)
-            if lp.layer_swap:
-                groups.setdefault(("layer swap", f"prefetch {p}"), []).append(lp.layer_id)
-            if lp.op_swap:
-                groups.setdefault(("op swap", f"{', '.join(lp.op_swap)}; prefetch {p}"), []).append(lp.layer_id)
+            for action in lp.actions:
+                groups.setdefault(action.summary(self), []).append(lp.layer_id)
         text = "; ".join(f"{action} on layer{'s' if len(ids) > 1 else ''} {self.format_layers(ids)}"
                          + (f" ({detail})" if detail else "") for (action, detail), ids in groups.items()) \
             or "nothing to install (no layer is recomputed or swapped)"
@@ -251,24 +263,10 @@ class AcPlan:
         """The recompute groups (``recompute.group_layers``): a tuple of layer ids per group, in order."""
         return list(dict.fromkeys(lp.group for lp in self.layers.values() if lp.group))
 
-    def _groups_text(self):
-        n = self.config.recompute.group_layers
-        return f"groups of {n}: " + ", ".join(str(format_layer_specs(g)[0]) for g in self.groups())
-
     def to_config(self):
-        """The ``AcConfig`` that reproduces this plan with exact paths."""
-        layers = self.layers.values()
-        excluded = [lp for lp in layers if lp.exclude]
-        exclude_op = None
-        if excluded:
-            exclude_op = (_paths_to_layers(excluded, "exclude") if excluded[0].exclude_by_path
-                          else list(excluded[0].exclude))
-        return with_layer_lists(
-            self.config, full=[lp.layer_id for lp in layers if lp.full_recompute],
-            select_module=_paths_to_layers(layers, "recompute"), exclude_op=exclude_op,
-            comm_select=_paths_to_layers(layers, "recompute_comm"),
-            layer_swap=[lp.layer_id for lp in layers if lp.layer_swap],
-            op_swap=_paths_to_layers(layers, "op_swap"))
+        """The ``AcConfig`` that reproduces this plan with exact paths: the plan's config with its per-layer
+        lists rewritten from the actions (``actions.layer_lists``)."""
+        return with_layer_lists(self.config, **layer_lists(self.layers.values()))
 
     def to_dict(self):
         """The three YAML sections that reproduce this plan with exact paths."""
@@ -278,16 +276,12 @@ class AcPlan:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
 
-def _paths_to_layers(layer_plans, attr):
-    by_path = {}
-    for lp in layer_plans:
-        for path in getattr(lp, attr):
-            by_path.setdefault(regex.escape(path, special_only=True), []).append(lp.layer_id)
-    return {path: format_layer_specs(ids) for path, ids in by_path.items()}
-
-
 class _PlanPass:
     """One pass of ``plan_ac`` over a config; holds per-call state only (nothing survives the call).
+
+    It is what each action's ``plan`` is given: the config, the ``LayerPlan`` per local layer
+    (``plans``), and the helpers every section shares: layer ids from specs (``layer_ids``), pattern
+    matches recorded for ``explain`` (``match``), the layer's inventory, and warnings (``warn``).
 
     ``model`` and its ``stack`` (``LayerStack``) are what the config is
     planned on; without them (``validate`` with a layer count) only the rules
@@ -345,10 +339,12 @@ class _PlanPass:
             self.warn(f"{section} pattern '{clip(pattern)}' did not match any module")
         return found
 
+    def is_mtp(self, layer_id):
+        return layer_id >= self.num_decoder
+
     def plan(self):
-        self.plan_recompute()
-        self.plan_comm()
-        self.plan_swap()
+        for action in ACTIONS:
+            action.plan(self)
         if self.match_patterns:   # a real model: its cells can be compared
             check_shared_layers(self.stack, self.plans)
             check_shared_targets(self.stack, self.plans)
@@ -367,180 +363,6 @@ class _PlanPass:
                   f"{stack.num_mtp_layers}) but apply_ac got no mtp_block, so they are left as they are: pass "
                   f"mtp_block=<the MTP block> (e.g. model.mtp) to act on them")
 
-    def plan_recompute(self):
-        rc = self.config.recompute
-        if not rc.enabled:
-            if rc.exclude_op:
-                self.warn("recompute.exclude_op has no effect when recompute.mode is None")
-            return
-        if rc.mode == RecomputeMode.FULL and rc.select_module:
-            self.warn("recompute.select_module is ignored when recompute.mode is full")
-        full = set()
-        if rc.full_recompute_layer is not None:
-            full = set(self.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"))
-        for i in full & set(self.plans):
-            self.plans[i].full_recompute = True
-        self.plan_groups(sorted(full & set(self.plans)), rc.group_layers)
-        if rc.mode == RecomputeMode.SELECT:
-            chosen = {i: [] for i in self.plans}
-            for pattern, specs in rc.select_module.items():
-                for i, entries in self.match(item_field("recompute.select_module", pattern), pattern,
-                                             specs).items():
-                    if i not in full:
-                        chosen[i].extend(entries)
-            for i, entries in chosen.items():
-                order = {e.path: k for k, e in enumerate(self.inventory(i))} if entries else {}
-                kept = drop_covered(sorted(entries, key=lambda e: order[e.path]))
-                self.plans[i].recompute = tuple(e.path for e in kept)
-                self.plans[i].targets.update({e.path: e for e in kept})
-        self.plan_exclude(rc.exclude_op)
-        for i, lp in self.plans.items():
-            if lp.recompute and not lp.exclude:   # exclude_op keeps ops of a region: it stays one
-                layer = self.stack.cell(i)
-                lp.targets.update({p: as_op_target(lp.targets[p], layer) for p in lp.recompute})
-
-    def plan_groups(self, full, size):
-        """``recompute.group_layers``: runs of ``size`` consecutive ids of ``full`` (a gap, the end of a run
-        or the start of the MTP layers cuts a group short) become one region each (``LayerPlan.group``)."""
-        if size == 1:
-            return
-        if not full:
-            self.warn("recompute.group_layers has no effect without recompute.full_recompute_layer")
-            return
-        runs = []
-        for i in full:
-            if runs and i == runs[-1][-1] + 1 and (i < self.num_decoder) == (runs[-1][-1] < self.num_decoder):
-                runs[-1].append(i)
-            else:
-                runs.append([i])
-        for run in runs:
-            for k in range(0, len(run), size):
-                group = tuple(run[k:k + size])
-                if len(group) > 1:
-                    for i in group:
-                        self.plans[i].group = group
-
-    def plan_exclude(self, exclude_op):
-        if not exclude_op:
-            return
-        recomputed = [i for i, lp in self.plans.items() if lp.full_recompute or lp.recompute]
-        if isinstance(exclude_op, dict):
-            for pattern, specs in exclude_op.items():
-                field_path = item_field("recompute.exclude_op", pattern)
-                found = self.match(field_path, pattern, specs)
-                for i, entries in found.items():
-                    methods = [e.path for e in entries if e.is_method]
-                    if methods:
-                        self.warn(f"{field_path}: {', '.join(methods)} in layer {i} "
-                                  f"{'is a method' if len(methods) == 1 else 'are methods'}; exclude_op keeps "
-                                  f"what ops and modules compute, name the module or the ops the method calls "
-                                  f"instead (not effective)")
-                        entries = [e for e in entries if not e.is_method]
-                    if entries and i not in recomputed:
-                        self.warn(f"{field_path}: layer {i} is not recomputed, "
-                                  f"so excluding {', '.join(e.path for e in entries)} has no effect")
-                    elif entries:
-                        lp = self.plans[i]
-                        lp.exclude = lp.exclude + tuple(e.path for e in entries if e.path not in lp.exclude)
-                        lp.exclude_by_path = True
-            return
-        names = tuple(dict.fromkeys(str(name) for name in exclude_op))
-        for i in recomputed:
-            self.plans[i].exclude = names
-
-    def plan_comm(self):
-        rcc = self.config.recompute_comm
-        if not rcc.enabled:
-            return
-        for pattern, specs in rcc.select_module.items():
-            field_path = item_field("recompute_comm.select_module", pattern)
-            for i, entries in self.match(field_path, pattern, specs).items():
-                lp = self.plans[i]
-                for entry in entries:
-                    if entry.is_method:
-                        self.warn(f"{field_path}: {entry.path} in layer {i} is a method, not a communication "
-                                  f"operation; name the collective's op or _comm_ops slot (not effective)")
-                    elif not entry.is_op:
-                        self.warn(f"{field_path}: {entry.path} in layer {i} is expected to be "
-                                  f"operation but got cell, this configuration will not be effective")
-                    elif lp.full_recompute or any(is_under(entry.path, t) for t in lp.recompute):
-                        logger.info("recompute_comm: %s in layer %d is already recomputed with its "
-                                    "enclosing region", entry.path, i)
-                    elif entry.path not in lp.recompute_comm:
-                        lp.recompute_comm = lp.recompute_comm + (entry.path,)
-                        lp.targets[entry.path] = entry
-
-    def plan_swap(self):
-        sc = self.config.swap
-        if not sc.enabled:
-            return
-        check_swap_pp(self.config, self.pp)
-        target = ms.get_context("device_target") if self.stack is not None else None
-        if sc.backend == "device" and target is not None and target not in DEVICE_BACKEND_TARGETS:
-            raise ConfigError("swap.backend", f"device copies need an Ascend or GPU device, and MindSpore's "
-                                              f"device_target is {target}: use auto or host")
-        p = sc.default_prefetch
-        if p > self.num_layers - 1:
-            mtp = "" if self.num_layers == self.num_decoder else \
-                f" ({self.num_decoder} decoder + {self.num_layers - self.num_decoder} MTP)"
-            raise ConfigError("swap.default_prefetch", f"must be in [1, {self.num_layers - 1}] for a "
-                                                       f"model with {self.num_layers} layers{mtp}, got {quote(p)}")
-        for k, entry in enumerate(sc.layer_swap or ()):
-            field_path = f"swap.layer_swap[{k}].layers"
-            for i in self.layer_ids(entry.layers, field_path):
-                self.check_prefetch_bound(i, field_path)
-                if i not in self.plans:
-                    continue
-                lp = self.plans[i]
-                if lp.recomputed:
-                    raise ConfigError(field_path, f"layer {i} is also recomputed "
-                                                  f"({'; '.join(lp.describe())}); a layer can't be both "
-                                                  f"recomputed and swapped")
-                lp.layer_swap, lp.prefetch_layer = True, i + p
-        for k, entry in enumerate(sc.op_swap or ()):
-            field_path = f"swap.op_swap[{k}]"
-            for i in self.layer_ids(entry.layers, f"{field_path}.layers"):
-                self.check_prefetch_bound(i, f"{field_path}.layers")
-            for i, entries in self.match(f"{field_path}.op_name", entry.op_name, entry.layers).items():
-                self.add_op_swap(i, drop_covered(entries), field_path)
-
-    def check_prefetch_bound(self, layer_id, field_path):
-        p = self.config.swap.default_prefetch
-        if layer_id not in swappable_layers(self.num_layers, p):
-            count = f"num_layers {self.num_layers}" if self.num_layers == self.num_decoder else \
-                (f"the {self.num_layers} layers ({self.num_decoder} decoder + "
-                 f"{self.num_layers - self.num_decoder} MTP; layer i is fetched back when layer i + p "
-                 f"starts its backward)")
-            raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {count}: the last "
-                                          f"layer that can be swapped is {self.num_layers - p - 1}")
-
-    def add_op_swap(self, layer_id, entries, field_path):
-        lp = self.plans[layer_id]
-        if entries and lp.layer_swap:
-            self.warn(f"{field_path}: layer {layer_id} is swapped whole by layer_swap; "
-                      f"the op swap of {', '.join(e.path for e in entries)} is covered")
-            return
-        for entry in entries:
-            if entry.is_op or entry.is_method:
-                what = "an operation" if entry.is_op else "a method"
-                self.warn(f"{field_path}: {entry.path} in layer {layer_id} is {what}; op_swap "
-                          f"swaps what a module saves, name its module instead (not effective)")
-                continue
-            if lp.full_recompute:
-                raise ConfigError(field_path, f"{entry.path} in layer {layer_id} lies in a fully "
-                                              f"recomputed layer; recompute and swap can't share a module")
-            clash = [t for t in lp.recompute + lp.recompute_comm
-                     if is_under(entry.path, t) or is_under(t, entry.path)]
-            if clash:
-                raise ConfigError(field_path, f"{entry.path} in layer {layer_id} overlaps the recompute "
-                                              f"target {clash[0]} (same module, parent or child); "
-                                              f"recompute and swap can't share a module")
-            if entry.path not in lp.op_swap:
-                lp.op_swap = lp.op_swap + (entry.path,)
-                lp.targets[entry.path] = entry
-        if lp.op_swap:
-            lp.prefetch_layer = layer_id + self.config.swap.default_prefetch
-
 
 def check_pynative():
     """mindformers_ac runs in PyNative mode only: ConfigError naming the mode otherwise."""
@@ -556,15 +378,7 @@ def check_pynative():
 
 
 def _check_pp(pp):
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ConfigError("pp", f"expected the pipeline-parallel size as an integer >= 1, got {quote(pp)}")
-
-
-def check_swap_pp(config, pp):
-    """Swap is refused under pipeline parallelism, whatever the model."""
-    if config.swap.enabled and pp != 1:
-        raise ConfigError("swap.enable", f"swap is not supported with pipeline parallelism "
-                                         f"(pp={quote(pp)}); use recompute on pipeline stages")
+    check_int(pp, "pp", 1, meaning=" (the pipeline-parallel size)")
 
 
 def check_layer_ids(config, num_layers, pp=1):
@@ -580,8 +394,7 @@ def check_layer_ids(config, num_layers, pp=1):
     check_swap_pp(config, pp)
     if num_layers is None:
         return {}
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= MAX_LAYERS:
-        raise ConfigError("num_layers", f"expected an integer in [1, {MAX_LAYERS}], got {quote(num_layers)}")
+    check_int(num_layers, "num_layers", 1, MAX_LAYERS)
     return _PlanPass(config, pp, num_layers).plan()
 
 

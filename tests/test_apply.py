@@ -221,13 +221,13 @@ def test_rejected_config_leaves_the_model_untouched():
 
 
 def test_failure_while_installing_rolls_back(monkeypatch):
-    import mindformers_ac.apply as apply_module
+    import mindformers_ac.actions.layer_swap as layer_swap_module
     model = make_model()
     before = model_fingerprint(model)
 
     def broken(*args, **kwargs):
         raise RuntimeError("installer failed")
-    monkeypatch.setattr(apply_module, "install_layer_swap", broken)
+    monkeypatch.setattr(layer_swap_module, "install_layer_swap", broken)
     with pytest.raises(RuntimeError, match="installer failed"):
         mac.apply_ac(model, config=MODES["recompute_and_swap"])
     assert model_fingerprint(model) == before and mac.ac_state(model) is None

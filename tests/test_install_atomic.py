@@ -6,7 +6,10 @@ module functions), so no backward runs and the tests stay in process.
 import pytest
 
 import mindformers_ac as mac
-import mindformers_ac.apply as apply_module
+import mindformers_ac.actions.layer_swap as layer_swap_module
+import mindformers_ac.actions.op_swap as op_swap_module
+import mindformers_ac.actions.region as region_module
+from mindformers_ac.actions import FullRecompute, SelectRecompute
 from mindformers_ac.harness.models import build_gpt
 
 from conftest import model_fingerprint
@@ -19,22 +22,25 @@ CONFIGS = {
     "full_and_policy": {"recompute": {"mode": "full", "full_recompute_layer": ["0-3"],
                                       "exclude_op": {r".*core_attention": ["0-3"]}}},
 }
+RECOMPUTE_ACTION = {"select_then_swap": SelectRecompute, "full_and_policy": FullRecompute}
+SWAP_INSTALLERS = {"install_layer_swap": layer_swap_module, "install_op_swap": op_swap_module}
 
 
 def make_model():
     return build_gpt(num_layers=4, hidden_size=32, num_heads=2, seq_length=16, vocab_size=64, dropout=0.1, seed=3)
 
 
-def _raise_on_call(monkeypatch, name, exc, at):
-    """Make ``apply_module.<name>`` raise ``exc`` on its calls numbered in ``at`` (1-based); count all calls."""
-    real, calls = getattr(apply_module, name), []
+def _raise_on_call(monkeypatch, owner, name, exc, at):
+    """Make ``owner.<name>`` (a module's function, or a class's method) raise ``exc`` on its calls numbered in
+    ``at`` (1-based); count all calls."""
+    real, calls = getattr(owner, name), []
 
     def wrapper(*args, **kwargs):
         calls.append(1)
         if len(calls) in at:
             raise exc("injected")
         return real(*args, **kwargs)
-    monkeypatch.setattr(apply_module, name, wrapper)
+    monkeypatch.setattr(owner, name, wrapper)
     return calls
 
 
@@ -52,7 +58,7 @@ def test_interrupt_in_the_middle_of_installing_leaves_the_model_untouched(monkey
     model = make_model()
     before = model_fingerprint(model)
     # The third layer's recompute: two layers are patched already when it fires.
-    calls = _raise_on_call(monkeypatch, "_install_recompute", exc, at={3})
+    calls = _raise_on_call(monkeypatch, RECOMPUTE_ACTION[config], "install", exc, at={3})
     with pytest.raises(exc, match="injected"):
         mac.apply_ac(model, config=CONFIGS[config])
     assert len(calls) == 3
@@ -64,7 +70,7 @@ def test_interrupt_in_the_middle_of_installing_leaves_the_model_untouched(monkey
 def test_interrupt_in_a_swap_installer_after_recompute_is_installed(monkeypatch, installer):
     model = make_model()
     before = model_fingerprint(model)
-    _raise_on_call(monkeypatch, installer, KeyboardInterrupt, at={1})
+    _raise_on_call(monkeypatch, SWAP_INSTALLERS[installer], installer, KeyboardInterrupt, at={1})
     with pytest.raises(KeyboardInterrupt):
         mac.apply_ac(model, config=CONFIGS["select_then_swap"])
     monkeypatch.undo()
@@ -76,7 +82,7 @@ def test_interrupt_while_removing_still_restores_everything(monkeypatch, config)
     model = make_model()
     before = model_fingerprint(model)
     mac.apply_ac(model, config=CONFIGS[config])
-    calls = _raise_on_call(monkeypatch, "unwrap", KeyboardInterrupt, at={1})
+    calls = _raise_on_call(monkeypatch, region_module, "unwrap", KeyboardInterrupt, at={1})
     with pytest.raises(KeyboardInterrupt, match="injected"):
         mac.remove_ac(model)
     assert len(calls) >= 2   # the interrupted undo ran again, and the others ran too
@@ -88,7 +94,7 @@ def test_undo_interrupted_twice_stays_pending_and_a_second_remove_finishes(monke
     model = make_model()
     before = model_fingerprint(model)
     mac.apply_ac(model, config=CONFIGS["full_and_policy"])
-    _raise_on_call(monkeypatch, "unwrap", KeyboardInterrupt, at={1, 2})
+    _raise_on_call(monkeypatch, region_module, "unwrap", KeyboardInterrupt, at={1, 2})
     with pytest.raises(KeyboardInterrupt):
         mac.remove_ac(model)
     state = mac.ac_state(model)
@@ -102,8 +108,8 @@ def test_undo_interrupted_twice_stays_pending_and_a_second_remove_finishes(monke
 def test_rollback_interrupted_twice_attaches_the_state_so_remove_ac_can_finish(monkeypatch):
     model = make_model()
     before = model_fingerprint(model)
-    _raise_on_call(monkeypatch, "_install_recompute", KeyboardInterrupt, at={3})
-    _raise_on_call(monkeypatch, "unwrap", KeyboardInterrupt, at={1, 2})
+    _raise_on_call(monkeypatch, FullRecompute, "install", KeyboardInterrupt, at={3})
+    _raise_on_call(monkeypatch, region_module, "unwrap", KeyboardInterrupt, at={1, 2})
     with pytest.raises(KeyboardInterrupt):
         mac.apply_ac(model, config=CONFIGS["full_and_policy"])
     assert mac.ac_state(model).pending == 1

@@ -17,7 +17,7 @@ import pytest
 from mindspore import Tensor, mint, nn
 
 import mindformers_ac as mac
-import mindformers_ac.apply as apply_module
+import mindformers_ac.actions.layer_swap as layer_swap_module
 from mindformers_ac.harness.models import DropoutSeeds, Embedding, TransformerBlock, TransformerLayer, gpt_config
 
 from conftest import model_fingerprint
@@ -250,7 +250,7 @@ def test_deepcopy_of_the_whole_model_gives_the_copy_its_own_mtp_ac(plain_history
 def test_install_failure_on_an_mtp_layer_leaves_everything_untouched(monkeypatch):
     model = build()
     before = model_fingerprint(model)
-    real = apply_module.install_layer_swap
+    real = layer_swap_module.install_layer_swap
     calls = []
 
     def failing(layers, ids, **kw):
@@ -258,7 +258,7 @@ def test_install_failure_on_an_mtp_layer_leaves_everything_untouched(monkeypatch
         if any(i >= NUM_LAYERS for i in ids):
             raise RuntimeError("installer failed on an MTP layer")
         return real(layers, ids, **kw)
-    monkeypatch.setattr(apply_module, "install_layer_swap", failing)
+    monkeypatch.setattr(layer_swap_module, "install_layer_swap", failing)
     config = {"recompute": {"mode": "full", "full_recompute_layer": [0, 5]},
               "swap": {"enable": True, "layer_swap": [{"layers": ["3-4"]}]}}
     with pytest.raises(RuntimeError, match="installer failed on an MTP layer"):

@@ -25,7 +25,9 @@ import sys
 import threading
 from importlib import resources
 
-from ..config import AcConfig, RecomputeMode
+import yaml
+
+from ..config import AcConfig
 from ..errors import ConfigError, quote
 from .variant import RunFailed
 
@@ -41,24 +43,14 @@ def default_config_path():
 
 
 def _summary(config):
-    rc, comm, swap = config.recompute, config.recompute_comm, config.swap
-    lines = [f"recompute: mode={rc.mode}"]
-    if rc.full_recompute_layer is not None:
-        lines.append(f"  full_recompute_layer: {list(rc.full_recompute_layer)}")
-    for pattern, specs in (rc.select_module or {}).items() if rc.mode == RecomputeMode.SELECT else ():
-        lines.append(f"  select {pattern!r}: {list(specs)}")
-    if rc.exclude_op:
-        lines.append(f"  exclude_op: {rc.exclude_op}")
-    if rc.group_layers > 1:
-        lines.append(f"  group_layers: {rc.group_layers}")
-    lines.append(f"recompute_comm: enable={comm.enable}")
-    for pattern, specs in (comm.select_module or {}).items() if comm.enable else ():
-        lines.append(f"  select {pattern!r}: {list(specs)}")
-    lines.append(f"swap: enable={swap.enable} default_prefetch={swap.default_prefetch}")
-    if swap.enable:
-        lines += [f"  layer_swap: {list(e.layers)}" for e in swap.layer_swap or ()]
-        lines += [f"  op_swap {e.op_name!r}: {list(e.layers)}" for e in swap.op_swap or ()]
-        lines.append(f"  min_bytes={swap.min_bytes} max_host_bytes={swap.max_host_bytes} backend={swap.backend}")
+    """Every field the config sets, per section: settings on the section's line, then each list (generic over
+    the sections' fields, so a field or an action added later shows without a change here)."""
+    lines = []
+    for name, section in config.to_dict().items():
+        settings = {k: v for k, v in section.items() if not isinstance(v, (list, dict))}
+        lines.append(f"{name}: " + " ".join(f"{k}={v}" for k, v in settings.items()))
+        lines += [f"  {k}: {yaml.safe_dump(v, default_flow_style=True, sort_keys=False, width=10 ** 6).strip()}"
+                  for k, v in section.items() if k not in settings]
     return "\n".join(lines)
 
 

@@ -31,10 +31,11 @@ import numpy as np
 import regex
 import yaml
 
+from ..actions import FullRecompute, LayerSwap, SelectRecompute, layer_lists
 from ..config import AcConfig, SwapConfig, with_layer_lists
 from ..errors import ConfigError
 from ..layer_specs import format_layer_specs, swappable_layers
-from ..limits import MAX_PATTERN_CHARS
+from ..plan import LayerPlan
 from ..tensors import MiB
 
 
@@ -61,6 +62,16 @@ class Option:
     kind: OptionKind
     select: tuple = ()
     exclude: tuple = ()
+
+    def actions(self, layer_id, prefetch):
+        """The plan actions (``actions.Action``) this option takes on layer ``layer_id``."""
+        if self.kind == OptionKind.SELECT:
+            return [SelectRecompute(self.select)]
+        if self.kind == OptionKind.FULL:
+            return [FullRecompute(keep=self.exclude, keep_by_path=True)]
+        if self.kind == OptionKind.SWAP:
+            return [LayerSwap(layer_id + prefetch)]
+        return []
 
 
 @dataclass
@@ -290,48 +301,16 @@ def summarize(options):
     return "; ".join(f"{format_layer_specs(layers)[0]}: {name}" for layers, name in runs)
 
 
-def _pattern(paths):
-    return "|".join(regex.escape(p, special_only=True) for p in paths)
-
-
-def _patterns(paths):
-    """``_pattern`` of ``paths`` cut into alternations of at most ``MAX_PATTERN_CHARS`` characters each (a MoE
-    layer's linears alone make one longer than a config may hold)."""
-    chunks, current = [], []
-    for path in paths:
-        if current and len(_pattern(current + [path])) > MAX_PATTERN_CHARS:
-            chunks.append(_pattern(current))
-            current = []
-        current.append(path)
-    return chunks + ([_pattern(current)] if current else [])
-
-
 def option_sections(options, prefetch=1):
     """``{layer id: Option}`` -> the ``recompute``, ``recompute_comm``, ``swap`` sections (a dict).
 
-    Select paths become full-match regexes (``self_attention\\.core_attention``);
-    ``full`` with ``exclude`` becomes a dict-form ``exclude_op`` limited to those
-    layers; both full and select layers give ``mode: select`` with
-    ``full_recompute_layer``.
+    Each option is the plan actions it stands for (``Option.actions``), written back as every plan is
+    (``actions.layer_lists``): select paths and ``exclude`` paths become exact-path patterns, ``full``
+    with ``exclude`` a dict-form ``exclude_op`` limited to those layers; both full and select layers give
+    ``mode: select`` with ``full_recompute_layer``.
     """
-    full, swapped, select, exclude = [], [], {}, {}
-    for i, option in sorted(options.items()):
-        if option.kind == OptionKind.SELECT:
-            for path in option.select:
-                select.setdefault(_pattern([path]), []).append(i)
-        elif option.kind == OptionKind.FULL:
-            full.append(i)
-            for pattern in _patterns(option.exclude):
-                exclude.setdefault(pattern, []).append(i)
-        elif option.kind == OptionKind.SWAP:
-            swapped.append(i)
-    base = AcConfig(swap=SwapConfig(default_prefetch=prefetch))
-    return with_layer_lists(base, full=full, select_module=_specs(select), exclude_op=_specs(exclude),
-                            layer_swap=swapped).to_dict()
-
-
-def _specs(ids_by_pattern):
-    return {pattern: format_layer_specs(ids) for pattern, ids in ids_by_pattern.items()}
+    plans = [LayerPlan(i, actions=options[i].actions(i, prefetch)) for i in sorted(options)]
+    return with_layer_lists(AcConfig(swap=SwapConfig(default_prefetch=prefetch)), **layer_lists(plans)).to_dict()
 
 
 def minimum_peak(profile, prefetch=None, pp=1):

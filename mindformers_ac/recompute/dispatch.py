@@ -125,7 +125,7 @@ class RegionDispatch(MsDispatchMode):
         if decision is None:
             region.stats.count_rerun(name)
             if region.may_write_seen and may_write(name, args) and written_slots(name, args, region.param_ptrs):
-                region.rerun_wrote = True   # on copies, but a light re-run would write for real
+                # on copies, but a light re-run would write for real
                 region.keep_intercepted("rerun_writes", f"re-run op #{idx} {name} writes (a light re-run would "
                                                         f"write for real)")
             if region.written:

@@ -79,12 +79,8 @@ class Region(RegionBase):
         if path_check is not None:
             path_check.attach(self)
         self.may_write_seen = False   # an op that may write tensors ran in forward
-        self.rerun_wrote = False      # ... and ran again in the recompute (not skipped under the marker)
-        self.rerun_read_written = False   # a re-run op read a tensor some op of the region writes
-        self.writes_inputs = False    # an op of the forward wrote one of the region's inputs in place
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
-        self.replayed = set()         # of those, the ones a checking re-run drew again bitwise (check_replay)
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
 
     # -- swap -------------------------------------------------------------------
@@ -179,7 +175,6 @@ class Region(RegionBase):
                 run.in_hook = True   # the copy is ours: it must not shift the op numbering
                 try:
                     if self.protect_input(ptr):
-                        self.writes_inputs = True
                         self.keep_intercepted("writes_input", "an op writes one of its inputs in place")
                 finally:
                     run.in_hook = False
@@ -206,7 +201,6 @@ class Region(RegionBase):
             return snapshot.args_for_rerun(args, run.written)
         served = {}
         for pos, ptr in read_slots(args, self.written):
-            self.rerun_read_written = True
             self.keep_intercepted("rerun_reads_written", f"re-run op #{idx} {name} reads a tensor the region writes")
             if ptr not in run.written:
                 first, snap, k = self.written[ptr]
@@ -372,7 +366,6 @@ class Region(RegionBase):
             again = func(*args, **kwargs)
             run.noting_replay = False
             if tensors_equal(out, again):
-                self.replayed.add(idx)
                 self.light_reproduces(("op", idx))   # a light re-run draws it again from the same state
         except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
             pass

@@ -56,6 +56,9 @@ from .side_effects import ReplacedBuffers
 from .state import ENGINE, FORWARD, RECOMPUTE
 from .stats import RegionBytes
 
+# stateless and reentrant: one instance serves every call that has nothing to enter (no object per call)
+_NO_CONTEXT = contextlib.nullcontext()
+
 
 class RegionRun:
     """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry.
@@ -288,7 +291,7 @@ class RegionBase:
 
     def watch_buffers(self, hidden=contextlib.nullcontext):
         """Around the forward's call: note the buffers it replaces (``ReplacedBuffers.watch``)."""
-        return contextlib.nullcontext() if self.replaced is None else self.replaced.watch(hidden)
+        return _NO_CONTEXT if self.replaced is None else self.replaced.watch(hidden)
 
     def keep_replaced(self):
         """After the forward: count the pre-forward copies of replaced buffers as kept."""
@@ -298,7 +301,7 @@ class RegionBase:
 
     def buffers_as_before(self):
         """Around the re-run, outside its graph: replaced buffers as before the forward, then as now."""
-        return contextlib.nullcontext() if self.replaced is None else self.replaced.rerun_from()
+        return _NO_CONTEXT if self.replaced is None else self.replaced.rerun_from()
 
     # -- layer groups (see ``chain``) -----------------------------------------------------------------
     def link_chain(self, args):
@@ -430,7 +433,7 @@ class RegionBase:
     def run_context(self, mode):
         """The user's context for a run in ``mode``: the forward's, or the recompute's made with it."""
         if self.context_fn is None:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         if mode == FORWARD:
             fwd, self._recompute_ctx = context_pair(self.context_fn)
             return fwd

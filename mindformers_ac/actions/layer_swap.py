@@ -1,0 +1,71 @@
+"""Layer swap: everything a layer saves for backward goes to host memory (``swap.layer_swap``), and
+comes back when layer ``i + default_prefetch`` starts its backward."""
+import logging
+
+from ..errors import ConfigError
+from ..swap import install_layer_swap
+from .base import Action, ListFragment
+from .swap_section import check_prefetch_bound, check_swap_section, settings_line, swap_engine
+
+logger = logging.getLogger("mindformers_ac")
+
+
+class LayerSwap(Action):
+    name = "layer swap"
+    swaps = True
+    whole_layer = True
+
+    def __init__(self, prefetch_layer):
+        self.prefetch_layer = prefetch_layer
+
+    @classmethod
+    def plan(cls, planning):
+        """Every ``layer_swap`` entry (all of them, where MindFormers applies the first); a layer can't also
+        be recomputed."""
+        sc = planning.config.swap
+        if not sc.enabled:
+            return
+        check_swap_section(planning)
+        for k, entry in enumerate(sc.layer_swap or ()):
+            field_path = f"swap.layer_swap[{k}].layers"
+            for i in planning.layer_ids(entry.layers, field_path):
+                check_prefetch_bound(planning, i, field_path)
+                lp = planning.plans.get(i)
+                if lp is None or lp.layer_swap:
+                    continue
+                if lp.recomputed:
+                    raise ConfigError(field_path, f"layer {i} is also recomputed "
+                                                  f"({'; '.join(lp.describe())}); a layer can't be both "
+                                                  f"recomputed and swapped")
+                lp.actions.append(cls(i + sc.default_prefetch))
+
+    def describe(self):
+        return ["layer swap", f"prefetch at layer {self.prefetch_layer} backward"]
+
+    def table_cells(self, plan):
+        return {"swap": "layer", "prefetch at": plan.layer_label(self.prefetch_layer)}
+
+    def summary(self, plan):
+        return self.name, f"prefetch {plan.config.swap.default_prefetch}"
+
+    def yaml_lists(self):
+        return [ListFragment("layer_swap")]
+
+    @classmethod
+    def table_notes(cls, plan):
+        return [settings_line(plan)]
+
+    @classmethod
+    def install_all(cls, state, items, model):
+        """One installation per call the layers run in (the model's; the MTP block's)."""
+        plan, engine = state.plan, swap_engine(state, model)
+        by_id = [state.layer_cells.get(i) for i in range(plan.total_layers)]
+        layer_ids = [lp.layer_id for lp, _ in items]
+        for top in dict.fromkeys(engine.top(plan, model, i) for i in layer_ids):
+            ids = [i for i in layer_ids if engine.top(plan, model, i) is top]
+            inst = install_layer_swap(by_id, ids, prefetch=engine.prefetch, executor=engine.executor, model=top,
+                                      min_bytes=engine.min_bytes, params=engine.params)
+            state.add_undo(inst.remove)
+        for lp, action in items:
+            logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",
+                         lp.label, plan.layer_label(action.prefetch_layer))

@@ -1,0 +1,85 @@
+"""What the two swap actions share: the ``swap`` section's own rules, and the engine they install on.
+
+A new field of ``swap`` that the engine reads is handed over in ``SwapEngine`` only, so both actions
+get it.
+"""
+from dataclasses import dataclass
+
+import mindspore as ms
+from mindspore import nn
+
+from ..config import DEVICE_BACKEND_TARGETS
+from ..errors import ConfigError, quote
+from ..layer_specs import swappable_layers
+from ..swap import SwapExecutor
+from ..swap.backends import select_backend
+
+
+def check_swap_pp(config, pp):
+    """Swap is refused under pipeline parallelism, whatever the model."""
+    if config.swap.enabled and pp != 1:
+        raise ConfigError("swap.enable", f"swap is not supported with pipeline parallelism "
+                                         f"(pp={quote(pp)}); use recompute on pipeline stages")
+
+
+def check_swap_section(planning):
+    """The section's rules that need no layer: pp, the backend against the device, the prefetch bound."""
+    sc = planning.config.swap
+    check_swap_pp(planning.config, planning.pp)
+    target = ms.get_context("device_target") if planning.stack is not None else None
+    if sc.backend == "device" and target is not None and target not in DEVICE_BACKEND_TARGETS:
+        raise ConfigError("swap.backend", f"device copies need an Ascend or GPU device, and MindSpore's "
+                                          f"device_target is {target}: use auto or host")
+    p, n, decoder = sc.default_prefetch, planning.num_layers, planning.num_decoder
+    if p > n - 1:
+        mtp = "" if n == decoder else f" ({decoder} decoder + {n - decoder} MTP)"
+        raise ConfigError("swap.default_prefetch", f"must be in [1, {n - 1}] for a "
+                                                   f"model with {n} layers{mtp}, got {quote(p)}")
+
+
+def check_prefetch_bound(planning, layer_id, field_path):
+    """Layer ``layer_id`` is fetched back when layer ``layer_id + default_prefetch`` starts its backward."""
+    p, n, decoder = planning.config.swap.default_prefetch, planning.num_layers, planning.num_decoder
+    if layer_id not in swappable_layers(n, p):
+        count = f"num_layers {n}" if n == decoder else \
+            (f"the {n} layers ({decoder} decoder + {n - decoder} MTP; layer i is fetched back when layer i + p "
+             f"starts its backward)")
+        raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {count}: the last "
+                                      f"layer that can be swapped is {n - p - 1}")
+
+
+def settings_line(plan):
+    """The section's settings, under the plan's table."""
+    sc = plan.config.swap
+    bound = "none (no bound)" if sc.max_host_bytes is None else str(sc.max_host_bytes)
+    return f"Swap settings: min_bytes {sc.min_bytes}, max_host_bytes {bound}, backend {sc.backend}"
+
+
+@dataclass
+class SwapEngine:
+    """What a swap installer of ``apply_ac`` is given: the one executor of the model, and the settings."""
+
+    executor: SwapExecutor
+    prefetch: int
+    min_bytes: int
+    params: list          # parameters never offloaded (None: the installer's model's own)
+    mtp: object           # the MTP block when it runs in its own call, else None
+
+    def top(self, plan, model, layer_id):
+        """The call a layer runs in: its tensors received from outside it stay on the device."""
+        return self.mtp if self.mtp is not None and layer_id >= plan.num_layers else model
+
+
+def swap_engine(state, model):
+    """The model's ``SwapEngine``, made on first use (``state.swap_executor`` is closed by ``remove``)."""
+    if state.swap_engine is None:
+        sc = state.plan.config.swap
+        # MTP layers run in the MTP block's call, not the model's: the tensors that call receives (the
+        # decoder's output, masks) stay on the device for them, as the model's inputs do for the decoder.
+        # Parameters of both never leave the device.
+        block = state.mtp_block
+        mtp = block if isinstance(block, nn.Cell) and block is not model else None
+        params = None if mtp is None else list(model.get_parameters()) + list(mtp.get_parameters())
+        state.swap_executor = SwapExecutor(select_backend(kind=sc.backend), max_pool_bytes=sc.max_host_bytes)
+        state.swap_engine = SwapEngine(state.swap_executor, sc.default_prefetch, sc.min_bytes, params, mtp)
+    return state.swap_engine
