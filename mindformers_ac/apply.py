@@ -39,10 +39,11 @@ STATE_ATTR = "_mindformers_ac"
 class AcState:
     """What ``apply_ac`` installed on one model: the plan, undo handles and the engines' counters."""
 
-    def __init__(self, plan, layer_cells, layers_arg=None, mtp_block=None, context_fn=None):
+    def __init__(self, plan, layer_cells, layers_arg=None, mtp_block=None, context_fn=None, stage_args=None):
         self.plan = plan
         self.layer_cells = layer_cells          # global id -> layer cell (MTP layers too)
         self.layers_arg = layers_arg            # apply_ac's ``layers=``, to plan a deep copy the same way
+        self.stage_args = stage_args or {}      # apply_ac's ``layer_offset=`` / ``num_layers=``, likewise
         self.mtp_block = mtp_block              # apply_ac's ``mtp_block=``, likewise
         self.context_fn = context_fn
         self.recompute_stats = {}               # global id -> RecomputeStats
@@ -134,7 +135,7 @@ def _install_copy_hook(state, model):
             mtp = copy.deepcopy(mtp, memo)   # memo: the same copy the rest of the deep copy uses
         # the resolved context_fn; none resolved means none for the copy too (None would mean the default)
         apply_ac(dup, config=state.plan.config, pp=state.plan.pp, mtp_block=mtp, layers=layers,
-                 context_fn=state.context_fn if state.context_fn is not None else False)
+                 context_fn=state.context_fn if state.context_fn is not None else False, **state.stage_args)
 
     hook = hold_copy_hook(model)
     hook.after.append(apply_to_copy)
@@ -146,7 +147,7 @@ def _install_copy_hook(state, model):
 
 
 def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *, config=None,
-             layers=None, context_fn=None):
+             layers=None, context_fn=None, layer_offset=None, num_layers=None):
     """Plan and install recompute / swap on ``model``; return the executed ``AcPlan``.
 
     Same arguments as ``plan_ac`` (MindFormers' signature
@@ -154,7 +155,13 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_bl
     or ``config=``). ``mtp_block``: the multi-token-prediction block (a cell
     holding its layer list, e.g. ``model.mtp`` beside ``model.decoder``); its
     layer ``i`` is global layer ``num_layers + i`` in every section, in the
-    plan and in the report. ``context_fn`` is passed to every recompute
+    plan and in the report. On a pipeline stage (``pp > 1``) config ids
+    are global: the stage's first id is its layer list owner's
+    ``layer_start`` (MindFormers' ``TransformerBlock``) or ``layer_offset``,
+    one of which is required; ``num_layers`` is the whole model's decoder
+    layer count where the model has no ``config.num_layers``. Ids of other
+    stages are ignored (one warning names them), and swap bounds are the
+    stage's own. ``context_fn`` is passed to every recompute
     region (``checkpoint_wrapper``): by default (None) MindFormers'
     ``recompute_context_fn`` when MindFormers' marker module is loaded or
     importable (``recompute.markers.default_context_fn``; said once in the
@@ -177,9 +184,10 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_bl
                                    "mindformers_ac.remove_ac(model) first to apply another config")
     bridged = context_fn is None
     context_fn = resolve_context_fn(context_fn)   # a bad one is a TypeError before anything is touched
+    stage_args = {k: v for k, v in (("layer_offset", layer_offset), ("num_layers", num_layers)) if v is not None}
     plan, stack = plan_with_layers(model, recompute, recompute_comm, swap, pp, mtp_block, config=config,
-                                   layers=layers)
-    state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers, mtp_block, context_fn)
+                                   layers=layers, **stage_args)
+    state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers, mtp_block, context_fn, stage_args)
     try:
         _install_copy_hook(state, model)
         for action in ACTIONS:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 from mindspore import nn
 
+from .config import check_int
 from .errors import ConfigError
+from .limits import MAX_LAYERS
 
 CANDIDATE_PATHS = ("layers", "decoder.layers", "model.layers", "model.decoder.layers",
                    "transformer.layers", "transformer.h", "language_model.layers",
@@ -42,6 +44,16 @@ class LayerStack:
     mtp_path: str = ""
     mtp_block: object = None
     num_mtp_layers: int = 0
+    offset_known: bool = True   # the offset came from ``layer_start`` or ``layer_offset=``, not assumed 0
+
+    @property
+    def stage_end(self):
+        """One past the last global id on this stage (its MTP layers included)."""
+        return self.num_layers + len(self.mtp_cells) if self.mtp_cells else self.offset + len(self.cells)
+
+    @property
+    def holds_every_layer(self):
+        return self.offset == 0 and len(self.cells) == self.num_layers
 
     @property
     def total_layers(self):
@@ -140,16 +152,25 @@ def _add_mtp(stack, model, mtp_block):
     return stack
 
 
-def find_layer_stack(model, layers=None, mtp_block=None):
+def find_layer_stack(model, layers=None, mtp_block=None, layer_offset=None, num_layers=None):
     """Locate the layer list of ``model``.
 
     ``layers`` may name it (``"decoder.layers"``) or be the list itself; by
     default the common paths in ``CANDIDATE_PATHS`` are tried, then any
     ``CellList`` called ``layers``/``blocks``/``h`` anywhere in the model.
     Raises ``ConfigError`` saying what was searched when nothing is found.
+
+    A pipeline stage's first global id is the list owner's ``layer_start``
+    (MindFormers' ``TransformerBlock``), else ``layer_offset``; the whole
+    model's layer count is ``config.num_layers``, else ``num_layers``, else
+    the stage's end. Where both are given they must agree.
     """
     if not isinstance(model, nn.Cell):
         raise ConfigError("model", f"expected a mindspore.nn.Cell, got {type(model).__name__}")
+    if layer_offset is not None:
+        check_int(layer_offset, "layer_offset", 0, MAX_LAYERS - 1, " (the global id of the stage's first layer)")
+    if num_layers is not None:
+        check_int(num_layers, "num_layers", 1, MAX_LAYERS, " (the decoder layers of the whole model)")
     if layers is None:
         path = _search(model)
         if path is None:
@@ -163,16 +184,30 @@ def find_layer_stack(model, layers=None, mtp_block=None):
             raise ConfigError("layers", f"'{path}' is not a non-empty list of cells in "
                                     f"{type(model).__name__}")
     elif _is_layer_list(layers):
-        return _add_mtp(LayerStack(list(layers), "<given>", None, 0, len(layers)), model, mtp_block)
+        return _stage(list(layers), "<given>", None, layer_offset, num_layers, (), model, mtp_block)
     else:
         raise ConfigError("layers", f"expected a path string or a list of cells, got "
                                 f"{type(layers).__name__}")
     cells = list(_resolve(model, path))
     owner = _resolve(model, path.rsplit(".", 1)[0]) if "." in path else model
-    offset = getattr(owner, "layer_start", None)
-    offset = offset if isinstance(offset, int) and not isinstance(offset, bool) else 0
-    num_layers = _config_num_layers(owner, model) or offset + len(cells)
-    if offset + len(cells) > num_layers:
-        raise ConfigError("model", f"{path} holds {len(cells)} layers from layer_start={offset}, "
-                                f"more than config.num_layers={num_layers}")
-    return _add_mtp(LayerStack(cells, path, owner, offset, num_layers), model, mtp_block)
+    return _stage(cells, path, owner, layer_offset, num_layers, (owner, model), model, mtp_block)
+
+
+def _stage(cells, path, owner, layer_offset, num_layers, holders, model, mtp_block):
+    start = getattr(owner, "layer_start", None)
+    start = start if isinstance(start, int) and not isinstance(start, bool) else None
+    if start is not None and layer_offset is not None and start != layer_offset:
+        raise ConfigError("layer_offset", f"{path} says layer_start={start}, and apply_ac got layer_offset="
+                                          f"{layer_offset}: pass the stage's own first layer id, or leave "
+                                          f"layer_offset out")
+    offset = start if start is not None else layer_offset
+    configured = _config_num_layers(*holders) if holders else None
+    if configured is not None and num_layers is not None and configured != num_layers:
+        raise ConfigError("num_layers", f"config.num_layers is {configured}, and apply_ac got num_layers="
+                                        f"{num_layers}: leave num_layers out")
+    total = configured or num_layers or (offset or 0) + len(cells)
+    if (offset or 0) + len(cells) > total:
+        raise ConfigError("model", f"{path} holds {len(cells)} layers from layer {offset or 0}, "
+                                   f"more than the model's {total} layers")
+    stack = LayerStack(cells, path, owner, offset or 0, total, offset_known=offset is not None)
+    return _add_mtp(stack, model, mtp_block)

@@ -15,7 +15,11 @@ installed:
   layer's backward; the last MTP layer can't be swapped);
 * no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
 * no op swap on a recomputed module or on its parent or child;
-* no swap with pipeline parallelism (``pp > 1``);
+* on a pipeline stage (``pp > 1``): the stage's first global id is known
+  (``layer_start``, or ``layer_offset=``), ids of other stages are ignored with
+  one warning naming them, and a swapped layer is fetched back by a layer of
+  its stage (``i + p``; for the stage's last ``p`` layers, an earlier layer's
+  backward of the next microbatch);
 * what the model must allow for the installers to act on it (shared cells,
   ``ms.jit`` cells, MindSpore's own ``Cell.recompute()``, the user's own
   wrappers, copied patches): ``model_checks``, which every action's targets
@@ -38,7 +42,6 @@ import yaml
 
 from .actions import ACTIONS, TABLE_COLUMNS, GroupRecompute, OpSwap, OutputRecompute, SelectRecompute, layer_lists
 from .actions.region import RegionAction
-from .actions.swap_section import check_swap_pp
 from .config import AcConfig, check_int, resolve_config, with_layer_lists
 from .errors import ConfigError, clip
 from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges
@@ -298,7 +301,12 @@ class _PlanPass:
         self.inventories = {}
         self.matches, self.warnings = [], []
         self.requested = set()   # every layer id the config names, to tell about MTP ids with no MTP block here
+        self.elsewhere = {}      # field -> the ids it names that this stage does not hold
         self.budget = MatchBudget()
+        # a pipeline stage (or a model holding some of its layers): bounds are the stage's own
+        self.is_stage = stack is not None and stack.stage_end - stack.offset < stack.total_layers
+        self.stage_start = stack.offset if stack is not None else 0
+        self.stage_end = stack.stage_end if stack is not None else num_layers
         ids = stack.layer_ids if stack is not None else range(num_layers)
         self.plans = {i: LayerPlan(i, mtp_index=i - self.num_decoder if i >= self.num_decoder else None)
                       for i in ids}
@@ -323,6 +331,10 @@ class _PlanPass:
                                                             f"(ids {self.num_decoder}-{self.num_layers - 1})")
         ids = parse_layer_specs(specs, self.num_layers, field_path)
         self.requested.update(i for i in ids if i >= self.num_decoder)
+        if self.stack is not None:
+            elsewhere = [i for i in ids if i not in self.plans]
+            if elsewhere:
+                self.elsewhere.setdefault(field_path, set()).update(elsewhere)
         return ids
 
     def match(self, field_path, pattern, specs):
@@ -350,14 +362,37 @@ class _PlanPass:
             check_shared_targets(self.stack, self.plans)
             check_engine_reach(self.stack, self.plans, self.model)
             self.note_absent_mtp()
+            self.note_other_stages()
         return self.plans
+
+    def note_other_stages(self):
+        """One warning naming the ids the config gives that are on other pipeline stages (ignored here)."""
+        absent_mtp = set(self.absent_mtp_ids())   # note_absent_mtp's to tell about
+        named = {f: sorted(ids - absent_mtp) for f, ids in self.elsewhere.items()}
+        named = {f: ids for f, ids in named.items() if ids}
+        if not named:
+            return
+        every = sorted(set().union(*named.values()))
+        fields = ", ".join(list(named)[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
+        self.warn(f"layers {self.format_ids(every)} ({fields}) are not on this pipeline stage, which "
+                  f"holds global layers {self.format_ids(self.plans)}: ignored here (each stage acts on its own "
+                  f"layers; the same config goes to every stage)")
+
+    def format_ids(self, ids):
+        return ", ".join(str(spec) for spec in format_layer_specs(sorted(ids)))
+
+    def absent_mtp_ids(self):
+        """The MTP ids the config names, on the stage that holds the last decoder layer, with no MTP block."""
+        stack = self.stack
+        if stack.mtp_cells or stack.offset + len(stack.cells) != stack.num_layers:
+            return []
+        return sorted(i for i in self.requested if i not in self.plans)
 
     def note_absent_mtp(self):
         """MTP ids named on the stage that holds the last decoder layer, without an MTP block: say they
         do nothing here (on earlier stages they are another stage's layers, like any other id)."""
-        stack = self.stack
-        absent = sorted(i for i in self.requested if i not in self.plans)
-        if stack.mtp_cells or not absent or stack.offset + len(stack.cells) != stack.num_layers:
+        stack, absent = self.stack, self.absent_mtp_ids()
+        if not absent:
             return
         self.warn(f"the config names MTP layers {format_layer_specs(absent)} (config.mtp_num_layers="
                   f"{stack.num_mtp_layers}) but apply_ac got no mtp_block, so they are left as they are: pass "
@@ -391,7 +426,6 @@ def check_layer_ids(config, num_layers, pp=1):
     """
     _check_pp(pp)
     config = resolve_config(config)
-    check_swap_pp(config, pp)
     if num_layers is None:
         return {}
     check_int(num_layers, "num_layers", 1, MAX_LAYERS)
@@ -399,13 +433,15 @@ def check_layer_ids(config, num_layers, pp=1):
 
 
 def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *, config=None,
-            layers=None):
+            layers=None, layer_offset=None, num_layers=None):
     """Resolve and validate a config against ``model`` without changing it.
 
     Takes MindFormers' arguments (three sections as dataclasses, dicts or
     ``None``) or ``config=`` (an ``AcConfig``, a dict of sections or a YAML
     path). ``layers`` names the layer list when it can't be found
-    automatically. ``mtp_block`` (MindFormers' multi-token-prediction block,
+    automatically; ``layer_offset`` / ``num_layers`` place a pipeline stage
+    whose layer list has no ``layer_start`` / ``config.num_layers`` (see
+    ``apply_ac``). ``mtp_block`` (MindFormers' multi-token-prediction block,
     a cell holding its layer list, e.g. ``model.mtp``): its layer ``i`` is
     global layer ``num_layers + i`` in every section and in the plan
     (``plan.layers[num_layers + i]``). Raises ``ConfigError`` for any rule in
@@ -413,11 +449,11 @@ def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_blo
     nothing.
     """
     return plan_with_layers(model, recompute, recompute_comm, swap, pp, mtp_block, config=config,
-                            layers=layers)[0]
+                            layers=layers, layer_offset=layer_offset, num_layers=num_layers)[0]
 
 
 def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *,
-                     config=None, layers=None):
+                     config=None, layers=None, layer_offset=None, num_layers=None):
     """``plan_ac`` that also returns the ``LayerStack`` it planned against (for ``apply_ac``)."""
     _check_pp(pp)
     config = resolve_config(config, recompute, recompute_comm, swap)
@@ -425,7 +461,14 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
     refuse_copied_patches(model)
     if isinstance(mtp_block, ms.nn.Cell):
         refuse_copied_patches(mtp_block)
-    stack = find_layer_stack(model, layers, mtp_block)
+    stack = find_layer_stack(model, layers, mtp_block, layer_offset, num_layers)
+    if pp > 1 and not stack.offset_known:
+        raise ConfigError("layer_offset", f"pp={pp}, and the global id of this stage's first layer is not known: "
+                                          f"'{stack.path}' has no layer_start (as MindFormers' TransformerBlock "
+                                          f"has). Pass layer_offset=<the global id of its first layer> (0 on the "
+                                          f"first stage), and num_layers=<the whole model's layers> if the model "
+                                          f"has no config.num_layers, so the config's global ids land on the "
+                                          f"right layers")
     planner = _PlanPass(config, pp, stack.total_layers, stack, model)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,

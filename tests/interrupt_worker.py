@@ -97,8 +97,13 @@ def _with_injector(where, exc):
     return model, injector
 
 
-def interrupt(mode):
+def interrupt(modes):
+    """Each mode's failures, one after the other in this process: ``{mode: [result, ...]}`` on stdout."""
     reference = run_steps(PATTERN.build(), PATTERN.batch, steps=1)   # this process, before any failure
+    print(json.dumps({mode: interrupt_mode(mode, reference) for mode in modes}))
+
+
+def interrupt_mode(mode, reference):
     wheres = ["forward", "backward"] + (["recompute"] if mode in ("full", "select_op") else [])
     results = []
     for exc in (RuntimeError, KeyboardInterrupt, SystemExit):
@@ -120,7 +125,7 @@ def interrupt(mode):
             })
             mac.remove_ac(model)
             results[-1]["removed_clean"] = model_fingerprint(model)[0] == cells_before
-    print(json.dumps(results))
+    return results
 
 
 def divergence():
@@ -182,5 +187,5 @@ def kept_write_read_before():
 
 
 if __name__ == "__main__":
-    {"interrupt": lambda: interrupt(sys.argv[2]), "divergence": divergence,
+    {"interrupt": lambda: interrupt(sys.argv[2:]), "divergence": divergence,
      "kept_write_read_before": kept_write_read_before}[sys.argv[1]]()

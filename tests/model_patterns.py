@@ -183,7 +183,8 @@ class Pattern:
     refused: dict = field(default_factory=dict)
     # how a training loop meets the model (``steps.train_pattern``): "plain" (``run_steps``),
     # "skip_nonfinite" (a loss scaler's skipped step), "failed_forward" (a forward that raises, caught),
-    # "remove_mid_step" (``remove_ac`` between the last forward and its backward)
+    # "remove_mid_step" (``remove_ac`` between the last forward and its backward), "gpipe" (4 microbatches'
+    # forwards before their backwards, last first: ``steps.run_steps_gpipe``)
     loop: str = "plain"
     prepare: object = None   # called on the model once AC is installed (and on the baseline): e.g. LoRA
     modes: tuple = None      # the modes the pattern meets (None: every mode); a scenario names those it tests
@@ -654,6 +655,24 @@ def build_dropout():
     return init_weights(PatternModel([DropoutLayer() for _ in range(N_LAYERS)]))
 
 
+class BNDropoutLayer(BNLayer):
+    """BatchNorm in training and ``nn.Dropout``: state a forward writes, and masks a kernel draws, per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(p=0.25)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.drop(self.attn(self.norm1(x), pos, mask, scale))
+        h = h + ops.gelu(self.bn(h.reshape(-1, H))).reshape(h.shape)
+        return h + self.mlp(self.norm2(h))
+
+
+def build_bn_dropout():
+    ms.set_seed(0)   # nn.Dropout's seeds: the same masks in every build
+    return init_weights(PatternModel([BNDropoutLayer() for _ in range(N_LAYERS)]))
+
+
 def nan_first_batch(step):
     """``hidden_batch`` with an inf at step 0: that step's loss and gradients are NaN (a loss scaler skips it)."""
     x, y, pos, mask = hidden_batch(step)
@@ -749,6 +768,7 @@ PATTERNS = {p.name: p for p in [
             modes=("full", "group", "select_cell", "layer_swap", "op_swap", "mixed", "swap_api")),
     Pattern("remove_ac_mid_step", build_int_bool, hidden_batch, cell="attn", loop="remove_mid_step",
             modes=("full", "group", "select_op", "exclude_op", "layer_swap", "op_swap", "mixed")),
+    Pattern("gpipe_four_microbatches", build_bn_dropout, hidden_batch, cell="attn", loop="gpipe"),
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
             refused={mode: SHARED for mode in ("full", "group", "select_cell", "select_op", "exclude_op",
                                                "recompute_comm", "layer_swap", "op_swap", "mixed")}),

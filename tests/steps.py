@@ -75,8 +75,35 @@ def run_steps_removing_ac(model, batch, steps=3):
     return history
 
 
+def run_steps_gpipe(model, batch, steps=2, microbatches=4):
+    """GPipe order in one process: every microbatch's forward (``ms.vjp``, batches ``batch(step * M + k)``) before
+    any backward, the backwards last microbatch first, the gradients summed in that order, one SGD step. Per
+    step the record holds the microbatches' losses (stacked), the summed gradients and every parameter."""
+    model.set_train(True)
+    params = model.trainable_params()
+    opt = nn.SGD(params, learning_rate=0.05)
+    history = []
+    for step in range(steps):
+        in_flight = []
+        for k in range(microbatches):
+            first, *rest = batch(step * microbatches + k)   # the float input is differentiated, as in ms.vjp's use
+            in_flight.append(ms.vjp(lambda x, rest=rest: model(x, *rest), first, weights=params))
+        total = None
+        for _, vjp_fn in reversed(in_flight):
+            _, grads = vjp_fn(ms.Tensor(1.0, ms.float32))
+            total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+        opt(total)
+        history.append(_record(model, ms.ops.stack([loss for loss, _ in in_flight]), total))
+        del in_flight
+    return history
+
+
 def train_pattern(pattern, model, steps=3):
     """``model`` trained as ``pattern.loop`` says (see ``model_patterns.Pattern``)."""
+    if pattern.loop == "gpipe":
+        # one step: 4 forwards of each nn.Dropout already, and its CPU kernel repeats its draws in a second
+        # build for 5 calls only (harness.models.use_nn_dropout), so more steps would compare two builds' masks
+        return run_steps_gpipe(model, pattern.batch, steps=1)
     if pattern.loop == "remove_mid_step":
         return run_steps_removing_ac(model, pattern.batch, steps)
     return run_steps(model, pattern.batch, steps, skip_nonfinite=pattern.loop == "skip_nonfinite",

@@ -175,12 +175,12 @@ def test_function_state_and_saved_tensors_offloaded_too():
 @pytest.mark.slow
 def test_models_stepping_in_changing_orders_stay_bitwise():
     """A plain model and a layer-swapped one (the reported case) share the functions' class-level
-    state and step in one process, in turn, twice in a row and shuffled, 200 steps: every step's
+    state and step in one process, in turn, twice in a row and shuffled, 30 steps: every step's
     loss, every gradient and every parameter of each equals the plain model's. (Recompute, op swap
     and a third model are covered by the tests above, over fewer steps.)"""
     modes = [None, "layer_swap"]
     models = [_with_ac(mode) for mode in modes]
-    _step_in_orders(models, modes, steps=200)
+    _step_in_orders(models, modes, steps=30)
     for model, mode in zip(models[1:], modes[1:]):
         assert_acted(MODE_KIND[mode], model, None)
-    assert AuxLossAutoScaler.backward_calls == 200 * len(models) * 4
+    assert AuxLossAutoScaler.backward_calls == 30 * len(models) * 4

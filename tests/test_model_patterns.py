@@ -274,19 +274,28 @@ def test_a_real_divergence_names_the_op_and_what_differed():
 
 # -- failure paths -------------------------------------------------------------------------------
 
+FAILURE_MODES = ("full", "select_op", "layer_swap", "op_swap")
+
+
+@pytest.fixture(scope="module")
+def failure_results():
+    """Every failure-path mode in one worker process, one after the other (one MindSpore start for all)."""
+    res = _run_worker("interrupt", *FAILURE_MODES)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["full", "select_op", "layer_swap", "op_swap"])
-def test_failures_in_forward_and_backward_leave_nothing_behind(mode):
+@pytest.mark.parametrize("mode", FAILURE_MODES)
+def test_failures_in_forward_and_backward_leave_nothing_behind(failure_results, mode):
     """Exception, KeyboardInterrupt and SystemExit in forward, in a backward hook and in the recompute.
 
     After each: no saved-tensor hook or dispatch mode active, the engine's stacks
     empty, the model trains on bitwise like a model without AC that failed
     alike, a fresh plain model trains like in a clean process, and remove_ac
-    restores the cells.
+    restores the cells (each mode after the others' failures: they leave nothing behind for it either).
     """
-    res = _run_worker("interrupt", mode)
-    assert res.returncode == 0, res.stderr[-4000:]
-    results = json.loads(res.stdout.strip().splitlines()[-1])
+    results = failure_results[mode]
     wheres = {r["where"] for r in results}
     assert wheres == ({"forward", "backward", "recompute"} if mode in ("full", "select_op")
                       else {"forward", "backward"})

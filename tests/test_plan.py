@@ -58,7 +58,7 @@ MODEL_ERRORS = [
      "swap.op_swap[0]", "overlaps the recompute target mlp.activation_func"),
     (merge(full([4]), swap(op_swap=[{"op_name": ".*attention", "layers": [4]}])), 1, "swap.op_swap[0]",
      "fully recomputed layer"),
-    (swap(layer_swap=[{"layers": [0]}]), 2, "swap.enable", "pipeline parallelism"),
+    (swap(layer_swap=[{"layers": [0]}]), 2, "layer_offset", "the global id of this stage's first layer is not known"),
     (full([0]), 0, "pp", "integer >= 1"),
     (full([0]), "2", "pp", "integer >= 1"),
 ]

@@ -24,6 +24,7 @@ from mindformers_ac.planner.solver import (
     plan_budget,
     solve,
 )
+from mindformers_ac.planner.stages import in_flight, plan_stages, stage_layers
 
 MiB = 2 ** 20
 OPTS = [Option("none", OptionKind.NONE), Option("select mlp", OptionKind.SELECT, select=("mlp",)),
@@ -43,8 +44,8 @@ def synthetic(num_layers, rng, prefetch=1, other=1000):
                    baseline_step_s=0.2, prefetch=prefetch)
 
 
-def brute_force(profile, budget, pp=1):
-    allowed = profile.allowed(pp=pp)
+def brute_force(profile, budget):
+    allowed = profile.allowed()
     best = None
     for combo in itertools.product(range(len(profile.options)), repeat=profile.num_layers):
         if not all(allowed[i, k] for i, k in enumerate(combo)):
@@ -147,12 +148,29 @@ def test_swap_only_where_the_prefetch_bound_allows(prefetch):
     check_layer_ids(AcConfig.from_dict(sections), 6)   # the package's own rule agrees
 
 
-def test_no_swap_with_pipeline_parallelism():
+def test_pipeline_stages_are_planned_one_by_one_with_their_microbatches_in_flight():
+    assert stage_layers(8, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]] and stage_layers(5, 2) == [[0, 1, 2], [3, 4]]
+    assert [in_flight(s, 4, 8) for s in range(4)] == [8] * 4                   # GPipe: every stage holds all
+    assert [in_flight(s, 4, 8, "1f1b") for s in range(4)] == [4, 3, 2, 1]      # 1F1B: pp - stage
     p = _swap_is_best(6, 1)
-    plan = plan_budget(p, 2500, pp=2)
-    assert all(o.kind != OptionKind.SWAP for o in plan.options.values())
-    assert plan.predicted_peak <= 2500
-    check_layer_ids(AcConfig.from_dict(plan.sections()), 6, pp=2)
+    plans = plan_stages(p, "1500", pp=2, microbatches=4)   # 4 x (10 + 10 + 300) = 1280 fit; 4 x 420 do not
+    # swap where the trigger i + 1 is on the same stage: not on each stage's last layer
+    assert [o.kind for o in plans.options.values()] == [OptionKind.SWAP] * 2 + [OptionKind.FULL] + \
+        [OptionKind.SWAP] * 2 + [OptionKind.FULL]
+    assert [plan.predicted_peak for plan in plans.plans] == [4 * (2 * 10 + 300)] * 2 and plans.in_flight == [4, 4]
+    plan = mac_plan_of(plans, [3, 4, 5])   # the written config, planned on stage 1
+    assert [plan.layers[i].layer_swap for i in (3, 4, 5)] == [True, True, False]
+    with pytest.raises(ConfigError, match=r"^--budget: stage 0 \(layers 0-2, 4 microbatches in flight\): "):
+        plan_stages(p, "1KiB", pp=2, microbatches=4)   # 4 x 320 bytes is the least reachable
+    assert plan_stages(p, "0.5x", pp=2, microbatches=4).plans[0].budget == int(0.5 * 4 * 3000)
+
+
+def mac_plan_of(plans, layer_ids):
+    from mindformers_ac.harness.models import build_gpt
+    from mindformers_ac.harness.pipeline import split_gpt
+    stage = split_gpt(build_gpt(num_layers=6, hidden_size=16, num_heads=2, seq_length=8, vocab_size=32),
+                      cut=layer_ids[0])[1]
+    return plan_ac(stage, config=plans.sections(), pp=2)
 
 
 def test_budget_below_the_minimum_says_the_minimum_and_what_reaches_it():
@@ -166,9 +184,6 @@ def test_budget_below_the_minimum_says_the_minimum_and_what_reaches_it():
     assert info.value.field == "--budget" and f"{least} bytes" in message
     assert "0-4: layer swap; 5: full" in message
     assert plan_budget(p, least).predicted_peak == least
-    with pytest.raises(ConfigError, match="0-5: full") as info:
-        plan_budget(p, 6 * 300 - 1, pp=2)                  # without swap full recompute is the floor
-    assert "1800 bytes" in str(info.value)
 
 
 # --- YAML round trip ------------------------------------------------------------------------------------
@@ -286,3 +301,33 @@ def test_cli_plan_writes_yaml_that_train_takes(tmp_path, capsys):
     config = AcConfig.from_yaml(str(out))
     assert config.recompute.enabled or config.swap.enable
     check_layer_ids(config, 2)
+
+
+def test_planned_stages_fit_their_budgets_when_measured_with_four_microbatches(tiny_profile, tmp_path):
+    """``plan --pp 2 --microbatches 4 --budget 0.5x``: each stage, trained in GPipe order with 4 microbatches
+    in flight, keeps no more than its budget."""
+    from mindformers_ac.harness.pipeline import measure_stage_peaks
+    plans = plan_stages(tiny_profile, "0.5x", pp=2, microbatches=4)
+    assert plans.layer_ids == [[0, 1], [2]] and plans.in_flight == [4, 4]
+    path = tmp_path / "stages.yaml"
+    path.write_text(plans.to_yaml())
+    baseline = measure_stage_peaks(TINY, None, microbatches=4)
+    measured = measure_stage_peaks(TINY, str(path), microbatches=4)
+    for stage, plan in enumerate(plans.plans):
+        assert measured[stage] <= plan.budget, (stage, measured, [p.budget for p in plans.plans])
+        assert measured[stage] < baseline[stage]
+        assert baseline[stage] <= plan.profile.baseline_peak   # the model's whole 'other' on every stage: an upper bound
+
+
+def test_cli_plan_for_pipeline_stages(capsys, tmp_path):
+    from mindformers_ac.harness.cli import main
+    out = tmp_path / "pp.yaml"
+    assert main(["plan", "--budget", "0.5x", "--pp", "2", "--microbatches", "4", "--layers", "2", "--hidden", "16",
+                 "--heads", "2", "--seq", "8", "--vocab", "32", "--batch", "2", "--profile-steps", "2",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline: 2 stages, 4 microbatches, gpipe order" in text
+    assert "stage 0 (layers 0-0, 4 in flight): budget" in text and "stage 1 (layers 1-1, 4 in flight)" in text
+    assert AcConfig.from_yaml(str(out)) is not None
+    assert main(["plan", "--budget", "0.5x", "--microbatches", "4"]) == 2
+    assert "--microbatches: needs --pp > 1" in capsys.readouterr().err

@@ -174,19 +174,7 @@ AC_MODES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", sorted(AC_MODES))
-def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_path, mode):
-    text, expected_rerun = AC_MODES[mode]
-    config = tmp_path / "ac.yaml"
-    config.write_text(text)
-    res = launch_msrun([_cli(), "train", str(config), "--tp", "2", "--layers", str(LAYERS), "--hidden", "32",
-                        "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "3", "--dropout", "0.1",
-                        "--report", str(tmp_path / "report")],
-                       nproc=2, timeout_s=240, log_dir=tmp_path / "logs", env=ENV)
-    assert res.returncode == 0, _tail(res)
-    report = json.loads((tmp_path / "report" / "report.json").read_text())
-    s = report["summary"]
+def _check_tp_comparison(s, expected_rerun):
     assert s["losses_match_bitwise"] and s["grads_match_bitwise"] and s["params_match_bitwise"]
     assert s["verdict"] == "equal"
     collectives = s["collectives_per_step"]
@@ -199,3 +187,33 @@ def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_pat
         key = "all_gather" if name.endswith("all_gather") else name
         rerun[key] = rerun.get(key, 0) + n
     assert rerun == expected_rerun
+
+
+@pytest.mark.slow
+def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_path):
+    """The command, on the config the memory guide gives tensor parallelism (collectives kept)."""
+    text, expected_rerun = AC_MODES["full_exclude_collectives"]
+    config = tmp_path / "ac.yaml"
+    config.write_text(text)
+    res = launch_msrun([_cli(), "train", str(config), "--tp", "2", "--layers", str(LAYERS), "--hidden", "32",
+                        "--heads", "2", "--seq", "16", "--batch", "2", "--steps", "3", "--dropout", "0.1",
+                        "--report", str(tmp_path / "report")],
+                       nproc=2, timeout_s=240, log_dir=tmp_path / "logs", env=ENV)
+    assert res.returncode == 0, _tail(res)
+    _check_tp_comparison(json.loads((tmp_path / "report" / "report.json").read_text())["summary"], expected_rerun)
+
+
+@pytest.mark.slow
+def test_every_other_ac_mode_under_tp2_is_bitwise_and_reruns_what_it_recomputes(tmp_path):
+    """The other modes in one msrun job (``parallel_worker.py``: the same comparison as the command)."""
+    modes = [m for m in sorted(AC_MODES) if m != "full_exclude_collectives"]
+    paths = []
+    for mode in modes:
+        paths.append(tmp_path / f"{mode}.yaml")
+        paths[-1].write_text(AC_MODES[mode][0])
+    res = launch_msrun([os.path.join(ROOT, "tests", "parallel_worker.py"), "tp", str(tmp_path), *map(str, paths)],
+                       nproc=2, timeout_s=300, log_dir=tmp_path / "logs", env=ENV)
+    assert res.returncode == 0, _tail(res)
+    results = json.loads((tmp_path / "rank0.json").read_text())
+    for mode, path in zip(modes, paths):
+        _check_tp_comparison(results[str(path)]["summary"], AC_MODES[mode][1])

@@ -52,7 +52,7 @@ from steps import ac_work
 
 synchronous_pynative("CPU")
 
-STEPS, SAVE_AT, N_LAYERS, B, S = 6, 3, 3, 2, 8
+STEPS, SAVE_AT, N_LAYERS, B, S = 4, 2, 3, 2, 8
 LOSS_SCALE = 1024.0
 MODES = ("none", "full", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap",
          "mixed")

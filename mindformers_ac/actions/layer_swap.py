@@ -5,7 +5,7 @@ import logging
 from ..errors import ConfigError
 from ..swap import install_layer_swap
 from .base import Action, ListFragment
-from .swap_section import check_prefetch_bound, check_swap_section, settings_line, swap_engine
+from .swap_section import prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -15,35 +15,35 @@ class LayerSwap(Action):
     swaps = True
     whole_layer = True
 
-    def __init__(self, prefetch_layer):
-        self.prefetch_layer = prefetch_layer
+    def __init__(self, prefetch_layer, next_microbatch=False):
+        # next_microbatch: a pipeline stage's last layer, fetched back by an earlier layer's backward of the
+        # next microbatch (``swap_section.prefetch_trigger_of``)
+        self.prefetch_layer, self.next_microbatch = prefetch_layer, next_microbatch
 
     @classmethod
     def plan(cls, planning):
         """Every ``layer_swap`` entry (all of them, where MindFormers applies the first); a layer can't also
         be recomputed."""
-        sc = planning.config.swap
-        if not sc.enabled:
-            return
-        check_swap_section(planning)
-        for k, entry in enumerate(sc.layer_swap or ()):
+        for k, entry in section_entries(planning, "layer_swap"):
             field_path = f"swap.layer_swap[{k}].layers"
             for i in planning.layer_ids(entry.layers, field_path):
-                check_prefetch_bound(planning, i, field_path)
                 lp = planning.plans.get(i)
-                if lp is None or lp.layer_swap:
+                if lp is None or lp.layer_swap:   # another stage's layer, or listed twice
                     continue
+                trigger = prefetch_trigger_of(planning, i, field_path)
                 if lp.recomputed:
                     raise ConfigError(field_path, f"layer {i} is also recomputed "
                                                   f"({'; '.join(lp.describe())}); a layer can't be both "
                                                   f"recomputed and swapped")
-                lp.actions.append(cls(i + sc.default_prefetch))
+                lp.actions.append(cls(trigger, trigger < i))
 
     def describe(self):
-        return ["layer swap", f"prefetch at layer {self.prefetch_layer} backward"]
+        return ["layer swap", f"prefetch at layer {self.prefetch_layer} backward"
+                + (" of the next microbatch" if self.next_microbatch else "")]
 
     def table_cells(self, plan):
-        return {"swap": "layer", "prefetch at": plan.layer_label(self.prefetch_layer)}
+        return {"swap": "layer", "prefetch at": plan.layer_label(self.prefetch_layer)
+                + (" (next microbatch)" if self.next_microbatch else "")}
 
     def summary(self, plan):
         return self.name, f"prefetch {plan.config.swap.default_prefetch}"
@@ -63,8 +63,9 @@ class LayerSwap(Action):
         layer_ids = [lp.layer_id for lp, _ in items]
         for top in dict.fromkeys(engine.top(plan, model, i) for i in layer_ids):
             ids = [i for i in layer_ids if engine.top(plan, model, i) is top]
+            triggers = {lp.layer_id: a.prefetch_layer for lp, a in items if a.next_microbatch}
             inst = install_layer_swap(by_id, ids, prefetch=engine.prefetch, executor=engine.executor, model=top,
-                                      min_bytes=engine.min_bytes, params=engine.params)
+                                      min_bytes=engine.min_bytes, params=engine.params, triggers=triggers)
             state.add_undo(inst.remove)
         for lp, action in items:
             logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",

@@ -7,7 +7,7 @@ from ..matching import drop_covered
 from ..swap import install_op_swap
 from ..whitelist import is_under
 from .base import Action, ListFragment
-from .swap_section import check_prefetch_bound, check_swap_section, settings_line, swap_engine
+from .swap_section import prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -18,21 +18,18 @@ class OpSwap(Action):
     name = "op swap"
     swaps = True
 
-    def __init__(self, prefetch_layer, paths=()):
-        self.prefetch_layer, self.paths = prefetch_layer, tuple(paths)
+    def __init__(self, prefetch_layer, paths=(), next_microbatch=False):
+        self.prefetch_layer, self.paths, self.next_microbatch = prefetch_layer, tuple(paths), next_microbatch
 
     @classmethod
     def plan(cls, planning):
         """Modules only (an op or a method is warned about and left out); none in a layer swapped whole, and
         none that is, holds or lies in a recompute target."""
-        sc = planning.config.swap
-        if not sc.enabled:
-            return
-        check_swap_section(planning)
-        for k, entry in enumerate(sc.op_swap or ()):
+        for k, entry in section_entries(planning, "op_swap"):
             field_path = f"swap.op_swap[{k}]"
             for i in planning.layer_ids(entry.layers, f"{field_path}.layers"):
-                check_prefetch_bound(planning, i, f"{field_path}.layers")
+                if i in planning.plans:   # another stage's layers are that stage's to check
+                    prefetch_trigger_of(planning, i, f"{field_path}.layers")
             for i, entries in planning.match(f"{field_path}.op_name", entry.op_name, entry.layers).items():
                 cls.add(planning, i, drop_covered(entries), field_path)
 
@@ -61,16 +58,19 @@ class OpSwap(Action):
             if entry.path not in lp.op_swap:
                 action = next((a for a in lp.actions if isinstance(a, cls)), None)
                 if action is None:
-                    action = cls(layer_id + planning.config.swap.default_prefetch)
+                    trigger = prefetch_trigger_of(planning, layer_id, f"{field_path}.layers")
+                    action = cls(trigger, next_microbatch=trigger < layer_id)
                     lp.actions.append(action)
                 action.paths += (entry.path,)
                 lp.targets[entry.path] = entry
 
     def describe(self):
-        return ["swap " + ", ".join(self.paths), f"prefetch at layer {self.prefetch_layer} backward"]
+        return ["swap " + ", ".join(self.paths), f"prefetch at layer {self.prefetch_layer} backward"
+                + (" of the next microbatch" if self.next_microbatch else "")]
 
     def table_cells(self, plan):
-        return {"swap": ", ".join(self.paths), "prefetch at": plan.layer_label(self.prefetch_layer)}
+        return {"swap": ", ".join(self.paths), "prefetch at": plan.layer_label(self.prefetch_layer)
+                + (" (next microbatch)" if self.next_microbatch else "")}
 
     def summary(self, plan):
         return self.name, f"{', '.join(self.paths)}; prefetch {plan.config.swap.default_prefetch}"

@@ -15,37 +15,57 @@ from ..swap import SwapExecutor
 from ..swap.backends import select_backend
 
 
-def check_swap_pp(config, pp):
-    """Swap is refused under pipeline parallelism, whatever the model."""
-    if config.swap.enabled and pp != 1:
-        raise ConfigError("swap.enable", f"swap is not supported with pipeline parallelism "
-                                         f"(pp={quote(pp)}); use recompute on pipeline stages")
+def section_entries(planning, name):
+    """``(k, entry)`` of the list ``swap.<name>``, once the section's own rules hold; none when swap is off."""
+    sc = planning.config.swap
+    if not sc.enabled:
+        return []
+    check_swap_section(planning)
+    return list(enumerate(getattr(sc, name) or ()))
 
 
 def check_swap_section(planning):
-    """The section's rules that need no layer: pp, the backend against the device, the prefetch bound."""
+    """The section's rules that need no layer: the backend against the device, the prefetch bound."""
     sc = planning.config.swap
-    check_swap_pp(planning.config, planning.pp)
     target = ms.get_context("device_target") if planning.stack is not None else None
     if sc.backend == "device" and target is not None and target not in DEVICE_BACKEND_TARGETS:
         raise ConfigError("swap.backend", f"device copies need an Ascend or GPU device, and MindSpore's "
                                           f"device_target is {target}: use auto or host")
     p, n, decoder = sc.default_prefetch, planning.num_layers, planning.num_decoder
-    if p > n - 1:
+    if p > n - 1:   # on a pipeline stage each swapped layer's own bound is the stage's (check_prefetch_bound)
         mtp = "" if n == decoder else f" ({decoder} decoder + {n - decoder} MTP)"
         raise ConfigError("swap.default_prefetch", f"must be in [1, {n - 1}] for a "
                                                    f"model with {n} layers{mtp}, got {quote(p)}")
 
 
-def check_prefetch_bound(planning, layer_id, field_path):
-    """Layer ``layer_id`` is fetched back when layer ``layer_id + default_prefetch`` starts its backward."""
+def _stage_text(planning):
+    return f"global layers {planning.stage_start}-{planning.stage_end - 1} of {planning.num_layers}"
+
+
+def prefetch_trigger_of(planning, layer_id, field_path):
+    """The layer whose backward start fetches layer ``layer_id``'s swapped tensors back: ``layer_id + p``.
+
+    On a pipeline stage that layer must be on the stage. A stage's last ``p`` layers are fetched back by
+    the stage's layer ``layer_id + p - stage size`` instead: in GPipe order its backward of the next
+    microbatch comes ``p`` layers before theirs (for the first microbatch in backward order, and with one
+    microbatch, they load on demand).
+    """
     p, n, decoder = planning.config.swap.default_prefetch, planning.num_layers, planning.num_decoder
+    if planning.is_stage and layer_id + p >= planning.stage_end:
+        size = planning.stage_end - planning.stage_start
+        if p < size:
+            return layer_id + p - size
+        raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {planning.stage_end}, "
+                                      f"the end of this pipeline stage ({_stage_text(planning)}), or default_"
+                                      f"prefetch below the stage's {size} layers (the next microbatch's backward "
+                                      f"of an earlier layer then fetches the last layers back)")
     if layer_id not in swappable_layers(n, p):
         count = f"num_layers {n}" if n == decoder else \
             (f"the {n} layers ({decoder} decoder + {n - decoder} MTP; layer i is fetched back when layer i + p "
              f"starts its backward)")
         raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {count}: the last "
                                       f"layer that can be swapped is {n - p - 1}")
+    return layer_id + p
 
 
 def settings_line(plan):

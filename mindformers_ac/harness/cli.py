@@ -87,17 +87,24 @@ def cmd_train(args):
     if args.model is not None and args.config is None:
         raise ConfigError("CONFIG", "train --model needs the YAML config to apply: the shipped default config "
                                     "targets the reference GPT's 8 layers")
-    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep)
+    check_pipeline_flags(args)
+    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches)
     config = args.config or default_config_path()
     AcConfig.from_yaml(config)   # structural errors first, before any model is built
     if args.report:
         prepare_report_dir(args.report)   # before minutes of training, not after
-    if spec.tp > 1 or spec.ep > 1:
+    if spec.pp > 1:
+        from .pipeline import train_and_compare_pp
+        rank, result = train_and_compare_pp(spec, config)
+    elif spec.tp > 1 or spec.ep > 1:
         from .parallel import train_and_compare_tp
         rank, result = train_and_compare_tp(spec, config)
     else:
         rank, result = 0, train_and_compare(spec, config)
-    if rank == 0:   # under msrun every rank compares its own slice; one prints
+    # under msrun every rank compares its own slice; one prints, or each stage its own
+    if rank == 0 or spec.pp > 1:
+        if spec.pp > 1:
+            print(f"\npipeline stage {rank} (rank {rank} of {spec.pp}):")
         print()
         print(layer_table(result))
         print()
@@ -105,9 +112,31 @@ def cmd_train(args):
         print()
         print(summary_text(result))
         if args.report:
-            for path in write_report(result, args.report):
+            for path in write_report(result, args.report if spec.pp == 1 else os.path.join(args.report,
+                                                                                          f"stage{rank}")):
                 print(f"wrote {path}")
     return exit_status(result)
+
+
+def check_pipeline_flags(args):
+    """``--pp`` / ``--microbatches``: two stages of the reference GPT, one per rank, nothing else combined."""
+    from .pipeline import MAX_MICROBATCHES
+    if args.microbatches > MAX_MICROBATCHES:
+        raise ConfigError("--microbatches", f"expected at most {MAX_MICROBATCHES}, got {args.microbatches}")
+    if args.pp == 1:
+        if args.microbatches > 1:
+            raise ConfigError("--microbatches", "needs --pp 2: microbatches in flight are a pipeline schedule")
+        return
+    if args.pp != 2:
+        raise ConfigError("--pp", f"expected 1 or 2 (two stages of the reference GPT, one per rank), got {args.pp}")
+    for flag, given in (("--model", args.model is not None), ("--tp", args.tp > 1), ("--ep", args.ep > 1),
+                        ("--moe", bool(getattr(args, "moe", False)))):
+        if given:
+            raise ConfigError(flag, "can't be combined with --pp: the pipeline trains the reference GPT's two "
+                                    "stages, one per rank")
+    if args.layers is not None and args.layers < 2:
+        raise ConfigError("--layers", f"--pp 2 cuts the reference GPT at half its layers: it needs at least 2, "
+                                      f"got {args.layers}")
 
 
 def prepare_report_dir(path):
@@ -161,6 +190,8 @@ def cmd_plan(args):
     if prefetch is None:   # CONFIG only lends its swap.default_prefetch; its other sections are replaced
         prefetch = AcConfig.from_yaml(args.config).swap.default_prefetch if args.config else 1
     parse_budget(args.budget, 1)   # a malformed --budget fails before minutes of profiling
+    if args.microbatches > 1 and args.pp == 1:
+        raise ConfigError("--microbatches", "needs --pp > 1: microbatches in flight are a pipeline schedule")
     if args.out:
         check_output_file(args.out, "--out", "--out takes the path of the YAML file to write")
     spec = spec_from_args(args)
@@ -174,7 +205,11 @@ def cmd_plan(args):
         if user is None:
             raise
         raise RunFailed(f"profiling {spec.describe()} failed: {describe_exception(exc)}") from None
-    plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak), pp=args.pp)
+    if args.pp > 1:
+        from ..planner.stages import plan_stages
+        plan = plan_stages(profile, args.budget, args.pp, args.microbatches)
+    else:
+        plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak))
     print(f"profiled {profile.description}")
     print(plan.report())
     if args.out:
@@ -203,6 +238,12 @@ def build_parser():
     train.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size (default 1); > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
+    train.add_argument("--pp", type=positive_int, default=1,
+                       help="pipeline stages (default 1); 2 cuts the reference GPT at half its layers, one stage "
+                            "per rank, under msrun with 2 workers")
+    train.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
+                       help="with --pp 2: microbatches per step, all forwarded before their backwards (GPipe "
+                            "order; default 1)")
     train.add_argument("--ep", type=positive_int, default=1,
                        help="expert-parallel size (default 1; with --moe); > 1 must run under msrun with that "
                             "many workers")
@@ -243,7 +284,11 @@ def build_parser():
     plan.add_argument("--prefetch", type=int, default=None,
                       help="swap.default_prefetch (default: CONFIG's, else 1)")
     plan.add_argument("--pp", type=positive_int, default=1,
-                      help="pipeline-parallel size (default 1); > 1 rules out swap")
+                      help="pipeline stages (default 1); > 1 plans each stage of contiguous layers for the budget, "
+                           "with its microbatches in flight")
+    plan.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
+                      help="with --pp > 1: microbatches per step; in GPipe order every stage holds all M at its "
+                           "peak (default 1)")
     plan.add_argument("--profile-steps", type=positive_int, default=12,
                       help="timed steps per option (default 12)")
     plan.add_argument("--out", default=None, metavar="PATH", help="write the YAML here (default: print it)")

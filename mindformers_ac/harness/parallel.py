@@ -5,9 +5,10 @@ from .train import compare
 from .variant import check_config, run_variant
 
 
-def train_and_compare_tp(spec, config_path):
+def train_and_compare_tp(spec, config_path, comm=None):
     """Under msrun: this rank trains its TP (or expert-parallel, ``spec.ep``) slice without and with AC,
-    one run after the other.
+    one run after the other. ``comm``: ``(rank, world size)`` when communication is initialised already
+    (several comparisons in one job); else it is initialised here.
 
     Both runs share the process (the communication group can be set up only
     once), so the per-run VmHWM figures are not independent; the saved-tensor
@@ -19,7 +20,7 @@ def train_and_compare_tp(spec, config_path):
     if spec.ep > 1:
         from .moe import check_ep_world
         check_ep_world(spec.ep, int(os.environ.get("MS_WORKER_NUM", "0")) or spec.ep)   # before init: exit 2
-    rank, world = init_tp()
+    rank, world = comm if comm is not None else init_tp()
     if spec.ep > 1:
         check_ep_world(spec.ep, world)
     elif world != spec.tp:

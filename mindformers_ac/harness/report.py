@@ -82,8 +82,23 @@ def summary_text(result):
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
         verdict_line(s),
-    ] + _collectives_lines(s.get("collectives_per_step"),
+    ] + _pipeline_lines(s.get("pipeline")) + _collectives_lines(s.get("collectives_per_step"),
                            "expert parallel" if result["spec"].get("ep", 1) > 1 else "tensor parallel"))
+
+
+def _pipeline_lines(pipeline):
+    if not pipeline:
+        return []
+    p, m = pipeline, pipeline["microbatches"]
+    peak, per = p["peak_in_flight_bytes"], p["kept_per_microbatch_bytes"]
+    unsplit = "bitwise equal in every step" if p["unsplit_matches"] else \
+        f"differs from step {p['unsplit_first_difference']['step']} ({p['unsplit_first_difference']['what']})"
+    return [f"pipeline stage {p['stage']} of {p['stages']} (layers {p['layers'][0]}-{p['layers'][1]}), {m} "
+            f"microbatches in flight ({p['schedule']}): peak activation memory {_mib(peak['baseline'])} MiB "
+            f"without AC, {_mib(peak['ac'])} MiB with; per microbatch {_mib(per['baseline'])} / "
+            f"{_mib(per['ac'])} MiB",
+            f"pipeline without AC against the unsplit model with gradient accumulation over the same "
+            f"microbatches (summed in the pipeline's order): {unsplit}"]
 
 
 def _collectives_lines(per_step, kind):

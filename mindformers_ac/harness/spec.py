@@ -47,6 +47,8 @@ class TrainSpec:
     lr: float = 0.05
     tp: int = 1
     ep: int = 1                    # expert-parallel size (MoE model only)
+    pp: int = 1                    # pipeline stages (reference GPT only: 2, one per rank)
+    microbatches: int = 1          # microbatches in flight per step with pp > 1 (GPipe order)
     moe: Optional[dict] = None     # MoEConfig fields beyond ``gpt``: the reference MoE GPT instead of the dense one
     factory: Optional[str] = None
     layer_list: Optional[str] = None
@@ -101,7 +103,9 @@ class TrainSpec:
                     f"{m.capacity_factor}, seq {g.seq_length}, batch {self.batch}"
                     + (f", ep {self.ep}" if self.ep > 1 else ""))
         return (f"reference GPT: {g.num_layers} layers, hidden {g.hidden_size}, heads {g.num_heads}, "
-                f"seq {g.seq_length}, batch {self.batch}")
+                f"seq {g.seq_length}, batch {self.batch}"
+                + (f", {self.pp} pipeline stages, {self.microbatches} microbatches in flight (GPipe)"
+                   if self.pp > 1 else ""))
 
 
 def add_model_arguments(parser, *, with_model=False, **defaults):

@@ -19,8 +19,8 @@ least step time, peak <= budget" with an exact dynamic programme over the
 memory axis discretised into ``resolution`` steps (item sizes rounded up, so
 every answer really fits), then a repair pass on exact byte counts that
 takes back what the rounding lost. Options not allowed on a layer (swap of a
-layer with ``i + prefetch >= num_layers``, any swap with ``pp > 1``) are
-excluded; options are exclusive per layer, so recompute and swap never share
+layer with ``i + prefetch >= num_layers``) are excluded (pipeline stages are
+planned one by one, each with its own bounds: ``planner.stages``); options are exclusive per layer, so recompute and swap never share
 a layer. ``BudgetPlan.sections()`` writes the ``recompute``,
 ``recompute_comm`` and ``swap`` sections ``apply_ac`` and ``train`` take.
 """
@@ -105,13 +105,13 @@ class Profile:
     def baseline_peak(self):
         return int(self.other_bytes + self.mem[:, 0].sum())
 
-    def allowed(self, prefetch=None, pp=1):
-        """Boolean ``(num_layers, num_options)``: measured, and legal under ``prefetch`` and ``pp``."""
+    def allowed(self, prefetch=None):
+        """Boolean ``(num_layers, num_options)``: measured, and legal under ``prefetch``."""
         p = self.prefetch if prefetch is None else prefetch
         ok = ~np.isnan(self.mem)
         for k, option in enumerate(self.options):
             if option.kind == OptionKind.SWAP:
-                ok[:, k] &= (pp == 1) & np.isin(np.arange(self.num_layers), swappable_layers(self.num_layers, p))
+                ok[:, k] &= np.isin(np.arange(self.num_layers), swappable_layers(self.num_layers, p))
         return ok
 
 
@@ -236,7 +236,6 @@ class BudgetPlan:
     profile: Profile
     budget: int
     choice: list
-    pp: int = 1
 
     @property
     def options(self):
@@ -313,32 +312,32 @@ def option_sections(options, prefetch=1):
     return with_layer_lists(AcConfig(swap=SwapConfig(default_prefetch=prefetch)), **layer_lists(plans)).to_dict()
 
 
-def minimum_peak(profile, prefetch=None, pp=1):
+def minimum_peak(profile, prefetch=None):
     """(least reachable peak bytes, ``{layer: Option}`` that reaches it)."""
-    allowed = profile.allowed(prefetch, pp)
+    allowed = profile.allowed(prefetch)
     mem = np.where(allowed, profile.mem, np.inf)
     best = np.argmin(mem, axis=1)
     return (int(profile.other_bytes + mem[np.arange(len(best)), best].sum()),
             {i: profile.options[k] for i, k in enumerate(best)})
 
 
-def plan_budget(profile, budget, prefetch=None, pp=1, resolution=20000):
+def plan_budget(profile, budget, prefetch=None, resolution=20000):
     """The least-step-time ``BudgetPlan`` whose predicted peak fits ``budget`` bytes.
 
     Raises ``ConfigError("--budget", ...)`` when the budget is below the least
     reachable peak, saying that minimum and which options reach it.
     """
-    allowed = profile.allowed(prefetch, pp)
+    allowed = profile.allowed(prefetch)
     capacity = budget - profile.other_bytes
     choice = solve(profile.mem, profile.time, allowed, capacity, resolution) if capacity >= 0 else None
     if choice is None:
-        least, options = minimum_peak(profile, prefetch, pp)
+        least, options = minimum_peak(profile, prefetch)
         raise ConfigError("--budget", f"{format_bytes(budget)} is below the least reachable peak "
                                       f"activation memory {format_bytes(least)} ({least} bytes, "
                                       f"{least / profile.baseline_peak:.2f}x baseline), reached with "
                                       f"{summarize(options)}; ask for at least that much")
     p = profile.prefetch if prefetch is None else prefetch
-    plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice], pp=pp)
+    plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice])
     plan.profile = _with_prefetch(profile, p)
     return plan
 

@@ -151,7 +151,7 @@ def prefetch_trigger(cell, sched, key, trigger):
 
 
 def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None, model=None,
-                       min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None):
+                       min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None, triggers=None):
     """Swap whole layers: everything ``layers[i]`` saves for backward goes to host, ``i`` in ``layer_ids``.
 
     Args:
@@ -166,8 +166,12 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
         min_bytes: tensors smaller than this stay on the device.
         max_pool_bytes: host pool bound for a new executor.
         params: parameters never to offload (default: those of ``model``, else of ``layers``).
+        triggers: ``{layer id: trigger id}`` for swapped layers fetched back by another layer than
+            ``i + prefetch`` (a pipeline stage's last layers: an earlier layer of the stage, whose backward
+            of the next microbatch comes ``prefetch`` layers before theirs).
     Returns a ``SwapInstallation``; report keys are the global layer ids.
     """
+    triggers = dict(triggers or {})
     layer_ids = list(layer_ids)
     n = len(layers)
     if prefetch < 0:
@@ -175,7 +179,7 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
     for i in layer_ids:
         if not 0 <= i < n:
             raise ValueError(f"layer id {i} out of range for {n} layers")
-        if i not in swappable_layers(n, prefetch):
+        if i not in triggers and i not in swappable_layers(n, prefetch):
             raise ValueError(f"layer {i} with prefetch {prefetch} needs layer {i + prefetch} to trigger its "
                              f"prefetch, but there are {n} layers: lower the prefetch or do not swap layer {i}")
     if params is None:
@@ -187,7 +191,8 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
         inst.add(bracket_swap_group(layers[i], sched, i))
         if prefetch:
             sched.mark_prefetchable(i)
-            inst.add(prefetch_trigger(layers[i + prefetch], sched, i, i + prefetch))
+            by = triggers.get(i, i + prefetch)
+            inst.add(prefetch_trigger(layers[by], sched, i, by))
     return inst
 
 

@@ -338,6 +338,9 @@ class SwapScheduler:
 
     def _first_unpack(self, g):
         g.unpacked = True
+        waiting = self._waiting.get(g.key)
+        if waiting and g in waiting:   # its backward has started (loads on demand): a prefetch now takes an older call
+            waiting.remove(g)
         self._opened_since_check = None   # a backward: the optimizer may change the weights next
         if g.on_first_unpack is not None:
             g.on_first_unpack()
