@@ -10,9 +10,9 @@ installed:
 * layer specs within ``[0, total - 1]`` (global ids; ``total`` is ``num_layers``
   plus the MTP layers, which come after the decoder's: MTP layer ``i`` is
   ``num_layers + i``);
-* ``swap.default_prefetch`` in ``[1, total - 1]`` and ``layer + p < total``
-  for every swapped layer (the last decoder layer is prefetched by an MTP
-  layer's backward; the last MTP layer can't be swapped);
+* ``swap.default_prefetch`` in ``[1, total - 1]`` and, on a model holding every
+  layer, ``layer + p < total`` for every swapped layer (the last decoder layer
+  is prefetched by an MTP layer's backward; the last MTP layer can't be swapped);
 * no layer both recomputed (full, or select / comm targets in it) and layer-swapped;
 * no op swap on a recomputed module or on its parent or child;
 * on a pipeline stage (``pp > 1``): the stage's first global id is known
