@@ -137,3 +137,15 @@ def test_a_budget_that_is_no_byte_count_is_refused_before_the_model_is_built(bud
         assert "did you mean 0.5x, a fraction of the baseline's peak?" in err
     else:
         assert "(0.5x)" in err and "MiB" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pp", "3"], "--pp: expected 1 or 2 (two stages of the reference GPT, one per rank), got 3"),
+    (["--microbatches", "2"], "--microbatches: needs --pp 2"),
+    (["--pp", "2", "--microbatches", "65"], "--microbatches: expected at most 64, got 65"),
+    (["--pp", "2", "--tp", "2"], "--tp: can't be combined with --pp"),
+    (["--pp", "2", "--layers", "1"], "--layers: --pp 2 cuts the reference GPT at half its layers"),
+])
+def test_train_refuses_pipeline_flags_it_cannot_run_before_anything_starts(capsys, argv, message):
+    assert main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
