@@ -11,6 +11,7 @@ import numpy as np
 from mindspore import nn
 
 import mindformers_ac as mac
+from mindformers_ac.harness.pipeline import summed
 from mindformers_ac.mindspore_compat import pynative_executor
 
 from model_patterns import RECOMPUTE_MODES, SWAP_MODES, InjectedFailure
@@ -91,7 +92,7 @@ def run_steps_gpipe(model, batch, steps=2, microbatches=4):
         total = None
         for _, vjp_fn in reversed(in_flight):
             _, grads = vjp_fn(ms.Tensor(1.0, ms.float32))
-            total = grads if total is None else tuple(a + b for a, b in zip(total, grads))
+            total = summed(total, grads)
         opt(total)
         history.append(_record(model, ms.ops.stack([loss for loss, _ in in_flight]), total))
         del in_flight

@@ -5,7 +5,7 @@ import logging
 from ..errors import ConfigError
 from ..swap import install_layer_swap
 from .base import Action, ListFragment
-from .swap_section import prefetch_trigger_of, section_entries, settings_line, swap_engine
+from .swap_section import prefetch_cell, prefetch_part, prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -38,12 +38,10 @@ class LayerSwap(Action):
                 lp.actions.append(cls(trigger, trigger < i))
 
     def describe(self):
-        return ["layer swap", f"prefetch at layer {self.prefetch_layer} backward"
-                + (" of the next microbatch" if self.next_microbatch else "")]
+        return ["layer swap", prefetch_part(self)]
 
     def table_cells(self, plan):
-        return {"swap": "layer", "prefetch at": plan.layer_label(self.prefetch_layer)
-                + (" (next microbatch)" if self.next_microbatch else "")}
+        return {"swap": "layer", "prefetch at": prefetch_cell(plan, self)}
 
     def summary(self, plan):
         return self.name, f"prefetch {plan.config.swap.default_prefetch}"

@@ -7,7 +7,7 @@ from ..matching import drop_covered
 from ..swap import install_op_swap
 from ..whitelist import is_under
 from .base import Action, ListFragment
-from .swap_section import prefetch_trigger_of, section_entries, settings_line, swap_engine
+from .swap_section import prefetch_cell, prefetch_part, prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -65,12 +65,10 @@ class OpSwap(Action):
                 lp.targets[entry.path] = entry
 
     def describe(self):
-        return ["swap " + ", ".join(self.paths), f"prefetch at layer {self.prefetch_layer} backward"
-                + (" of the next microbatch" if self.next_microbatch else "")]
+        return ["swap " + ", ".join(self.paths), prefetch_part(self)]
 
     def table_cells(self, plan):
-        return {"swap": ", ".join(self.paths), "prefetch at": plan.layer_label(self.prefetch_layer)
-                + (" (next microbatch)" if self.next_microbatch else "")}
+        return {"swap": ", ".join(self.paths), "prefetch at": prefetch_cell(plan, self)}
 
     def summary(self, plan):
         return self.name, f"{', '.join(self.paths)}; prefetch {plan.config.swap.default_prefetch}"

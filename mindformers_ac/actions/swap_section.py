@@ -68,6 +68,17 @@ def prefetch_trigger_of(planning, layer_id, field_path):
     return layer_id + p
 
 
+def prefetch_part(action):
+    """A swap action's ``describe`` part: where its tensors are fetched back."""
+    return f"prefetch at layer {action.prefetch_layer} backward" + \
+        (" of the next microbatch" if action.next_microbatch else "")
+
+
+def prefetch_cell(plan, action):
+    """A swap action's ``prefetch at`` cell in the plan's table."""
+    return plan.layer_label(action.prefetch_layer) + (" (next microbatch)" if action.next_microbatch else "")
+
+
 def settings_line(plan):
     """The section's settings, under the plan's table."""
     sc = plan.config.swap
