@@ -19,10 +19,11 @@ import time
 
 import numpy as np
 
+from mindformers_ac.budget.sizes import parse_budget
+from mindformers_ac.budget.solver import MiB, plan_budget, solve
 from mindformers_ac.harness.spec import add_model_arguments, profile_spec, spec_from_args
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.planner.profile import measure_configs
-from mindformers_ac.planner.solver import MiB, parse_budget, plan_budget, solve
 
 
 def parse_args():

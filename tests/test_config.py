@@ -225,7 +225,7 @@ def test_modes_and_swap_entries_are_typed():
 
 def test_plan_writers_share_the_section_dicts(gpt8):
     """plan_ac's YAML and the planner's both come from AcConfig.to_dict: every swap field is written."""
-    from mindformers_ac.planner.solver import Option, OptionKind, option_sections
+    from mindformers_ac.budget.solver import Option, OptionKind, option_sections
     config = mac.AcConfig.from_dict({"swap": {"enable": True, "default_prefetch": 2,
                                               "layer_swap": [{"layers": ["0-1"]}],
                                               "op_swap": [{"op_name": r"self_attention", "layers": [4]}]}})

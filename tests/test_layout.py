@@ -116,7 +116,7 @@ def test_engines_live_in_their_subpackages():
     graph = _graph()
     for name in ("recompute.region", "recompute.dispatch", "recompute.output", "recompute.api",
                  "swap.api", "swap.install", "swap.scheduler", "swap.executor", "swap.backends",
-                 "harness.cli", "harness.train", "harness.models", "planner.solver"):
+                 "harness.cli", "harness.train", "harness.models", "budget.solver"):
         assert f"mindformers_ac.{name}" in graph
     modules = _modules()
     flat = [m for m in graph if m.count(".") == 1 and m.split(".")[1].startswith(("recompute_", "swap_", "planner"))

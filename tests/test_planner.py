@@ -9,21 +9,21 @@ import yaml
 from mindformers_ac import AcConfig, ConfigError, plan_ac
 from mindformers_ac.accounting import measure_step
 from mindformers_ac.apply import apply_ac, remove_ac
-from mindformers_ac.harness.models import GPTConfig
-from mindformers_ac.harness.spec import TrainSpec, profile_spec
-from mindformers_ac.plan import check_layer_ids
-from mindformers_ac.planner.profile import candidate_options
-from mindformers_ac.planner.solver import (
+from mindformers_ac.budget.options import candidate_options
+from mindformers_ac.budget.sizes import parse_budget
+from mindformers_ac.budget.solver import (
     BudgetPlan,
     Option,
     OptionKind,
     Profile,
     minimum_peak,
     option_sections,
-    parse_budget,
     plan_budget,
     solve,
 )
+from mindformers_ac.harness.models import GPTConfig
+from mindformers_ac.harness.spec import TrainSpec, profile_spec
+from mindformers_ac.plan import check_layer_ids
 from mindformers_ac.planner.stages import in_flight, plan_stages, stage_layers
 
 MiB = 2 ** 20

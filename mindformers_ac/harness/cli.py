@@ -183,7 +183,8 @@ def check_output_file(path, flag, purpose="it takes the path of a file to write"
 
 
 def cmd_plan(args):
-    from ..planner.solver import parse_budget, plan_budget
+    from ..budget.sizes import parse_budget
+    from ..budget.solver import plan_budget
     from .spec import profile_spec, spec_from_args
     from .user_model import describe_exception
     prefetch = args.prefetch

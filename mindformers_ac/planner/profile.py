@@ -36,54 +36,17 @@ Run it in synchronous PyNative mode (``mindspore_compat.synchronous_pynative()``
 step times on CPU are bimodal, useless for a cost model. Like every function
 of the package, it leaves MindSpore's context to its caller.
 """
+import dataclasses
 import statistics
 import time
 
 import numpy as np
 
+from ..budget.options import OptionSample, candidate_options, profile_from_samples
+from ..budget.solver import OptionKind
 from ..errors import ConfigError
 from ..layer_specs import swappable_layers
 from ..training import TrainingRun
-from .solver import Option, OptionKind, Profile
-
-# Class names whose outputs "full recompute, keep matmul outputs" keeps: the
-# expensive ops of a transformer layer, whose outputs are small next to what
-# the layer saves in total.
-_MATMUL_CELLS = ("Linear", "Dense")
-_MATMUL_OPS = ("MatMul", "BatchMatMul", "MatMulExt")
-
-
-def candidate_options(layer):
-    """The options tried on every layer of a stack whose layers look like ``layer``.
-
-    Select recompute of every composite sub-cell (one with sub-cells of its
-    own) up to depth 2, plus all depth-1 composites together; full recompute;
-    full recompute keeping the outputs of the layer's matmuls (Linear/Dense
-    cells and MatMul primitives, as an ``exclude_op`` dict); layer swap.
-    """
-    from ..whitelist import layer_inventory
-    cells = dict(layer.cells_and_names())
-    entries = layer_inventory(layer)
-    composites = [e.path for e in entries if e.kind == "cell" and e.path.count(".") <= 1
-                  and len(list(cells[e.path].cells_and_names())) > 1]
-    options = [Option("none", OptionKind.NONE)]
-    options += [Option(f"select {p}", OptionKind.SELECT, select=(p,)) for p in composites]
-    top = tuple(p for p in composites if "." not in p)
-    if len(top) > 1:
-        options.append(Option("select " + " + ".join(top), OptionKind.SELECT, select=top))
-    options.append(Option("full", OptionKind.FULL))
-    keep = []
-    for e in entries:
-        if e.kind == "cell" and type(cells[e.path]).__name__ in _MATMUL_CELLS:
-            keep.append(e.path)
-        elif e.kind == "op" and not any(e.path.startswith(k + ".") for k in keep):
-            owner = cells[e.owner_path] if e.owner_path else layer
-            if type(getattr(owner, e.attr, None)).__name__ in _MATMUL_OPS:
-                keep.append(e.path)
-    if keep:
-        options.append(Option("full, keep matmuls", OptionKind.FULL, exclude=tuple(keep)))
-    options.append(Option("layer swap", OptionKind.SWAP))
-    return options
 
 
 def host_copy_bandwidth(nbytes=32 * 2 ** 20, repeats=7):
@@ -148,8 +111,8 @@ def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.
     ``[1, num_layers - 1]`` or if ``plan_ac`` rejects an option on this model
     (e.g. a layer list it can't find).
     """
+    from ..budget.solver import option_sections
     from ..layers import find_layer_stack
-    from .solver import option_sections
     probe, _ = factory()
     stack = find_layer_stack(probe, layers)
     num_layers = stack.num_layers
@@ -198,34 +161,15 @@ def measure_configs(factory, configs, *, layers=None, steps=12, warmup=2, lr=0.0
 
 
 def _profile_from_runs(runs, num_layers, prefetch, description):
-    base = next(r for r in runs if r.option.kind == OptionKind.NONE)
-    base_time = statistics.median(base.times)
-    k_opts = len(runs)
-    mem = np.full((num_layers, k_opts), np.nan)
-    cost = np.full((num_layers, k_opts), np.nan)
-    transient = np.zeros((num_layers, k_opts))
-    offloaded = 0
-    for k, run in enumerate(runs):
-        applied = _applied_layers(run.option, num_layers, prefetch) if run.option.kind != OptionKind.NONE \
-            else list(range(num_layers))
-        delta = statistics.median(run.times) - base_time
-        layers = run.memory.layers
-        weights = np.array([layers[i].offloaded_bytes for i in applied], float) \
-            if run.option.kind == OptionKind.SWAP else np.ones(len(applied))
-        if run.option.kind == OptionKind.SWAP:
-            offloaded = float(weights.sum())
-        weights = weights / weights.sum() if weights.sum() > 0 else np.full(len(applied), 1 / len(applied))
-        for w, i in zip(weights, applied):
-            mem[i, k] = layers[i].kept_bytes
-            transient[i, k] = layers[i].recomputed_bytes
-            cost[i, k] = 0.0 if run.option.kind == OptionKind.NONE else delta * w
+    samples = [OptionSample(r.option, _applied_layers(r.option, num_layers, prefetch), statistics.median(r.times),
+                            r.memory) for r in runs]
+    profile = profile_from_samples(samples, num_layers, prefetch, description)
+    offloaded = sum(r.memory.layers[i].offloaded_bytes for r, s in zip(runs, samples)
+                    if r.option.kind == OptionKind.SWAP for i in s.applied)
     bandwidth = host_copy_bandwidth()
-    swap_delta = sum(np.nansum(cost[:, k]) for k, r in enumerate(runs) if r.option.kind == OptionKind.SWAP)
+    swap_delta = sum(np.nansum(profile.time[:, k]) for k, r in enumerate(runs) if r.option.kind == OptionKind.SWAP)
     raw_copy = 2 * offloaded / bandwidth   # offload in forward + load back in backward
     overlap = float(np.clip(1 - swap_delta / raw_copy, 0, 1)) if raw_copy > 0 else None
-    return Profile(options=[r.option for r in runs], mem=mem, time=cost, transient=transient,
-                   other_bytes=int(base.memory.layers["other"].kept_bytes), baseline_step_s=base_time,
-                   prefetch=prefetch, host_bandwidth=bandwidth, swap_overlap=overlap,
-                   swap_copy_s=raw_copy if raw_copy > 0 else None, swap_cost_s=swap_delta if raw_copy > 0 else None,
-                   step_times={r.option.name: statistics.median(r.times) for r in runs},
-                   description=description)
+    return dataclasses.replace(profile, host_bandwidth=bandwidth, swap_overlap=overlap,
+                               swap_copy_s=raw_copy if raw_copy > 0 else None,
+                               swap_cost_s=swap_delta if raw_copy > 0 else None)

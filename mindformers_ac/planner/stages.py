@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import yaml
 
+from ..budget.sizes import format_bytes, parse_budget
+from ..budget.solver import Profile, option_sections, plan_budget, summarize
 from ..errors import ConfigError
-from .solver import Profile, format_bytes, option_sections, parse_budget, plan_budget, summarize
 
 SCHEDULES = ("gpipe", "1f1b")
 
