@@ -228,23 +228,74 @@ class StepMeter:
 
     @contextlib.contextmanager
     def step(self):
-        states = self._ac_states()
-        self._reset_engines(states)
-        meter = LayerMeter(self.params, self.layer_cells, self.model, self.warnings)
-        meter.attach()
-        memory = StepMemory({i: LayerMemory(i) for i in self.layer_ids})
-        memory.layers[OTHER] = LayerMemory(OTHER)
+        step = self.begin()
         try:
-            with meter.hooks():
-                yield memory
+            yield step.memory
         finally:
-            meter.detach()
-        for (owner, module), nbytes in meter.by_module_at_peak.items():
+            step.end_forward()
+        step.finish()
+
+    def begin(self, engines_at_forward_end=False):
+        """Start measuring a step without a ``with`` (``budget.controller`` does, from a model's forward
+        hooks): ``end_forward()`` when the forward ends, ``finish()`` once its backward is done.
+        ``engines_at_forward_end``: read the engines' counters when the forward ends (what they keep,
+        drop and offload is known then), not in ``finish``: another meter's next step may have reset them
+        by then (the controller measures inside ``train``'s meter)."""
+        return OpenStep(self, engines_at_forward_end)
+
+
+class OpenStep:
+    """A step ``StepMeter.begin`` is measuring: the meter's hooks are in from here to ``end_forward``
+    (forward packs what backward keeps); ``finish`` reads the engines' counters, which backward completes,
+    into ``memory``."""
+
+    def __init__(self, step_meter, engines_at_forward_end=False):
+        self.engines_read = False
+        self.engines_at_forward_end = engines_at_forward_end
+        self.states = step_meter._ac_states()   # pylint: disable=protected-access
+        StepMeter._reset_engines(self.states)   # pylint: disable=protected-access
+        self.meter = LayerMeter(step_meter.params, step_meter.layer_cells, step_meter.model, step_meter.warnings)
+        self.meter.attach()
+        self.memory = StepMemory({i: LayerMemory(i) for i in step_meter.layer_ids})
+        self.memory.layers[OTHER] = LayerMemory(OTHER)
+        self._hooks = self.meter.hooks()
+        try:
+            self._hooks.__enter__()
+        except BaseException:
+            self.meter.detach()
+            raise
+
+    def end_forward(self):
+        if self._hooks is None:
+            return
+        hooks, self._hooks = self._hooks, None
+        try:
+            hooks.__exit__(None, None, None)
+        finally:
+            self.meter.detach()
+        if self.engines_at_forward_end:
+            self._read_engines()
+
+    def _read_engines(self):
+        if not self.engines_read:
+            self.engines_read = True
+            for state in self.states:
+                _engine_figures(state, self.memory)
+
+    @property
+    def pending_bytes(self):
+        """Bytes the step's graph still keeps (0 once its backward has freed it)."""
+        return self.meter.current
+
+    def finish(self):
+        self.end_forward()
+        memory = self.memory
+        for (owner, module), nbytes in self.meter.by_module_at_peak.items():
             lm = memory.layers[owner]
             lm.kept_bytes += nbytes
             _add(lm.kept_by_module, module, nbytes)
-        for state in states:
-            _engine_figures(state, memory)
+        self._read_engines()
+        return memory
 
 
 def measure_step(model, step_fn, *args, layers=None, mtp_block=None, **kwargs):
@@ -261,4 +312,4 @@ def measure_step(model, step_fn, *args, layers=None, mtp_block=None, **kwargs):
     return memory
 
 
-__all__ = ["LayerMemory", "LayerMeter", "StepMemory", "StepMeter", "measure_step"]
+__all__ = ["LayerMemory", "LayerMeter", "OpenStep", "StepMemory", "StepMeter", "measure_step"]

@@ -20,6 +20,7 @@ What was applied is reported once per call (``logs.report_summary``); the
 per-layer detail is logged at debug level.
 """
 import copy
+import dataclasses
 import logging
 
 from .actions import ACTIONS
@@ -27,7 +28,7 @@ from .construct_patch import DROPPED, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
 from .logs import report_summary
 from .model_checks import refuse_copied_patches
-from .plan import plan_with_layers
+from .plan import LayerPlan, plan_with_layers
 from .recompute import RecomputeStats
 from .recompute.markers import resolve_context_fn
 
@@ -41,6 +42,9 @@ class AcState:
 
     def __init__(self, plan, layer_cells, layers_arg=None, mtp_block=None, context_fn=None, stage_args=None):
         self.plan = plan
+        self.config = plan.config               # what apply_ac was given (a copy of the model gets it too)
+        self.budget = None                      # budget.controller.BudgetController, with memory_budget
+        self._plan_mark = 0                     # undos below this index are not the plan's (see replace_plan)
         self.layer_cells = layer_cells          # global id -> layer cell (MTP layers too)
         self.layers_arg = layers_arg            # apply_ac's ``layers=``, to plan a deep copy the same way
         self.stage_args = stage_args or {}      # apply_ac's ``layer_offset=`` / ``num_layers=``, likewise
@@ -62,8 +66,11 @@ class AcState:
     def __deepcopy__(self, memo):   # the copy of the model gets its own state (see _install_copy_hook)
         return DROPPED
 
-    def remove(self):
+    def remove(self, keep=0):
         """Run every undo, newest first, whatever any of them raises; then raise the first error.
+
+        ``keep``: the number of oldest undos to leave in place (``replace_plan``
+        removes only the plan's own installs).
 
         An undo that raises an ``Exception`` is dropped (running it again would
         fail the same way). One interrupted by a KeyboardInterrupt or
@@ -73,7 +80,7 @@ class AcState:
         other undos run either way, and the first error is re-raised at the end.
         """
         first, failed = None, []
-        while self._undo:
+        while len(self._undo) > keep:
             undo = self._undo.pop()
             for attempt in (1, 2):
                 try:
@@ -85,7 +92,7 @@ class AcState:
                         break
                     if attempt == 2:
                         failed.append(undo)
-        self._undo = failed[::-1]
+        self._undo += failed[::-1]
         if self.swap_executor is not None and not failed:
             executor, self.swap_executor, self.swap_engine = self.swap_executor, None, None
             try:
@@ -94,6 +101,28 @@ class AcState:
                 first = first if first is not None else exc
         if first is not None:
             raise first
+
+    def replace_plan(self, make_plan, model):
+        """Remove what the current plan installed and install ``make_plan()`` in its place (the
+        memory-budget controller's switch between profiling plans and the chosen one; planned once the
+        old plan is gone, so its checks see the model's own cells). What was installed before the plan
+        (the copy hook, the controller's own hooks) stays. All or nothing, as ``apply_ac``: if planning
+        or installing fails, the model is left without a plan (the error propagates)."""
+        self.remove(keep=self._plan_mark)
+        self.recompute_stats, self.chains = {}, {}
+        self.plan = plan_without_actions(self.plan)
+        plan = make_plan()
+        self.plan = plan
+        try:
+            install_actions(self, plan, model)
+        except BaseException:
+            self.remove(keep=self._plan_mark)
+            self.plan = plan_without_actions(plan)
+            raise
+
+    def mark_plan_start(self):
+        """What is installed from here on is the plan's (``replace_plan`` removes it)."""
+        self._plan_mark = len(self._undo)
 
     @property
     def pending(self):
@@ -134,7 +163,7 @@ def _install_copy_hook(state, model):
         if mtp is not None:
             mtp = copy.deepcopy(mtp, memo)   # memo: the same copy the rest of the deep copy uses
         # the resolved context_fn; none resolved means none for the copy too (None would mean the default)
-        apply_ac(dup, config=state.plan.config, pp=state.plan.pp, mtp_block=mtp, layers=layers,
+        apply_ac(dup, config=state.config, pp=state.plan.pp, mtp_block=mtp, layers=layers,
                  context_fn=state.context_fn if state.context_fn is not None else False, **state.stage_args)
 
     hook = hold_copy_hook(model)
@@ -190,10 +219,11 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_bl
     state = AcState(plan, {i: stack.cell(i) for i in stack.layer_ids}, layers, mtp_block, context_fn, stage_args)
     try:
         _install_copy_hook(state, model)
-        for action in ACTIONS:
-            items = [(lp, a) for lp in plan.layers.values() for a in lp.actions if type(a) is action]
-            if items:
-                action.install_all(state, items, model)
+        if plan.config.memory_budget.enabled:
+            from .budget.controller import install_budget
+            install_budget(state, model, stack)
+        state.mark_plan_start()
+        install_actions(state, plan, model)
     except BaseException:
         try:
             state.remove()
@@ -209,6 +239,19 @@ def apply_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_bl
                     "turns this off)")
     report_summary(summary)
     return plan
+
+
+def install_actions(state, plan, model):
+    """Install every action of ``plan`` on ``model`` in ``actions.ACTIONS`` order, each undo into ``state``."""
+    for action in ACTIONS:
+        items = [(lp, a) for lp in plan.layers.values() for a in lp.actions if type(a) is action]
+        if items:
+            action.install_all(state, items, model)
+
+
+def plan_without_actions(plan):
+    """``plan`` with nothing installed: what a model whose plan failed to install runs."""
+    return dataclasses.replace(plan, layers={i: LayerPlan(i, mtp_index=lp.mtp_index) for i, lp in plan.layers.items()})
 
 
 def remove_ac(model):

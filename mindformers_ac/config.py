@@ -20,6 +20,7 @@ from typing import Optional, Union
 
 import yaml
 
+from .budget.sizes import parse_budget
 from .errors import ConfigError, child_field, item_field, quote, type_name
 from .layer_specs import RangeSet, format_layer_specs, spec_ranges
 from .limits import MAX_CONFIG_BYTE_COUNT, MAX_LAYERS
@@ -29,6 +30,12 @@ from .yaml_loading import config_path, load_yaml_file
 logger = logging.getLogger("mindformers_ac")
 
 SECTIONS = ("recompute", "recompute_comm", "swap")
+BUDGET_SECTION = "memory_budget"   # written only when set: a config without it reads as MindFormers' three
+# memory_budget.profile_steps: a warm-up and a baseline step, then at least one option; at most as many
+# steps as anyone profiles for (each is one of the user's training steps under a candidate plan)
+PROFILE_STEPS = (3, 32)
+MAX_BUDGET_TEXT = 40       # characters: "1.5GiB", "0.25x"; a longer one is not a size
+MAX_BUDGET_FRACTION = 64   # memory_budget.activations: "64x" of the kept bytes without AC already asks for nothing
 
 # The smallest saved tensor swap moves to host by default: smaller ones cost more in copy calls than
 # they free.
@@ -365,8 +372,60 @@ class SwapConfig(_Section):
         return self.enable
 
 
+@dataclass
+class MemoryBudgetConfig(_Section):
+    """``memory_budget`` section: a budget instead of per-layer lists (``budget.controller``).
+
+    activations: the budget for activation memory: a fraction of the same
+        model's kept bytes without AC (``0.5x``) or a size (``96MiB``, ``2GiB``,
+        a byte count); None (the default): no budget, the layer lists apply.
+    profile_steps: the user's own training steps used to measure the options:
+        a warm-up and a baseline step without AC, then one step per option
+        (the most useful first), after which the chosen plan is installed.
+    include_swap: whether the plan may swap layers.
+    """
+
+    FIELD = BUDGET_SECTION
+    activations: Optional[Union[str, int]] = None
+    profile_steps: int = 8
+    include_swap: bool = True
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Check every field (again, after changes); the budget's text needs no model."""
+        if self.activations is not None:
+            if isinstance(self.activations, bool) or not isinstance(self.activations, (str, int)):
+                raise ConfigError("memory_budget.activations", f"expected a size (96MiB, 2GiB, a byte count) or a "
+                                                               f"fraction of the kept bytes without AC (0.5x), got "
+                                                               f"{type_name(self.activations)} "
+                                                               f"{quote(self.activations)}")
+            if isinstance(self.activations, str) and len(self.activations) > MAX_BUDGET_TEXT:
+                raise ConfigError("memory_budget.activations", f"expected a size such as 96MiB or 0.5x, got a "
+                                                               f"string of {len(self.activations)} characters")
+            size = self.budget_bytes(2 ** 20)   # a fraction of 1 MiB: its bound below is in the same unit
+            if size > (MAX_BUDGET_FRACTION * 2 ** 20 if self.is_fraction else MAX_CONFIG_BYTE_COUNT):
+                bound = f"{MAX_BUDGET_FRACTION}x" if self.is_fraction else f"{MAX_CONFIG_BYTE_COUNT} bytes"
+                raise ConfigError("memory_budget.activations", f"at most {bound}, got {quote(self.activations)}")
+        check_int(self.profile_steps, "memory_budget.profile_steps", *PROFILE_STEPS)
+        check_bool(self.include_swap, "memory_budget.include_swap")
+
+    @property
+    def is_fraction(self):
+        return isinstance(self.activations, str) and self.activations.strip().lower().endswith("x")
+
+    def budget_bytes(self, baseline_bytes):
+        """The budget in bytes, given the kept bytes of the model without AC."""
+        return parse_budget(str(self.activations), baseline_bytes, "memory_budget.activations")
+
+    @property
+    def enabled(self):
+        return self.activations is not None
+
+
 _SECTION_TYPES = {"recompute": RecomputeConfig, "recompute_comm": RecomputeCommConfig,
-                  "swap": SwapConfig}
+                  "swap": SwapConfig, BUDGET_SECTION: MemoryBudgetConfig}
 
 
 def section_from_value(name, value):
@@ -382,11 +441,13 @@ def section_from_value(name, value):
 
 @dataclass
 class AcConfig:
-    """The three sections together; ``from_yaml`` reads them out of a whole trainer YAML."""
+    """The three sections together, and the optional ``memory_budget``; ``from_yaml`` reads them out of a
+    whole trainer YAML."""
 
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     recompute_comm: RecomputeCommConfig = field(default_factory=RecomputeCommConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
+    memory_budget: MemoryBudgetConfig = field(default_factory=MemoryBudgetConfig)
 
     def __post_init__(self):
         self.validate()
@@ -394,7 +455,7 @@ class AcConfig:
     def validate(self):
         """Check every section (again, after changes): a section may have been replaced by a
         mapping (built into its dataclass here) or by anything else (a ``ConfigError``)."""
-        for name in SECTIONS:
+        for name in SECTIONS + (BUDGET_SECTION,):
             setattr(self, name, section_from_value(name, getattr(self, name)))
         return self
 
@@ -404,7 +465,7 @@ class AcConfig:
         if not isinstance(data, dict):
             raise ConfigError(None, f"expected a mapping with recompute / recompute_comm / swap "
                                     f"sections at the top level, got {type_name(data)}")
-        return cls(**{name: data.get(name) for name in SECTIONS})
+        return cls(**{name: data.get(name) for name in SECTIONS + (BUDGET_SECTION,)})
 
     @classmethod
     def from_yaml(cls, path):
@@ -424,8 +485,10 @@ class AcConfig:
             raise ConfigError(exc.field, f"{exc.reason} (in {config_path(path)[1]})") from None
 
     def to_dict(self):
-        """Plain sections, as they would be written in a trainer YAML (each section's own ``to_dict``)."""
-        return {name: getattr(self, name).to_dict() for name in SECTIONS}
+        """Plain sections, as they would be written in a trainer YAML (each section's own ``to_dict``);
+        ``memory_budget`` only when it is set."""
+        names = SECTIONS + ((BUDGET_SECTION,) if self.memory_budget.enabled else ())
+        return {name: getattr(self, name).to_dict() for name in names}
 
     def to_yaml(self):
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
@@ -465,7 +528,7 @@ def with_layer_lists(config, full=(), select_module=None, exclude_op=None, comm_
         config.swap, enable=bool(layer_swap or op_swap),
         layer_swap=[LayerSwapEntry(format_layer_specs(layer_swap))] if layer_swap else None,
         op_swap=[OpSwapEntry(name, specs) for name, specs in op_swap.items()] if op_swap else None)
-    return AcConfig(recompute=recompute, recompute_comm=comm, swap=swap)
+    return AcConfig(recompute=recompute, recompute_comm=comm, swap=swap, memory_budget=config.memory_budget)
 
 
 def resolve_config(config=None, recompute=None, recompute_comm=None, swap=None):

@@ -40,6 +40,9 @@ logger = logging.getLogger("mindformers_ac.meter")
 
 # A pack hook with this attribute set lets tensors through that the meter must count (see the docstring).
 CHAIN_PASSED = "mac_meter_counts_passed"
+# A pack of the package's own that an outer meter sees through like a model's hook: a meter's (the
+# memory-budget controller measures inside ``train``'s meter, which must still count every step).
+SEEN_THROUGH = "mac_meter_seen_through"
 
 _PUSH = "push_saved_tensor_hook"
 _PACKAGE = __name__.split(".")[0]
@@ -121,7 +124,7 @@ class _HookChain:
 
     def wrap(self, pack, unpack):
         passed = getattr(pack, CHAIN_PASSED, False) is True
-        if not passed and _is_ours(pack):
+        if not passed and _is_ours(pack) and not getattr(pack, SEEN_THROUGH, False):
             return pack, unpack   # the engine reports what it keeps
         meter, where = self.meter, None if passed else self.describe(pack)
         # Once per hook function: every layer may register the same one, or make it anew (a closure).
@@ -253,6 +256,8 @@ class SavedTensorMeter:
 
     def unpack(self, packed):
         return packed.tensor if isinstance(packed, _Packed) else packed
+
+    setattr(pack, SEEN_THROUGH, True)
 
     def hooks(self):
         """Context manager installing the meter's pack/unpack, and seeing through hooks installed inside."""

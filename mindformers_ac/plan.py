@@ -42,7 +42,7 @@ import yaml
 
 from .actions import ACTIONS, TABLE_COLUMNS, GroupRecompute, OpSwap, OutputRecompute, SelectRecompute, layer_lists
 from .actions.region import RegionAction
-from .config import AcConfig, check_int, resolve_config, with_layer_lists
+from .config import LAYER_LIST_FIELDS, AcConfig, check_int, resolve_config, with_layer_lists
 from .errors import ConfigError, clip
 from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges
 from .layers import find_layer_stack
@@ -254,9 +254,12 @@ class AcPlan:
         for lp in self.layers.values():
             for action in lp.actions:
                 groups.setdefault(action.summary(self), []).append(lp.layer_id)
+        budget = self.config.memory_budget
         text = "; ".join(f"{action} on layer{'s' if len(ids) > 1 else ''} {self.format_layers(ids)}"
                          + (f" ({detail})" if detail else "") for (action, detail), ids in groups.items()) \
-            or "nothing to install (no layer is recomputed or swapped)"
+            or (f"memory budget {budget.activations}: the first {budget.profile_steps} training steps measure the "
+                f"options on {self.format_layers(self.layers)}, then the cheapest plan that fits is installed"
+                if budget.enabled else "nothing to install (no layer is recomputed or swapped)")
         notes = sum(len(lp.notes) for lp in self.layers.values())
         extra = [f"{n} {what}{'s' if n > 1 else ''}" for n, what in ((len(self.warnings), "warning"),
                                                                       (notes, "note")) if n]
@@ -432,6 +435,26 @@ def check_layer_ids(config, num_layers, pp=1):
     return _PlanPass(config, pp, num_layers).plan()
 
 
+def _budget_config(config, pp):
+    """With ``memory_budget`` set, the config the profiling plan starts from: its layer lists are the
+    budget's to choose (a warning names the hand-written ones it replaces), its settings stay."""
+    if not config.memory_budget.enabled:
+        return config
+    if pp > 1:
+        raise ConfigError("memory_budget", f"pp={pp}: a memory budget plans the layers of one process; on pipeline "
+                                           f"stages plan each stage's layers with mindformers-ac plan --budget ... "
+                                           f"--pp {pp} and give each stage its YAML")
+    cleared = with_layer_lists(config)
+    given = [f"{name}.{key}" for name in ("recompute", "recompute_comm", "swap")
+             for key in LAYER_LIST_FIELDS[name]
+             if key not in ("mode", "enable")
+             and getattr(getattr(config, name), key) != getattr(getattr(cleared, name), key)]
+    if given:
+        logger.warning("memory_budget is set, so it chooses every layer's recompute and swap: the hand-written %s "
+                       "are not applied (remove memory_budget to apply them)", ", ".join(given))
+    return cleared
+
+
 def plan_ac(model, recompute=None, recompute_comm=None, swap=None, pp=1, mtp_block=None, *, config=None,
             layers=None, layer_offset=None, num_layers=None):
     """Resolve and validate a config against ``model`` without changing it.
@@ -469,6 +492,7 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
                                           f"first stage), and num_layers=<the whole model's layers> if the model "
                                           f"has no config.num_layers, so the config's global ids land on the "
                                           f"right layers")
+    config = _budget_config(config, pp)
     planner = _PlanPass(config, pp, stack.total_layers, stack, model)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,

@@ -211,6 +211,19 @@ class BudgetPlan:
         """Largest region a chosen recompute rebuilds in backward (on top of ``predicted_peak``)."""
         return int(max((self.profile.transient[i, k] for i, k in enumerate(self.choice)), default=0))
 
+    @property
+    def prefetch_bytes(self):
+        """What prefetch brings back ahead of use: the ``prefetch`` largest offloads of the swapped layers."""
+        offload = swap_offload(self.profile)
+        swapped = sorted((offload[i, k] for i, k in enumerate(self.choice)
+                          if self.profile.options[k].kind == OptionKind.SWAP), reverse=True)
+        return int(sum(swapped[:self.profile.prefetch]))
+
+    @property
+    def backward_peak(self):
+        """The real peak the cost model bounds: kept bytes, the largest rebuild and the prefetched bytes."""
+        return self.predicted_peak + self.transient_bytes + self.prefetch_bytes
+
     def sections(self):
         return option_sections(self.options, self.profile.prefetch)
 
@@ -262,8 +275,13 @@ def option_sections(options, prefetch=1):
     with ``exclude`` a dict-form ``exclude_op`` limited to those layers; both full and select layers give
     ``mode: select`` with ``full_recompute_layer``.
     """
+    return option_config(options, AcConfig(swap=SwapConfig(default_prefetch=prefetch)), prefetch).to_dict()
+
+
+def option_config(options, base, prefetch):
+    """``base`` (an ``AcConfig``) with its layer lists replaced by what ``{layer id: Option}`` does."""
     plans = [LayerPlan(i, actions=options[i].actions(i, prefetch)) for i in sorted(options)]
-    return with_layer_lists(AcConfig(swap=SwapConfig(default_prefetch=prefetch)), **layer_lists(plans)).to_dict()
+    return with_layer_lists(base, **layer_lists(plans))
 
 
 def minimum_peak(profile, prefetch=None):
@@ -300,3 +318,56 @@ def _with_prefetch(profile, prefetch):
     if prefetch == profile.prefetch:
         return profile
     return Profile(**{**profile.__dict__, "prefetch": prefetch})
+
+
+def swap_offload(profile):
+    """``(num_layers, num_options)``: bytes a layer's swap option moves to host (0 for other options)."""
+    offload = np.zeros_like(profile.transient)
+    for k, option in enumerate(profile.options):
+        if option.kind == OptionKind.SWAP:
+            offload[:, k] = np.nan_to_num(np.maximum(profile.mem[:, 0] - profile.mem[:, k], 0.0))
+    return offload
+
+
+def _backward_cases(profile):
+    """``(allowed, reserve)`` pairs: the options allowed under a cap on the largest rebuild and on swap,
+    and the bytes that cap reserves on top of the kept bytes (the rebuild, the prefetched layers)."""
+    allowed = profile.allowed()
+    swap = np.array([o.kind == OptionKind.SWAP for o in profile.options])
+    offload = swap_offload(profile)
+    for cap in sorted(set(profile.transient[allowed].tolist()) | {0.0}):
+        for with_swap in (False, True) if swap.any() else (False,):
+            ok = allowed & (profile.transient <= cap)
+            ok[:, swap] &= with_swap
+            if not ok.any(axis=1).all():
+                continue
+            window = np.sort(np.where(ok, offload, 0.0).max(axis=1))[::-1][:profile.prefetch].sum() \
+                if with_swap else 0.0
+            yield ok, cap + window
+
+
+def plan_within(profile, budget):
+    """The least-step-time ``BudgetPlan`` whose real peak (``BudgetPlan.backward_peak``) fits ``budget``.
+
+    The peak is kept bytes plus the largest rebuild in backward plus what
+    prefetch brings back ahead of time, which is not additive: every cap on
+    the rebuild (each measured transient) and with or without swap is solved
+    as its own knapsack, with what the cap reserves taken off the budget,
+    and the cheapest answer wins. Returns ``(plan, fits)``: when nothing fits,
+    the plan with the least real peak and ``fits=False``.
+    """
+    best, least = None, None
+    for ok, reserve in _backward_cases(profile):
+        capacity = budget - profile.other_bytes - reserve
+        choice = solve(profile.mem, profile.time, ok, capacity) if capacity >= 0 else None
+        if choice is not None:
+            plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice])
+            if best is None or (plan.predicted_step_s, plan.backward_peak) < (best.predicted_step_s,
+                                                                              best.backward_peak):
+                best = plan
+        floor = np.argmin(np.where(ok, profile.mem, np.inf), axis=1)
+        plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in floor])
+        if least is None or plan.backward_peak < least.backward_peak:
+            least = plan
+    return (best, True) if best is not None else (least, False)
+

@@ -77,22 +77,58 @@ def cmd_explain(args):
 
 
 def cmd_train(args):
-    from .report import layer_table, module_table, summary_text, write_report
     from .spec import spec_from_args
-    from .train import exit_status, train_and_compare
     if args.model is not None and args.tp > 1:
         raise ConfigError("--tp", "tensor parallel trains the reference GPT only; it can't be combined with --model")
     if args.tp > 1 and (args.moe or args.ep > 1):
         raise ConfigError("--tp", "tensor parallel trains the dense reference GPT; use --ep for the MoE model")
-    if args.model is not None and args.config is None:
-        raise ConfigError("CONFIG", "train --model needs the YAML config to apply: the shipped default config "
-                                    "targets the reference GPT's 8 layers")
+    if args.model is not None and args.config is None and args.budget is None:
+        raise ConfigError("CONFIG", "train --model needs the YAML config to apply (or --budget): the shipped "
+                                    "default config targets the reference GPT's 8 layers")
     check_pipeline_flags(args)
     spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches)
-    config = args.config or default_config_path()
-    AcConfig.from_yaml(config)   # structural errors first, before any model is built
-    if args.report:
-        prepare_report_dir(args.report)   # before minutes of training, not after
+    config = args.config or (None if args.budget is not None else default_config_path())
+    loaded = AcConfig.from_yaml(config) if config else AcConfig()   # structural errors first, before any model
+    with contextlib.ExitStack() as stack:
+        if args.budget is not None:
+            config = stack.enter_context(budget_config(args, loaded))
+        if args.report:
+            prepare_report_dir(args.report)   # before minutes of training, not after
+        return _train(args, spec, config)
+
+
+@contextlib.contextmanager
+def budget_config(args, config):
+    """``--budget``: ``config`` with ``memory_budget.activations`` set, as a temporary YAML (the runs read a path).
+
+    Checked before anything runs: the size's spelling, one process (no --tp/--ep/--pp), and enough
+    ``--steps`` to profile, install the choice and measure it.
+    """
+    import dataclasses
+    import tempfile
+
+    from ..budget.sizes import parse_budget
+    from ..config import MemoryBudgetConfig
+    parse_budget(args.budget, 1, "--budget")
+    for flag in ("tp", "ep", "pp"):
+        if getattr(args, flag) > 1:
+            raise ConfigError("--budget", f"plans the layers of one process; it can't be combined with --{flag}")
+    settings = dataclasses.replace(config.memory_budget, activations=args.budget) if config.memory_budget.enabled \
+        else MemoryBudgetConfig(activations=args.budget)
+    if args.steps < settings.profile_steps + 2:
+        raise ConfigError("--steps", f"with --budget, expected at least {settings.profile_steps + 2}: "
+                                     f"memory_budget.profile_steps={settings.profile_steps} steps measure the "
+                                     f"options, then one step measures the chosen plan and one runs it")
+    with tempfile.TemporaryDirectory(prefix="mindformers-ac-budget-") as workdir:
+        path = os.path.join(workdir, "budget.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(dataclasses.replace(config, memory_budget=settings).to_yaml())
+        yield path
+
+
+def _train(args, spec, config):
+    from .report import layer_table, module_table, summary_text, write_report
+    from .train import exit_status, train_and_compare
     if spec.pp > 1:
         from .pipeline import train_and_compare_pp
         rank, result = train_and_compare_pp(spec, config)
@@ -249,6 +285,11 @@ def build_parser():
                        help="expert-parallel size (default 1; with --moe); > 1 must run under msrun with that "
                             "many workers")
     add_moe_arguments(train)
+    train.add_argument("--budget", default=None, metavar="SIZE",
+                       help="train with a memory budget instead of per-layer lists (memory_budget.activations): "
+                            "the first steps measure the options, then the cheapest plan that fits runs; a "
+                            "fraction of the peak without AC (0.5x) or a size (96MiB); CONFIG's settings and "
+                            "memory_budget section apply")
     train.add_argument("--report", default=None, metavar="DIR",
                        help="write report.json and memory.png into this directory, created if missing "
                             "(default: no report files)")

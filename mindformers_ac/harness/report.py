@@ -82,8 +82,27 @@ def summary_text(result):
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
         verdict_line(s),
-    ] + _pipeline_lines(s.get("pipeline")) + _collectives_lines(s.get("collectives_per_step"),
+    ] + _budget_lines(s.get("memory_budget")) + _pipeline_lines(s.get("pipeline")) + _collectives_lines(s.get("collectives_per_step"),
                            "expert parallel" if result["spec"].get("ep", 1) > 1 else "tensor parallel"))
+
+
+def _budget_lines(budget):
+    if not budget:
+        return []
+    if budget["chosen"] is None:
+        return [f"memory budget {budget['activations']}: still profiling when the run ended (give --steps more "
+                f"than memory_budget.profile_steps + 1)"]
+    measured = budget["measured_peak_bytes"]
+    verdict = "within" if measured is not None and measured <= budget["budget_bytes"] else "over"
+    lines = [f"memory budget {budget['activations']} = {_mib(budget['budget_bytes'])} MiB: chosen "
+             f"{budget['chosen']} (from step {budget['first_step']}; the figures above are from that step on)",
+             f"  real peak (kept + largest rebuild + prefetched): predicted {_mib(budget['predicted_peak_bytes'])} "
+             f"MiB, measured {_mib(measured) if measured is not None else '-'} MiB: {verdict} the budget"]
+    if not budget["fits"]:
+        lines.append("  the budget is below the least reachable peak: the plan with the least peak was used")
+    if budget["replanned"]:
+        lines.append("  chosen twice: the first choice measured over the budget")
+    return lines
 
 
 def _pipeline_lines(pipeline):

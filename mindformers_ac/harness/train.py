@@ -65,8 +65,14 @@ def _read_text(path):
         return ""
 
 
-def _peak_step(record):
-    return max(record["memory"], key=lambda m: m["kept_bytes"])
+def _first_planned_step(record):
+    """The first step of the plan the run ends with: 0, or with ``memory_budget`` the first after profiling."""
+    budget = record.get("budget")
+    return budget["first_step"] if budget and budget["first_step"] is not None else 0
+
+
+def _peak_step(record, first=0):
+    return max(record["memory"][first:], key=lambda m: m["kept_bytes"])
 
 
 def compare(spec, config_path, baseline, ac, rerun_baseline=None):
@@ -77,8 +83,10 @@ def compare(spec, config_path, baseline, ac, rerun_baseline=None):
     nondeterminism (its record is kept as ``baseline_again``).
     """
     from .exactness import judge
-    base_mem, ac_mem = _peak_step(baseline), _peak_step(ac)
-    warm = slice(min(2, spec.steps - 1), None)  # the first steps include kernel compilation
+    # with memory_budget the figures are the chosen plan's, from its first step on (both runs alike)
+    first = _first_planned_step(ac)
+    base_mem, ac_mem = _peak_step(baseline, first), _peak_step(ac, first)
+    warm = slice(max(first, min(2, spec.steps - 1)), None)  # the first steps include kernel compilation
     base_time = statistics.median(baseline["step_times"][warm])
     ac_time = statistics.median(ac["step_times"][warm])
     layers = []
@@ -113,6 +121,8 @@ def compare(spec, config_path, baseline, ac, rerun_baseline=None):
     }
     if again is not None:
         result["baseline_again"] = again
+    if "budget" in ac:
+        result["summary"]["memory_budget"] = {k: v for k, v in ac["budget"].items() if k not in ("events",)}
     return result
 
 

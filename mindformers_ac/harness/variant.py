@@ -52,7 +52,11 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
         if progress is not None:
             progress.update(step, record["losses"][-1], seconds, memory.kept_bytes)
     record["vm_hwm_bytes"] = vm_hwm()
-    record["plan"] = {str(i): lp.describe() for i, lp in run.plan.layers.items()} if run.plan else {}
+    state = ac_state(model)
+    plan = state.plan if state is not None else None   # with memory_budget: the plan it chose
+    record["plan"] = {str(i): lp.describe() for i, lp in plan.layers.items()} if plan else {}
+    if state is not None and state.budget is not None:
+        record["budget"] = state.budget.as_record()
     return record
 
 

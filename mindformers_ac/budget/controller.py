@@ -1,0 +1,402 @@
+"""``memory_budget`` at work: measure the options on the user's first training steps, then install the
+cheapest plan that fits.
+
+``apply_ac`` with a ``memory_budget`` section installs this controller on
+the model it was given: a forward pre-hook and a forward hook on that cell,
+nothing else. A *training forward* is one MindSpore records for a gradient
+(``requires_grad``); an eval forward in between is left alone. Every AC
+option is bitwise exact, so the controller can run the user's own steps
+under any candidate plan without changing the training curve:
+
+* **profiling** (``profile_steps`` training forwards): the first runs without
+  AC (a warm-up: first calls are slow), the second without AC too (the
+  baseline: its kept bytes are what ``0.5x`` is a fraction of), then one
+  step per candidate option, applied to every layer where it is allowed
+  (``profile_schedule``: full recompute and layer swap first). Each step is
+  measured as ``train`` measures (``accounting.StepMeter``: kept bytes per
+  layer, the rebuild in backward, what swap offloaded) and timed from its
+  forward to the next training forward.
+* **the choice**: ``budget.solver.plan_within`` on those figures, under the
+  real peak (kept bytes, plus the largest rebuild, plus what prefetch
+  brings back ahead of time). The chosen plan is installed, and the next
+  training step is measured. If its measured peak is over the budget, the
+  profile takes the measured figures and the choice is made once more (said
+  in the log); after that the plan stays. If nothing fits, the plan with the
+  least peak is installed and one warning gives the figures.
+* **settled**: one log block says what was measured and chosen
+  (``describe``); ``ac_state(model).plan`` is the chosen ``AcPlan`` and its
+  ``to_config()`` pins it without profiling. The hooks then only compare
+  input shapes: a forward with shapes not seen before is predicted (the
+  measured peak, scaled by the inputs' element count) and profiled again
+  only if the prediction is over the budget, at most ``MAX_PROFILES`` times
+  in all; past that, the plan stays and a warning says so once. A plan
+  chosen for a shape is installed again when that shape comes back.
+
+A plan is only switched when the previous training forward's backward is
+done (its saved tensors, or the engines' regions and host buffers, are
+freed): with microbatches in flight the plan stays, and a forward made while
+another is in flight is not a profiling sample. The budget in bytes is fixed
+by the first profile (a fraction of its baseline); later profiles keep it.
+The profiling steps run without AC once each: the model must fit without AC
+for those steps (pin an offline plan, ``mindformers-ac plan``, where it does not).
+"""
+import dataclasses
+import logging
+import math
+import time
+from enum import Enum
+
+from ..accounting import OTHER, StepMeter
+from ..config import MemoryBudgetConfig
+from ..layer_specs import format_layer_specs, swappable_layers
+from ..logs import report_summary
+from ..mindspore_compat import pynative_executor
+from ..plan import plan_with_layers
+from ..tensors import MiB, tensor_leaves
+from .options import OptionSample, candidate_options, profile_from_samples
+from .sizes import format_bytes
+from .solver import OptionKind, option_config, plan_within, summarize
+
+logger = logging.getLogger("mindformers_ac")
+
+MAX_PROFILES = 3   # the first profile and two for new input shapes
+_WARMUP, _BASELINE = 0, 1   # sample indices of the two steps without AC
+
+
+class Phase(str, Enum):
+    PROFILING = "profiling"
+    CHECKING = "checking"    # the chosen plan's first step, measured
+    SETTLED = "settled"
+
+
+def profile_schedule(options, steps, include_swap):
+    """The option each profiling step runs: ``none`` twice (warm-up, baseline), then the most useful
+    options first (full recompute, layer swap, selects of whole sub-layers, the rest), ``steps`` in all."""
+    def rank(option):
+        if option.kind == OptionKind.FULL:
+            return (3,) if option.exclude else (0,)   # keeping outputs takes the slower path: last
+        if option.kind == OptionKind.SWAP:
+            return (1,)
+        return (2, -len(option.select), sum(p.count(".") for p in option.select))
+    rest = sorted((o for o in options if o.kind != OptionKind.NONE and (include_swap or o.kind != OptionKind.SWAP)),
+                  key=rank)
+    none = next(o for o in options if o.kind == OptionKind.NONE)
+    return [none, none] + rest[:steps - 2]
+
+
+def shape_key(args):
+    """The shapes and dtypes of a forward's tensor arguments: what a profile is valid for."""
+    return tuple((tuple(t.shape), str(t.dtype)) for t in tensor_leaves(args))
+
+
+def _elements(key):
+    return sum(math.prod(shape) for shape, _ in key) or 1
+
+
+def measured_peak(memory, layer_ids, prefetch):
+    """A step's real peak from its ``StepMemory``, the figure the solver bounds: kept bytes, plus the
+    largest rebuild in backward, plus the ``prefetch`` largest offloads (back on the device ahead of use)."""
+    layers = [memory.layers[i] for i in layer_ids if i in memory.layers]
+    rebuild = max((lm.recomputed_bytes for lm in layers), default=0)
+    offloads = sorted((lm.offloaded_bytes for lm in layers), reverse=True)
+    return memory.kept_bytes + rebuild + sum(offloads[:prefetch])
+
+
+class BudgetController:
+    """The ``memory_budget`` of one model (``ac_state(model).budget``); see the module docstring.
+
+    ``phase``; ``profile`` (``solver.Profile``) and ``choice`` (``solver.BudgetPlan``) once chosen;
+    ``budget_bytes``; ``measured_peak`` / ``measured_step_s`` of the chosen plan's measured step;
+    ``fits``; ``profiles`` (how many were taken); ``events``: what was logged, in order.
+    """
+
+    def __init__(self, state, model, stack):
+        self.state, self.model, self.stack = state, model, stack
+        config = state.config
+        self.settings = config.memory_budget
+        self.base_config = dataclasses.replace(config, memory_budget=MemoryBudgetConfig())
+        self.prefetch = config.swap.default_prefetch
+        self.layer_ids = [i for i in stack.layer_ids if i < stack.num_layers]
+        options = candidate_options(stack.cell(self.layer_ids[0]))
+        include_swap = self.settings.include_swap and bool(swappable_layers(len(self.layer_ids), self.prefetch))
+        self.schedule = profile_schedule(options, self.settings.profile_steps, include_swap)
+        self.meter = StepMeter(model, state.layers_arg, state.mtp_block)
+        self.phase = Phase.PROFILING
+        self.samples, self.profile_shape, self.profiles = [], None, 1
+        self.profile = self.choice = self.budget_bytes = None
+        self.measured_peak = self.measured_step_s = None
+        self.fits, self.replanned = True, False
+        self.plans = {}          # shape key -> the option config chosen for it
+        self.installed = None    # the option config installed now (None: the apply_ac plan, nothing)
+        self.events = []
+        self.forwards = 0        # training forwards seen (not counting those made while one was in flight)
+        self.chosen_at = None    # the training forward from which the current choice runs
+        self._open = None        # (OpenStep, option or None, start time, shape key)
+        self._warned = set()
+        self._handles = []
+
+    # -- hooks -------------------------------------------------------------------------------------------
+
+    def install(self):
+        self._handles = [self.model.register_forward_pre_hook(self._before_forward),
+                         self.model.register_forward_hook(self._after_forward)]
+
+    def uninstall(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._open is not None:
+            self._open[0].end_forward()
+            self._open = None
+
+    def _before_forward(self, _cell, args):
+        if not pynative_executor.requires_grad():
+            return   # eval, or a forward nobody takes a gradient of: not a training step
+        shape = shape_key(args)
+        if self._in_flight():
+            return   # a backward is still to come: the plan stays, and this forward is not a sample
+        self.forwards += 1
+        if self._open is not None:
+            self._finish(*self._open)
+            self._open = None
+        if self.phase == Phase.SETTLED:
+            self._settled_forward(shape)
+        if self.phase == Phase.PROFILING:
+            if self.profile_shape is None:
+                self.profile_shape = shape
+            option = self.schedule[len(self.samples)]
+            self._install(self._option_config(option))
+            self._start(option, shape)
+        elif self.phase == Phase.CHECKING:
+            self._start(None, shape)
+
+    def _after_forward(self, _cell, _args, _output):
+        if self._open is not None:
+            self._open[0].end_forward()
+
+    def _in_flight(self):
+        if self._open is not None:
+            return self._open[0].pending_bytes > 0
+        state = self.state
+        pool = getattr(state.swap_executor, "pool", None)
+        return any(s.live_regions for s in state.recompute_stats.values()) or \
+            (pool is not None and pool.in_use_bytes > 0)
+
+    def _start(self, option, shape):
+        self._open = (self.meter.begin(engines_at_forward_end=True), option, time.perf_counter(), shape)
+
+    # -- phases ------------------------------------------------------------------------------------------
+
+    def _finish(self, step, option, started, shape):
+        seconds = time.perf_counter() - started
+        memory = step.finish()
+        if self.phase == Phase.PROFILING:
+            if shape != self.profile_shape:
+                logger.debug("memory_budget: a profiling step had other input shapes than the profile's; not used")
+                return
+            applied = self._applied(option)
+            self.samples.append(OptionSample(option, applied, seconds, memory))
+            if len(self.samples) == len(self.schedule):
+                self._choose()
+        elif self.phase == Phase.CHECKING:
+            self.measured_peak = measured_peak(memory, self.layer_ids, self.prefetch)
+            self.measured_step_s = seconds
+            self._check(memory)
+
+    def _choose(self):
+        samples = self.samples[_BASELINE:]
+        shape = ", ".join(f"{list(s)} {d}" for s, d in self.profile_shape)
+        profile = profile_from_samples(samples, len(self.layer_ids), self.prefetch,
+                                       description=f"{len(self.samples)} training steps, inputs {shape}")
+        base = self.samples[_BASELINE].memory
+        # MTP layers are not planned: what they keep is beside the decoder's, with the embedding and head
+        profile.other_bytes += sum(lm.kept_bytes for i, lm in base.layers.items()
+                                   if i != OTHER and i not in self.layer_ids)
+        if self.budget_bytes is None:
+            self.budget_bytes = self.settings.budget_bytes(base.kept_bytes) if self.settings.is_fraction \
+                else self.settings.budget_bytes(0)
+        self.profile = profile
+        self._solve()
+
+    def _solve(self):
+        self.choice, self.fits = plan_within(self.profile, self.budget_bytes)
+        if not self.fits:
+            self._warn_once("too_small", f"memory_budget: even the plan with the least peak needs "
+                                         f"{format_bytes(self.choice.backward_peak)}, over the budget of "
+                                         f"{format_bytes(self.budget_bytes)}; training goes on with it "
+                                         f"({self.choice.summary()})")
+        config = option_config(self.choice.options, self.base_config, self.prefetch)
+        self.plans[self.profile_shape] = config
+        self._install(config)
+        self.chosen_at = self.forwards - 1
+        self.phase = Phase.CHECKING
+
+    def _check(self, memory):
+        over = self.measured_peak > self.budget_bytes
+        if over and self.fits and not self.replanned:
+            self.replanned = True
+            self._note(f"memory_budget: the chosen plan's measured peak {format_bytes(self.measured_peak)} is over "
+                       f"the budget {format_bytes(self.budget_bytes)} (predicted "
+                       f"{format_bytes(self.choice.backward_peak)}): choosing again with the measured figures",
+                       logging.WARNING)
+            self._take_measured(memory)
+            self._solve()
+            return
+        self.phase = Phase.SETTLED
+        report_summary("\n".join(self.describe()))
+        self.events.append("\n".join(self.describe()))
+
+    def _take_measured(self, memory):
+        """The chosen options' profile entries, replaced by what their step measured."""
+        mem, transient = self.profile.mem.copy(), self.profile.transient.copy()
+        for row, (i, k) in enumerate(zip(self.layer_ids, self.choice.choice)):
+            lm = memory.layers[i]
+            mem[row, k], transient[row, k] = lm.kept_bytes, lm.recomputed_bytes
+        other = memory.layers[OTHER].kept_bytes + sum(lm.kept_bytes for i, lm in memory.layers.items()
+                                                      if i != OTHER and i not in self.layer_ids)
+        self.profile = dataclasses.replace(self.profile, mem=mem, transient=transient,
+                                           other_bytes=max(self.profile.other_bytes, other))
+
+    def _settled_forward(self, shape):
+        if shape == self.profile_shape or shape in self.plans:
+            self._install(self.plans.get(shape, self.installed))
+            return
+        scale = _elements(shape) / _elements(self.profile_shape)
+        predicted = int(self.measured_peak * scale)
+        if predicted <= self.budget_bytes:
+            self.plans[shape] = self.installed
+            self._note(f"memory_budget: new input shapes {[list(s) for s, _ in shape]}: predicted peak "
+                       f"{format_bytes(predicted)} (the measured one scaled by the inputs' size) fits the budget "
+                       f"{format_bytes(self.budget_bytes)}; the plan stays")
+        elif self.profiles < MAX_PROFILES:
+            self.profiles += 1
+            self._note(f"memory_budget: new input shapes {[list(s) for s, _ in shape]}: predicted peak "
+                       f"{format_bytes(predicted)} is over the budget {format_bytes(self.budget_bytes)}; profiling "
+                       f"again (profile {self.profiles} of at most {MAX_PROFILES})", logging.WARNING)
+            self.phase, self.samples, self.profile_shape, self.replanned = Phase.PROFILING, [], shape, False
+        else:
+            self.plans[shape] = self.installed
+            self._warn_once("bound", f"memory_budget: new input shapes {[list(s) for s, _ in shape]} predict a "
+                                     f"peak of {format_bytes(predicted)}, over the budget "
+                                     f"{format_bytes(self.budget_bytes)}, but {MAX_PROFILES} profiles were taken "
+                                     f"already: the current plan stays for this and any further new shape")
+
+    # -- plans -------------------------------------------------------------------------------------------
+
+    def _applied(self, option):
+        if option.kind == OptionKind.NONE:
+            return []
+        if option.kind == OptionKind.SWAP:
+            return list(swappable_layers(len(self.layer_ids), self.prefetch))
+        return list(range(len(self.layer_ids)))
+
+    def _option_config(self, option):
+        applied = self._applied(option)
+        return option_config({self.layer_ids[r]: option for r in applied}, self.base_config, self.prefetch) \
+            if applied else None
+
+    def _install(self, config):
+        if config is self.installed or config == self.installed:
+            return
+        state = self.state
+
+        def make_plan():
+            return plan_with_layers(self.model, config=config if config is not None else self.base_config,
+                                    pp=state.plan.pp, mtp_block=state.mtp_block, layers=state.layers_arg,
+                                    **state.stage_args)[0]
+        self.installed = None   # if installing fails the model runs without a plan
+        state.replace_plan(make_plan, self.model)
+        self.installed = config
+        logger.debug("memory_budget: installed %s", state.plan.summary())
+
+    # -- report ------------------------------------------------------------------------------------------
+
+    def _note(self, text, level=logging.INFO):
+        self.events.append(text)
+        logger.log(level, "%s", text)
+
+    def _warn_once(self, key, text):
+        if key not in self._warned:
+            self._warned.add(key)
+            self._note(text, logging.WARNING)
+
+    def table(self):
+        """Per layer and option: kept bytes and step-time cost measured; the chosen option marked ``*``."""
+        p, chosen = self.profile, self.choice.choice if self.choice else ()
+        header = ["layer"] + [o.name for o in p.options]
+        rows, ids = [header], []
+        for row, layer_id in enumerate(self.layer_ids):
+            cells = []
+            for k in range(len(p.options)):
+                if math.isnan(p.mem[row, k]):
+                    cells.append("-")
+                    continue
+                mark = "*" if len(chosen) > row and chosen[row] == k else ""
+                cells.append(f"{mark}{p.mem[row, k] / MiB:.2f} MiB {max(0.0, p.time[row, k]) * 1000:+.1f} ms")
+            if ids and rows[-1][1:] == cells:   # alike layers side by side: one row
+                ids[-1].append(layer_id)
+            else:
+                ids.append([layer_id])
+                rows.append([""] + cells)
+        for r, layers in zip(rows[1:], ids):
+            r[0] = ", ".join(str(spec) for spec in format_layer_specs(layers))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+        return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                for r in rows]
+
+    def describe(self):
+        """The log block of the choice: the measured options, the plan, its peak and step-time cost."""
+        if self.choice is None:
+            return [f"memory_budget: profiling, step {len(self.samples) + 1} of {len(self.schedule)}"]
+        p, c = self.profile, self.choice
+        baseline = p.baseline_peak + 0
+        lines = [f"memory_budget: profiled on {p.description}; kept bytes and step-time cost per layer "
+                 f"(* chosen):"] + ["  " + line for line in self.table()]
+        lines.append(f"  budget {format_bytes(self.budget_bytes)} ({self.budget_bytes / baseline:.2f}x the "
+                     f"{format_bytes(baseline)} kept without AC); chosen: {c.summary()}")
+        verdict = "" if self.measured_peak is None else (
+            f"; measured {format_bytes(self.measured_peak)}, "
+            f"{'within' if self.measured_peak <= self.budget_bytes else 'over'} the budget")
+        lines.append(f"  peak: predicted {format_bytes(c.backward_peak)} (kept {format_bytes(c.predicted_peak)} + "
+                     f"largest rebuild {format_bytes(c.transient_bytes)} + prefetched "
+                     f"{format_bytes(c.prefetch_bytes)}){verdict}")
+        measured = "" if self.measured_step_s is None else \
+            f", measured {self.measured_step_s * 1000:.1f} ms ({self.measured_step_s / p.baseline_step_s:.2f}x)"
+        lines.append(f"  step time: {p.baseline_step_s * 1000:.1f} ms without AC, predicted "
+                     f"{c.predicted_step_s * 1000:.1f} ms ({c.predicted_step_s / p.baseline_step_s:.2f}x){measured}")
+        if self.replanned:
+            lines.append("  chosen a second time, with the first choice's measured figures")
+        if not self.fits:
+            lines.append("  the budget is below the least reachable peak: the plan with the least peak is installed")
+        return lines
+
+    def as_record(self):
+        """Every figure, as plain data (``train``'s report)."""
+        c = self.choice
+        return {"activations": str(self.settings.activations), "budget_bytes": self.budget_bytes,
+                "phase": self.phase.value, "profiles": self.profiles, "first_step": self.chosen_at,
+                "chosen": summarize(c.options) if c else None,
+                "predicted_peak_bytes": c.backward_peak if c else None,
+                "predicted_kept_bytes": c.predicted_peak if c else None,
+                "measured_peak_bytes": self.measured_peak, "fits": self.fits, "replanned": self.replanned,
+                "predicted_step_s": c.predicted_step_s if c else None,
+                "baseline_step_s": self.profile.baseline_step_s if self.profile else None,
+                "describe": self.describe(), "events": list(self.events),
+                "config": self.state.plan.to_yaml() if c else None}
+
+    def summary(self):
+        """One line: the phase, the budget, the plan and its measured peak."""
+        if self.choice is None:
+            return f"memory_budget {self.settings.activations}: {self.describe()[0].split(': ', 1)[1]}"
+        measured = f", measured peak {format_bytes(self.measured_peak)}" if self.measured_peak is not None else ""
+        return (f"memory_budget {self.settings.activations} ({format_bytes(self.budget_bytes)}): "
+                f"{summarize(self.choice.options)}{measured}")
+
+
+def install_budget(state, model, stack):
+    """Install the controller of ``state.config.memory_budget`` on ``model`` (``apply_ac`` calls this)."""
+    controller = BudgetController(state, model, stack)
+    controller.install()
+    state.add_undo(controller.uninstall)
+    state.budget = controller
+    return controller
