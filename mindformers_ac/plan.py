@@ -479,7 +479,7 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
                      config=None, layers=None, layer_offset=None, num_layers=None):
     """``plan_ac`` that also returns the ``LayerStack`` it planned against (for ``apply_ac``)."""
     _check_pp(pp)
-    config = resolve_config(config, recompute, recompute_comm, swap)
+    config = _budget_config(resolve_config(config, recompute, recompute_comm, swap), pp)
     check_pynative()
     refuse_copied_patches(model)
     if isinstance(mtp_block, ms.nn.Cell):
@@ -492,7 +492,6 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
                                           f"first stage), and num_layers=<the whole model's layers> if the model "
                                           f"has no config.num_layers, so the config's global ids land on the "
                                           f"right layers")
-    config = _budget_config(config, pp)
     planner = _PlanPass(config, pp, stack.total_layers, stack, model)
     layer_plans = planner.plan()
     plan = AcPlan(config=config, layers=layer_plans, num_layers=stack.num_layers,

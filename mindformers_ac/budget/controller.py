@@ -48,11 +48,12 @@ from enum import Enum
 
 from ..accounting import OTHER, StepMeter
 from ..config import MemoryBudgetConfig
+from ..construct_patch import drop_on_copy
 from ..layer_specs import format_layer_specs, swappable_layers
 from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
-from ..tensors import MiB, tensor_leaves
+from ..tensors import MiB, is_tracked, tensor_leaves
 from .options import OptionSample, candidate_options, profile_from_samples
 from .sizes import format_bytes
 from .solver import OptionKind, option_config, plan_within, summarize
@@ -60,6 +61,7 @@ from .solver import OptionKind, option_config, plan_within, summarize
 logger = logging.getLogger("mindformers_ac")
 
 MAX_PROFILES = 3   # the first profile and two for new input shapes
+MAX_IN_FLIGHT = 64   # forwards before a backward: a pipeline's microbatches (harness.pipeline's bound too)
 _WARMUP, _BASELINE = 0, 1   # sample indices of the two steps without AC
 
 
@@ -132,14 +134,22 @@ class BudgetController:
         self.forwards = 0        # training forwards seen (not counting those made while one was in flight)
         self.chosen_at = None    # the training forward from which the current choice runs
         self._open = None        # (OpenStep, option or None, start time, shape key)
+        self._awaiting = 0       # training forwards whose backward has not reached their output yet
+        self._skipped = 0        # forwards in a row made while one was in flight
         self._warned = set()
         self._handles = []
 
     # -- hooks -------------------------------------------------------------------------------------------
 
     def install(self):
-        self._handles = [self.model.register_forward_pre_hook(self._before_forward),
-                         self.model.register_forward_hook(self._after_forward)]
+        # closures marked drop_on_copy: a deep copy of the model leaves them out (it gets its own controller)
+        def before(cell, args):
+            return self._before_forward(cell, args)
+
+        def after(cell, args, output):
+            return self._after_forward(cell, args, output)
+        self._handles = [self.model.register_forward_pre_hook(drop_on_copy(before)),
+                         self.model.register_forward_hook(drop_on_copy(after))]
 
     def uninstall(self):
         for handle in self._handles:
@@ -153,8 +163,11 @@ class BudgetController:
         if not pynative_executor.requires_grad():
             return   # eval, or a forward nobody takes a gradient of: not a training step
         shape = shape_key(args)
-        if self._in_flight():
+        if self._awaiting and self._skipped < MAX_IN_FLIGHT:
+            self._skipped += 1
             return   # a backward is still to come: the plan stays, and this forward is not a sample
+        # past MAX_IN_FLIGHT the forwards in flight were abandoned (a failed step, a loss never differentiated)
+        self._awaiting = self._skipped = 0
         self.forwards += 1
         if self._open is not None:
             self._finish(*self._open)
@@ -170,17 +183,20 @@ class BudgetController:
         elif self.phase == Phase.CHECKING:
             self._start(None, shape)
 
-    def _after_forward(self, _cell, _args, _output):
+    def _after_forward(self, _cell, _args, output):
+        if not pynative_executor.requires_grad():
+            return
         if self._open is not None:
             self._open[0].end_forward()
+        # the backward that reaches this output runs the whole model's backward in the same call: once
+        # it has, a new training forward may switch the plan
+        tracked = next((t for t in tensor_leaves(output) if is_tracked(t)), None)
+        if tracked is not None:
+            self._awaiting += 1
+            tracked.register_hook(self._backward_reached)
 
-    def _in_flight(self):
-        if self._open is not None:
-            return self._open[0].pending_bytes > 0
-        state = self.state
-        pool = getattr(state.swap_executor, "pool", None)
-        return any(s.live_regions for s in state.recompute_stats.values()) or \
-            (pool is not None and pool.in_use_bytes > 0)
+    def _backward_reached(self, _grad):
+        self._awaiting = max(0, self._awaiting - 1)
 
     def _start(self, option, shape):
         self._open = (self.meter.begin(engines_at_forward_end=True), option, time.perf_counter(), shape)
