@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from mindspore import nn
 
-from .apply import ac_state
+from .installed import ac_state
 from .layers import find_layer_stack
 from .logs import OnceLogger
 from .meter import SavedTensorMeter

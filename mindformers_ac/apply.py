@@ -26,6 +26,7 @@ import logging
 from .actions import ACTIONS
 from .construct_patch import DROPPED, hold_copy_hook, release_copy_hook
 from .errors import ConfigError
+from .installed import STATE_ATTR, ac_state
 from .logs import report_summary
 from .model_checks import refuse_copied_patches
 from .plan import LayerPlan, plan_with_layers
@@ -34,7 +35,8 @@ from .recompute.markers import resolve_context_fn
 
 logger = logging.getLogger("mindformers_ac")
 
-STATE_ATTR = "_mindformers_ac"
+__all__ = ["AcState", "ac_state", "apply_ac", "install_actions", "plan_without_actions", "remove_ac"]
+
 
 
 class AcState:
@@ -132,11 +134,6 @@ class AcState:
     @property
     def swap_report(self):
         return self.swap_executor.report if self.swap_executor is not None else None
-
-
-def ac_state(model):
-    """The ``AcState`` of a model ``apply_ac`` was applied to, else None."""
-    return model.__dict__.get(STATE_ATTR)
 
 
 def _install_copy_hook(state, model):

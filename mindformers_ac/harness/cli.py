@@ -289,7 +289,7 @@ def build_parser():
                        help="train with a memory budget instead of per-layer lists (memory_budget.activations): "
                             "the first steps measure the options, then the cheapest plan that fits runs; a "
                             "fraction of the peak without AC (0.5x) or a size (96MiB); CONFIG's settings and "
-                            "memory_budget section apply")
+                            "memory_budget section apply (default: none, CONFIG's layer lists)")
     train.add_argument("--report", default=None, metavar="DIR",
                        help="write report.json and memory.png into this directory, created if missing "
                             "(default: no report files)")
