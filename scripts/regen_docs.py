@@ -12,7 +12,7 @@ on the line right above its opening fence:
         what it printed on stdout (progress lines go to stderr, not shown);
     <!-- regen_docs: run COMMAND; show summary -->
         COMMAND runs; the block is ``train``'s summary lines only (from
-        ``peak activation memory`` to the verdict);
+        ``peak activation memory`` to the verdict, and a memory budget's lines);
     <!-- regen_docs: file NAME -->
         the block is written to NAME before the doc's commands run.
 
@@ -98,10 +98,12 @@ def run(command, cwd):
 
 
 def summary_lines(output):
-    """``train``'s summary: the lines from the memory line to the verdict."""
+    """``train``'s summary: the lines from the memory line to the verdict, and the memory budget's after it."""
     lines = output.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith(SUMMARY_FIRST))
     last = next(i for i, line in enumerate(lines) if line.startswith(SUMMARY_LAST))
+    while last + 1 < len(lines) and lines[last + 1].startswith(("memory budget", "  ")):
+        last += 1
     return lines[first:last + 1]
 
 

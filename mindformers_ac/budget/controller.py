@@ -104,6 +104,46 @@ def measured_peak(memory, layer_ids, prefetch):
     return memory.kept_bytes + rebuild + sum(offloads[:prefetch])
 
 
+class MeasuredStep:
+    """One training step the controller measures: its memory (an ``accounting.OpenStep``) and its compute
+    time, the forward (pre-hook to hook) plus the backward (the output's gradient to the last parameter's),
+    so that what the trainer does between steps (data, logging, a checkpoint, another model) is not an
+    option's cost."""
+
+    def __init__(self, memory_step, option, shape, params):
+        self.memory_step, self.option, self.shape = memory_step, option, shape
+        self.started = time.perf_counter()
+        self.forward_s = self.backward_from = self.last_grad = None
+        self._grad_hooks = [p.register_hook(self._grad_seen) for p in params]
+
+    def end_forward(self):
+        if self.forward_s is None:
+            self.forward_s = time.perf_counter() - self.started
+        self.memory_step.end_forward()
+
+    def backward_started(self):
+        if self.backward_from is None:
+            self.backward_from = time.perf_counter()
+
+    def _grad_seen(self, _grad):
+        self.last_grad = time.perf_counter()
+
+    def seconds(self):
+        if None in (self.forward_s, self.backward_from, self.last_grad):   # a gradient not seen: the interval
+            return time.perf_counter() - self.started
+        return self.forward_s + max(0.0, self.last_grad - self.backward_from)
+
+    def close(self):
+        for hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks = []
+        self.memory_step.end_forward()
+
+    def finish(self):
+        self.close()
+        return self.memory_step.finish()
+
+
 class BudgetController:
     """The ``memory_budget`` of one model (``ac_state(model).budget``); see the module docstring.
 
@@ -133,7 +173,7 @@ class BudgetController:
         self.events = []
         self.forwards = 0        # training forwards seen (not counting those made while one was in flight)
         self.chosen_at = None    # the training forward from which the current choice runs
-        self._open = None        # (OpenStep, option or None, start time, shape key)
+        self._open = None        # the MeasuredStep in progress
         self._awaiting = 0       # training forwards whose backward has not reached their output yet
         self._skipped = 0        # forwards in a row made while one was in flight
         self._warned = set()
@@ -156,7 +196,7 @@ class BudgetController:
             handle.remove()
         self._handles = []
         if self._open is not None:
-            self._open[0].end_forward()
+            self._open.close()
             self._open = None
 
     def _before_forward(self, _cell, args):
@@ -170,8 +210,8 @@ class BudgetController:
         self._awaiting = self._skipped = 0
         self.forwards += 1
         if self._open is not None:
-            self._finish(*self._open)
-            self._open = None
+            step, self._open = self._open, None
+            self._finish(step)
         if self.phase == Phase.SETTLED:
             self._settled_forward(shape)
         if self.phase == Phase.PROFILING:
@@ -187,7 +227,7 @@ class BudgetController:
         if not pynative_executor.requires_grad():
             return
         if self._open is not None:
-            self._open[0].end_forward()
+            self._open.end_forward()
         # the backward that reaches this output runs the whole model's backward in the same call: once
         # it has, a new training forward may switch the plan
         tracked = next((t for t in tensor_leaves(output) if is_tracked(t)), None)
@@ -197,14 +237,18 @@ class BudgetController:
 
     def _backward_reached(self, _grad):
         self._awaiting = max(0, self._awaiting - 1)
+        if self._open is not None:
+            self._open.backward_started()
 
     def _start(self, option, shape):
-        self._open = (self.meter.begin(engines_at_forward_end=True), option, time.perf_counter(), shape)
+        self._open = MeasuredStep(self.meter.begin(engines_at_forward_end=True), option, shape,
+                                  self.model.trainable_params())
 
     # -- phases ------------------------------------------------------------------------------------------
 
-    def _finish(self, step, option, started, shape):
-        seconds = time.perf_counter() - started
+    def _finish(self, step):
+        option, shape = step.option, step.shape
+        seconds = step.seconds()
         memory = step.finish()
         if self.phase == Phase.PROFILING:
             if shape != self.profile_shape:
