@@ -92,16 +92,20 @@ def test_nn_dropout_through_profiling_and_the_switch_bitwise():
     assert mac.ac_state(model).budget.chosen_at == 3
 
 
-@pytest.mark.parametrize("name", ["llama", "moe"])
+@pytest.mark.parametrize("name", ["llama", "moe", "failed_forward"])
 def test_value_and_grad_on_catalogue_models_bitwise(name):
     pattern = PATTERNS[name]
-    base = run_steps(pattern.build(), pattern.batch, steps=6)
+    fail_at = 2 if name == "failed_forward" else None   # a forward that raises in the middle of profiling
+    base = run_steps(pattern.build(), pattern.batch, steps=6, fail_at=fail_at)
     model = pattern.build()
     mac.apply_ac(model, config=budget(profile_steps=4), layers=pattern.layers)
-    auto = run_steps(model, pattern.batch, steps=6)
+    auto = run_steps(model, pattern.batch, steps=6, fail_at=fail_at)
     assert first_difference(base, auto) is None
     controller = mac.ac_state(model).budget
     assert controller.phase == Phase.SETTLED and controller.measured_peak <= controller.budget_bytes
+    # the failed forward is no sample: the profile has one step per option all the same
+    assert [s.option.name for s in controller.samples] == [o.name for o in controller.schedule]
+    assert controller.chosen_at == (5 if fail_at else 4)
 
 
 def _vjp_steps(model, steps, eval_every=0):
@@ -183,7 +187,8 @@ def test_new_shapes_profile_again_only_when_over_the_budget_and_at_most_max_prof
     assert len(fits) == 2 and controller.profiles == 1   # shorter sequences: predicted within, plan kept
 
     # a longer sequence than profiled is predicted over the budget: profiled again, then the bound
-    controller.measured_peak = controller.budget_bytes   # the next shape, bigger by any factor, predicts over
+    config, _ = controller.plans[controller.active_shape]
+    controller.plans[controller.active_shape] = (config, controller.budget_bytes)   # any bigger shape: over
     controller.profiles = MAX_PROFILES
     controller._settled_forward((((2, 99, 16), "Float32"),))   # pylint: disable=protected-access
     controller._settled_forward((((2, 98, 16), "Float32"),))   # pylint: disable=protected-access

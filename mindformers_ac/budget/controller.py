@@ -44,6 +44,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from enum import Enum
 
 from ..accounting import OTHER, StepMeter
@@ -128,10 +129,13 @@ class MeasuredStep:
     def _grad_seen(self, _grad):
         self.last_grad = time.perf_counter()
 
+    @property
+    def complete(self):
+        """Its forward ended and its backward reached the output and a parameter."""
+        return None not in (self.forward_s, self.backward_from, self.last_grad)
+
     def seconds(self):
-        if None in (self.forward_s, self.backward_from, self.last_grad):   # a gradient not seen: the interval
-            return time.perf_counter() - self.started
-        return self.forward_s + max(0.0, self.last_grad - self.backward_from)
+        return self.forward_s + max(0.0, self.last_grad - self.backward_from) if self.complete else None
 
     def close(self):
         for hook in self._grad_hooks:
@@ -168,13 +172,14 @@ class BudgetController:
         self.profile = self.choice = self.budget_bytes = None
         self.measured_peak = self.measured_step_s = None
         self.fits, self.replanned = True, False
-        self.plans = {}          # shape key -> the option config chosen for it
+        self.plans = {}          # shape key -> (the option config for it, its measured or predicted peak)
+        self.active_shape = None # the shape whose plan is installed
         self.installed = None    # the option config installed now (None: the apply_ac plan, nothing)
         self.events = []
         self.forwards = 0        # training forwards seen (not counting those made while one was in flight)
         self.chosen_at = None    # the training forward from which the current choice runs
         self._open = None        # the MeasuredStep in progress
-        self._awaiting = 0       # training forwards whose backward has not reached their output yet
+        self._awaiting = {}      # token -> weakref to a training forward's output its backward has not reached
         self._skipped = 0        # forwards in a row made while one was in flight
         self._warned = set()
         self._handles = []
@@ -203,11 +208,12 @@ class BudgetController:
         if not pynative_executor.requires_grad():
             return   # eval, or a forward nobody takes a gradient of: not a training step
         shape = shape_key(args)
-        if self._awaiting and self._skipped < MAX_IN_FLIGHT:
+        if self._in_flight() and self._skipped < MAX_IN_FLIGHT:
             self._skipped += 1
             return   # a backward is still to come: the plan stays, and this forward is not a sample
-        # past MAX_IN_FLIGHT the forwards in flight were abandoned (a failed step, a loss never differentiated)
-        self._awaiting = self._skipped = 0
+        # past MAX_IN_FLIGHT the forwards in flight were abandoned (a loss kept but never differentiated)
+        self._awaiting.clear()
+        self._skipped = 0
         self.forwards += 1
         if self._open is not None:
             step, self._open = self._open, None
@@ -232,13 +238,22 @@ class BudgetController:
         # it has, a new training forward may switch the plan
         tracked = next((t for t in tensor_leaves(output) if is_tracked(t)), None)
         if tracked is not None:
-            self._awaiting += 1
-            tracked.register_hook(self._backward_reached)
+            token = object()
+            self._awaiting[token] = weakref.ref(tracked)
 
-    def _backward_reached(self, _grad):
-        self._awaiting = max(0, self._awaiting - 1)
-        if self._open is not None:
-            self._open.backward_started()
+            def reached(_grad):
+                self._awaiting.pop(token, None)
+                if self._open is not None:
+                    self._open.backward_started()
+            tracked.register_hook(reached)
+
+    def _in_flight(self):
+        """A training forward's backward is still to come: its output is alive and its gradient not reached
+        (an output dropped without a backward, a step that failed, is not in flight)."""
+        for token, ref in list(self._awaiting.items()):
+            if ref() is None:
+                del self._awaiting[token]
+        return bool(self._awaiting)
 
     def _start(self, option, shape):
         self._open = MeasuredStep(self.meter.begin(engines_at_forward_end=True), option, shape,
@@ -248,8 +263,11 @@ class BudgetController:
 
     def _finish(self, step):
         option, shape = step.option, step.shape
-        seconds = step.seconds()
+        seconds, complete = step.seconds(), step.complete
         memory = step.finish()
+        if not complete:   # its forward raised, or no gradient reached it: the figures are not a step's
+            logger.debug("memory_budget: a measured step did not complete its forward and backward; not used")
+            return
         if self.phase == Phase.PROFILING:
             if shape != self.profile_shape:
                 logger.debug("memory_budget: a profiling step had other input shapes than the profile's; not used")
@@ -286,7 +304,7 @@ class BudgetController:
                                          f"{format_bytes(self.budget_bytes)}; training goes on with it "
                                          f"({self.choice.summary()})")
         config = option_config(self.choice.options, self.base_config, self.prefetch)
-        self.plans[self.profile_shape] = config
+        self.plans[self.profile_shape] = (config, self.choice.backward_peak)
         self._install(config)
         self.chosen_at = self.forwards - 1
         self.phase = Phase.CHECKING
@@ -303,6 +321,12 @@ class BudgetController:
             self._solve()
             return
         self.phase = Phase.SETTLED
+        self.active_shape = self.profile_shape
+        self.plans[self.profile_shape] = (self.installed, self.measured_peak)
+        if over and self.fits:
+            self._warn_once("still_over", f"memory_budget: the plan chosen again still measures "
+                                          f"{format_bytes(self.measured_peak)}, over the budget "
+                                          f"{format_bytes(self.budget_bytes)}; it stays")
         report_summary("\n".join(self.describe()))
         self.events.append("\n".join(self.describe()))
 
@@ -318,28 +342,31 @@ class BudgetController:
                                            other_bytes=max(self.profile.other_bytes, other))
 
     def _settled_forward(self, shape):
-        if shape == self.profile_shape or shape in self.plans:
-            self._install(self.plans.get(shape, self.installed))
+        if shape in self.plans:   # profiled, or predicted before: its plan (again)
+            self._install(self.plans[shape][0])
+            self.active_shape = shape
             return
-        scale = _elements(shape) / _elements(self.profile_shape)
-        predicted = int(self.measured_peak * scale)
+        origin = self.active_shape
+        config, peak = self.plans[origin]
+        predicted = int(peak * _elements(shape) / _elements(origin))
+        shapes = [list(s) for s, _ in shape]
         if predicted <= self.budget_bytes:
-            self.plans[shape] = self.installed
-            self._note(f"memory_budget: new input shapes {[list(s) for s, _ in shape]}: predicted peak "
-                       f"{format_bytes(predicted)} (the measured one scaled by the inputs' size) fits the budget "
-                       f"{format_bytes(self.budget_bytes)}; the plan stays")
+            self.plans[shape], self.active_shape = (config, predicted), shape
+            self._note(f"memory_budget: new input shapes {shapes}: predicted peak {format_bytes(predicted)} (the "
+                       f"peak at {[list(s) for s, _ in origin]} scaled by the inputs' size) fits the "
+                       f"budget {format_bytes(self.budget_bytes)}; the plan stays")
         elif self.profiles < MAX_PROFILES:
             self.profiles += 1
-            self._note(f"memory_budget: new input shapes {[list(s) for s, _ in shape]}: predicted peak "
-                       f"{format_bytes(predicted)} is over the budget {format_bytes(self.budget_bytes)}; profiling "
-                       f"again (profile {self.profiles} of at most {MAX_PROFILES})", logging.WARNING)
+            self._note(f"memory_budget: new input shapes {shapes}: predicted peak {format_bytes(predicted)} is over "
+                       f"the budget {format_bytes(self.budget_bytes)}; profiling again (profile {self.profiles} of "
+                       f"at most {MAX_PROFILES})", logging.WARNING)
             self.phase, self.samples, self.profile_shape, self.replanned = Phase.PROFILING, [], shape, False
         else:
-            self.plans[shape] = self.installed
-            self._warn_once("bound", f"memory_budget: new input shapes {[list(s) for s, _ in shape]} predict a "
-                                     f"peak of {format_bytes(predicted)}, over the budget "
-                                     f"{format_bytes(self.budget_bytes)}, but {MAX_PROFILES} profiles were taken "
-                                     f"already: the current plan stays for this and any further new shape")
+            self.plans[shape], self.active_shape = (config, predicted), shape
+            self._warn_once("bound", f"memory_budget: new input shapes {shapes} predict a peak of "
+                                     f"{format_bytes(predicted)}, over the budget {format_bytes(self.budget_bytes)}, "
+                                     f"but {MAX_PROFILES} profiles were taken already: the current plan stays for "
+                                     f"this and any further new shape")
 
     # -- plans -------------------------------------------------------------------------------------------
 
