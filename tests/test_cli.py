@@ -149,3 +149,15 @@ def test_a_budget_that_is_no_byte_count_is_refused_before_the_model_is_built(bud
 def test_train_refuses_pipeline_flags_it_cannot_run_before_anything_starts(capsys, argv, message):
     assert main(["train", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0.5x", "--steps", "9"], "--steps: with --budget, expected at least 10"),
+    (["--budget", "0.5x", "--tp", "2"], "--budget: plans the layers of one process; it can't be combined with --tp"),
+    (["--budget", "0.5"], "--budget: '0.5' reads as 0.5 bytes"),
+    (["--budget", "2x", "--model", "no_such_module:build", "--steps", "4"], "--steps: with --budget"),
+])
+def test_train_budget_mistakes_are_caught_before_anything_starts(capsys, argv, message):
+    assert main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
+

@@ -144,3 +144,20 @@ def test_synchronous_pynative_uses_the_api_mindspore_recommends_where_it_has_it(
     monkeypatch.delattr(ms, "set_device")
     synchronous_pynative("CPU")
     assert calls == [{"device_target": "CPU"}, {"mode": ms.PYNATIVE_MODE}, {"pynative_synchronize": True}]
+
+
+def test_train_budget_profiles_chooses_and_reports_the_chosen_plan(tmp_path):
+    out = tmp_path / "report"
+    proc = run_train(tmp_path, "memory_budget:\n  profile_steps: 3\n", "--budget", "0.5x", "--steps", "6",
+                     "--report", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "losses, gradients and all parameters bitwise equal in every step: yes" in proc.stdout
+    summary = json.loads((out / "report.json").read_text())["summary"]
+    budget = summary["memory_budget"]
+    assert budget["first_step"] == 3 and budget["phase"] == "settled" and budget["fits"]
+    assert f"memory budget 0.5x = {budget['budget_bytes'] / 2 ** 20:.2f} MiB: chosen {budget['chosen']}" in proc.stdout
+    assert budget["measured_peak_bytes"] <= budget["budget_bytes"] and "within the budget" in proc.stdout
+    # the summary's figures are the chosen plan's, from its first step: kept bytes within the budget
+    assert summary["ac_peak_activation_bytes"] <= budget["budget_bytes"]
+    assert any("kept bytes and step-time cost per layer" in line for line in budget["describe"])   # the table
+    assert "memory_budget:" not in budget["config"] and "recompute:" in budget["config"]   # pins the plan
