@@ -282,11 +282,6 @@ class OpenStep:
             for state in self.states:
                 _engine_figures(state, self.memory)
 
-    @property
-    def pending_bytes(self):
-        """Bytes the step's graph still keeps (0 once its backward has freed it)."""
-        return self.meter.current
-
     def finish(self):
         self.end_forward()
         memory = self.memory

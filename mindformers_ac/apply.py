@@ -18,6 +18,10 @@ nothing, the copy hook and the report.
 
 What was applied is reported once per call (``logs.report_summary``); the
 per-layer detail is logged at debug level.
+
+With a ``memory_budget`` section the plan installed first is empty, and the
+budget's controller (``budget.controller``) replaces it on the training steps
+that follow (``AcState.replace_plan``): profiling plans, then the chosen one.
 """
 import copy
 import dataclasses
@@ -36,7 +40,6 @@ from .recompute.markers import resolve_context_fn
 logger = logging.getLogger("mindformers_ac")
 
 __all__ = ["AcState", "ac_state", "apply_ac", "install_actions", "plan_without_actions", "remove_ac"]
-
 
 
 class AcState:

@@ -428,7 +428,7 @@ def check_layer_ids(config, num_layers, pp=1):
     left to ``plan_ac``. Returns the layer plans (empty without a count).
     """
     _check_pp(pp)
-    config = resolve_config(config)
+    config = _budget_config(resolve_config(config), pp)
     if num_layers is None:
         return {}
     check_int(num_layers, "num_layers", 1, MAX_LAYERS)
@@ -450,8 +450,8 @@ def _budget_config(config, pp):
              if key not in ("mode", "enable")
              and getattr(getattr(config, name), key) != getattr(getattr(cleared, name), key)]
     if given:
-        logger.warning("memory_budget is set, so it chooses every layer's recompute and swap: the hand-written %s "
-                       "are not applied (remove memory_budget to apply them)", ", ".join(given))
+        logger.warning("memory_budget is set, so it chooses every layer's recompute and swap: the hand-written lists "
+                       "(%s) are not applied (remove memory_budget to apply them)", ", ".join(given))
     return cleared
 
 

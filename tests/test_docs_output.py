@@ -31,9 +31,14 @@ def test_the_documented_outputs_are_marked_for_regeneration():
     assert [b.arg for b in runs] == ["mindformers-ac train --report out; show summary"]
     assert lines[runs[0].start].startswith(regen.SUMMARY_FIRST)
     lines, blocks = _blocks("docs/own_model.md")
-    commands = [lines[b.start] for b in blocks if b.kind == "run"]
+    commands = [lines[b.start] for b in blocks if b.kind == "run" and not b.arg]
     assert [c.split()[:2] for c in commands] == [["$", "mindformers-ac"]] * 3
     assert [c.split()[2] for c in commands] == ["explain", "train", "plan"]
+    summaries = [b for b in blocks if b.kind == "run" and b.arg]   # train --budget: its summary, budget lines too
+    assert [b.arg.split()[:2] + b.arg.split()[-4:] for b in summaries] == \
+        [["mindformers-ac", "train", "--steps", "12;", "show", "summary"]]
+    assert lines[summaries[0].start].startswith(regen.SUMMARY_FIRST)
+    assert lines[summaries[0].end - 1].startswith("  real peak (kept + largest rebuild + prefetched)")
     assert {b.arg for b in blocks if b.kind == "file"} == {"llama_factory.py", "llama_trainer.yaml"}
 
 

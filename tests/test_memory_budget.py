@@ -262,7 +262,7 @@ def test_hand_written_lists_give_way_with_one_warning_and_pp_is_refused(caplog):
     with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
         plan = mac.plan_ac(model, config=config)
     warned = [r.getMessage() for r in caplog.records if "memory_budget is set" in r.getMessage()]
-    assert len(warned) == 1 and "recompute.full_recompute_layer, swap.layer_swap are not applied" in warned[0]
+    assert len(warned) == 1 and "lists (recompute.full_recompute_layer, swap.layer_swap) are not applied" in warned[0]
     assert not plan.active_layers() and "memory budget 0.5x: the first 5 training steps" in plan.summary()
     assert mac.AcConfig.from_dict(plan.to_dict()).memory_budget == plan.config.memory_budget
     with pytest.raises(mac.ConfigError, match="memory_budget: pp=2"):

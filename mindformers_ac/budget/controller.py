@@ -436,7 +436,7 @@ class BudgetController:
         if self.choice is None:
             return [f"memory_budget: profiling, step {len(self.samples) + 1} of {len(self.schedule)}"]
         p, c = self.profile, self.choice
-        baseline = p.baseline_peak + 0
+        baseline = p.baseline_peak
         lines = [f"memory_budget: profiled on {p.description}; kept bytes and step-time cost per layer "
                  f"(* chosen):"] + ["  " + line for line in self.table()]
         lines.append(f"  budget {format_bytes(self.budget_bytes)} ({self.budget_bytes / baseline:.2f}x the "
