@@ -68,7 +68,10 @@ def test_train_one_step_cell_ten_steps_bitwise_and_within_budget(caplog):
     assert base == auto   # loss, every parameter and the optimizer's moments, every step
     state = mac.ac_state(model)
     controller = state.budget
-    assert controller.phase == Phase.SETTLED and controller.chosen_at == 5 and controller.fits
+    # chosen after 5 profiling steps; once more on the next if the choice measured over the budget (the
+    # bytes a recompute drops are counted by storage address, which the allocator may reuse: a lower bound)
+    assert controller.phase == Phase.SETTLED and controller.chosen_at == 5 + controller.replanned
+    assert controller.fits
     assert [s.option.kind for s in controller.samples] == [OptionKind.NONE, OptionKind.NONE, OptionKind.FULL,
                                                            OptionKind.SWAP, OptionKind.SELECT]
     # an independent meter, on the last step: the real peak of the chosen plan is within the budget
@@ -89,7 +92,7 @@ def test_nn_dropout_through_profiling_and_the_switch_bitwise():
     model = _gpt(nn_dropout=True)
     mac.apply_ac(model, config=budget("0.3x", profile_steps=3))   # none, none, full: full is chosen at step 3
     assert first_difference(base, steps(model)) is None
-    assert mac.ac_state(model).budget.chosen_at == 3
+    assert mac.ac_state(model).budget.chosen_at == 3 + mac.ac_state(model).budget.replanned
 
 
 @pytest.mark.parametrize("name", ["llama", "moe", "failed_forward"])
@@ -105,7 +108,7 @@ def test_value_and_grad_on_catalogue_models_bitwise(name):
     assert controller.phase == Phase.SETTLED and controller.measured_peak <= controller.budget_bytes
     # the failed forward is no sample: the profile has one step per option all the same
     assert [s.option.name for s in controller.samples] == [o.name for o in controller.schedule]
-    assert controller.chosen_at == (5 if fail_at else 4)
+    assert controller.chosen_at == (5 if fail_at else 4) + controller.replanned
 
 
 def _vjp_steps(model, steps, eval_every=0):
@@ -134,7 +137,8 @@ def test_vjp_loop_with_eval_forwards_in_between_is_bitwise_and_eval_is_no_profil
     auto = _vjp_steps(model, 7, eval_every=1)
     assert base == auto
     controller = mac.ac_state(model).budget
-    assert controller.forwards == 7 and controller.chosen_at == 4 and controller.phase == Phase.SETTLED
+    assert controller.forwards == 7 and controller.chosen_at == 4 + controller.replanned
+    assert controller.phase == Phase.SETTLED
 
 
 @pytest.mark.parametrize("name, amp", [("batchnorm", None), ("int_bool_inputs", "O2")])

@@ -108,13 +108,11 @@ def budget_config(args, config):
     import tempfile
 
     from ..budget.sizes import parse_budget
-    from ..config import MemoryBudgetConfig
     parse_budget(args.budget, 1, "--budget")
     for flag in ("tp", "ep", "pp"):
         if getattr(args, flag) > 1:
             raise ConfigError("--budget", f"plans the layers of one process; it can't be combined with --{flag}")
-    settings = dataclasses.replace(config.memory_budget, activations=args.budget) if config.memory_budget.enabled \
-        else MemoryBudgetConfig(activations=args.budget)
+    settings = dataclasses.replace(config.memory_budget, activations=args.budget)   # CONFIG's profile_steps too
     if args.steps < settings.profile_steps + 2:
         raise ConfigError("--steps", f"with --budget, expected at least {settings.profile_steps + 2}: "
                                      f"memory_budget.profile_steps={settings.profile_steps} steps measure the "
