@@ -9,9 +9,11 @@ of the model in the middle of profiling.
 import copy
 import logging
 
+import mindformers_standin as mf
 import mindspore as ms
 import numpy as np
 import pytest
+from mindformers_models import VOCAB, build_mindformers_moe
 from mindspore import nn
 
 import mindformers_ac as mac
@@ -21,7 +23,7 @@ from mindformers_ac.budget.options import candidate_options
 from mindformers_ac.budget.solver import OptionKind
 from mindformers_ac.harness.models import SyntheticBatches, build_gpt, use_nn_dropout
 
-from model_patterns import PATTERNS, varlen_batch
+from model_patterns import PATTERNS, token_batch, varlen_batch
 from steps import first_difference, run_steps
 
 pytestmark = pytest.mark.usefixtures("fresh_swap_manager")
@@ -109,6 +111,27 @@ def test_value_and_grad_on_catalogue_models_bitwise(name):
     # the failed forward is no sample: the profile has one step per option all the same
     assert [s.option.name for s in controller.samples] == [o.name for o in controller.schedule]
     assert controller.chosen_at == (5 if fail_at else 4) + controller.replanned
+
+
+def test_mindformers_moe_with_its_marker_and_tracker_bitwise_through_profiling():
+    """MindFormers' MoE layer guards its aux-loss tracker with its own is_in_recompute(): every profiling
+    plan and the chosen one must log the loss once per step, as the plain model does."""
+    def train(model):
+        trackers = []
+
+        def batch(step):
+            trackers.append(model.tracker.snapshot())
+            return token_batch(VOCAB)(step)
+        return run_steps(model, batch, steps=7), trackers
+
+    with mf.installed():
+        base, base_trackers = train(build_mindformers_moe("mindformers"))
+        model = build_mindformers_moe("mindformers")
+        mac.apply_ac(model, config=budget(profile_steps=5), layers="decoder.layers")
+        auto, trackers = train(model)
+    assert first_difference(base, auto) is None
+    assert all(np.array_equal(a, b) for a, b in zip(base_trackers, trackers))
+    assert mac.ac_state(model).budget.phase == Phase.SETTLED
 
 
 def _vjp_steps(model, steps, eval_every=0):
