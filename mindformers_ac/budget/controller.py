@@ -14,8 +14,9 @@ under any candidate plan without changing the training curve:
   step per candidate option, applied to every layer where it is allowed
   (``profile_schedule``: full recompute and layer swap first). Each step is
   measured as ``train`` measures (``accounting.StepMeter``: kept bytes per
-  layer, the rebuild in backward, what swap offloaded) and timed from its
-  forward to the next training forward.
+  layer, the rebuild in backward, what swap offloaded) and timed as its
+  forward plus its backward (``MeasuredStep``), not what the trainer does
+  between steps.
 * **the choice**: ``budget.solver.plan_within`` on those figures, under the
   real peak (kept bytes, plus the largest rebuild, plus what prefetch
   brings back ahead of time). The chosen plan is installed, and the next
@@ -32,10 +33,10 @@ under any candidate plan without changing the training curve:
   in all; past that, the plan stays and a warning says so once. A plan
   chosen for a shape is installed again when that shape comes back.
 
-A plan is only switched when the previous training forward's backward is
-done (its saved tensors, or the engines' regions and host buffers, are
-freed): with microbatches in flight the plan stays, and a forward made while
-another is in flight is not a profiling sample. The budget in bytes is fixed
+A plan is only switched when no training forward is in flight: every earlier
+one's output has had its gradient, or is gone (``_in_flight``). With
+microbatches in flight the plan stays, and a forward made while another is in
+flight is not a profiling sample; nor is a step whose forward raised. The budget in bytes is fixed
 by the first profile (a fraction of its baseline); later profiles keep it.
 The profiling steps run without AC once each: the model must fit without AC
 for those steps (pin an offline plan, ``mindformers-ac plan``, where it does not).
@@ -55,7 +56,7 @@ from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
 from ..tensors import MiB, is_tracked, tensor_leaves
-from .options import OptionSample, candidate_options, profile_from_samples
+from .options import OptionSample, applied_layers, candidate_options, profile_from_samples
 from .sizes import format_bytes
 from .solver import OptionKind, option_config, plan_within, summarize
 
@@ -63,7 +64,7 @@ logger = logging.getLogger("mindformers_ac")
 
 MAX_PROFILES = 3   # the first profile and two for new input shapes
 MAX_IN_FLIGHT = 64   # forwards before a backward: a pipeline's microbatches (harness.pipeline's bound too)
-_WARMUP, _BASELINE = 0, 1   # sample indices of the two steps without AC
+_BASELINE = 1   # sample index of the second step without AC (the first is a warm-up)
 
 
 class Phase(str, Enum):
@@ -157,7 +158,7 @@ class BudgetController:
     """
 
     def __init__(self, state, model, stack):
-        self.state, self.model, self.stack = state, model, stack
+        self.state, self.model = state, model
         config = state.config
         self.settings = config.memory_budget
         self.base_config = dataclasses.replace(config, memory_budget=MemoryBudgetConfig())
@@ -207,7 +208,6 @@ class BudgetController:
     def _before_forward(self, _cell, args):
         if not pynative_executor.requires_grad():
             return   # eval, or a forward nobody takes a gradient of: not a training step
-        shape = shape_key(args)
         if self._in_flight() and self._skipped < MAX_IN_FLIGHT:
             self._skipped += 1
             return   # a backward is still to come: the plan stays, and this forward is not a sample
@@ -215,6 +215,7 @@ class BudgetController:
         self._awaiting.clear()
         self._skipped = 0
         self.forwards += 1
+        shape = shape_key(args)
         if self._open is not None:
             step, self._open = self._open, None
             self._finish(step)
@@ -272,7 +273,7 @@ class BudgetController:
             if shape != self.profile_shape:
                 logger.debug("memory_budget: a profiling step had other input shapes than the profile's; not used")
                 return
-            applied = self._applied(option)
+            applied = applied_layers(option, len(self.layer_ids), self.prefetch)
             self.samples.append(OptionSample(option, applied, seconds, memory))
             if len(self.samples) == len(self.schedule):
                 self._choose()
@@ -287,9 +288,7 @@ class BudgetController:
         profile = profile_from_samples(samples, len(self.layer_ids), self.prefetch,
                                        description=f"{len(self.samples)} training steps, inputs {shape}")
         base = self.samples[_BASELINE].memory
-        # MTP layers are not planned: what they keep is beside the decoder's, with the embedding and head
-        profile.other_bytes += sum(lm.kept_bytes for i, lm in base.layers.items()
-                                   if i != OTHER and i not in self.layer_ids)
+        profile.other_bytes += self._unplanned_bytes(base)
         if self.budget_bytes is None:
             self.budget_bytes = self.settings.budget_bytes(base.kept_bytes) if self.settings.is_fraction \
                 else self.settings.budget_bytes(0)
@@ -327,8 +326,9 @@ class BudgetController:
             self._warn_once("still_over", f"memory_budget: the plan chosen again still measures "
                                           f"{format_bytes(self.measured_peak)}, over the budget "
                                           f"{format_bytes(self.budget_bytes)}; it stays")
-        report_summary("\n".join(self.describe()))
-        self.events.append("\n".join(self.describe()))
+        block = "\n".join(self.describe())
+        report_summary(block)
+        self.events.append(block)
 
     def _take_measured(self, memory):
         """The chosen options' profile entries, replaced by what their step measured."""
@@ -336,10 +336,14 @@ class BudgetController:
         for row, (i, k) in enumerate(zip(self.layer_ids, self.choice.choice)):
             lm = memory.layers[i]
             mem[row, k], transient[row, k] = lm.kept_bytes, lm.recomputed_bytes
-        other = memory.layers[OTHER].kept_bytes + sum(lm.kept_bytes for i, lm in memory.layers.items()
-                                                      if i != OTHER and i not in self.layer_ids)
+        other = memory.layers[OTHER].kept_bytes + self._unplanned_bytes(memory)
         self.profile = dataclasses.replace(self.profile, mem=mem, transient=transient,
                                            other_bytes=max(self.profile.other_bytes, other))
+
+    def _unplanned_bytes(self, memory):
+        """What layers the budget does not plan keep (MTP layers): beside the decoder's, with the embedding
+        and head."""
+        return sum(lm.kept_bytes for i, lm in memory.layers.items() if i != OTHER and i not in self.layer_ids)
 
     def _settled_forward(self, shape):
         if shape in self.plans:   # profiled, or predicted before: its plan (again)
@@ -370,15 +374,8 @@ class BudgetController:
 
     # -- plans -------------------------------------------------------------------------------------------
 
-    def _applied(self, option):
-        if option.kind == OptionKind.NONE:
-            return []
-        if option.kind == OptionKind.SWAP:
-            return list(swappable_layers(len(self.layer_ids), self.prefetch))
-        return list(range(len(self.layer_ids)))
-
     def _option_config(self, option):
-        applied = self._applied(option)
+        applied = applied_layers(option, len(self.layer_ids), self.prefetch)
         return option_config({self.layer_ids[r]: option for r in applied}, self.base_config, self.prefetch) \
             if applied else None
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..layer_specs import swappable_layers
 from .solver import Option, OptionKind, Profile
 
 # Class names whose outputs "full recompute, keep matmul outputs" keeps: the
@@ -60,6 +61,15 @@ def candidate_options(layer):
         options.append(Option("full, keep matmuls", OptionKind.FULL, exclude=tuple(keep)))
     options.append(Option("layer swap", OptionKind.SWAP))
     return options
+
+
+def applied_layers(option, num_layers, prefetch):
+    """The layer indices ``option`` is applied to when profiled: none, the swappable ones, or all."""
+    if option.kind == OptionKind.NONE:
+        return []
+    if option.kind == OptionKind.SWAP:
+        return list(swappable_layers(num_layers, prefetch))
+    return list(range(num_layers))
 
 
 @dataclass

@@ -10,8 +10,10 @@ model is additive:
 
 ``peak`` is exactly the figure ``train`` reports (``StepMeter``'s kept bytes
 at the end of forward). Recompute also rebuilds one region at a time in
-backward; that transient (the largest ``transient[l, k]`` chosen) is reported
-beside the peak, not added to it. Negative measured time deltas are noise
+backward, and prefetch brings swapped layers back ahead of use: ``plan_budget``
+(``plan --budget``) reports that transient beside the peak, ``plan_within``
+(``memory_budget``) bounds the real peak, kept bytes plus the largest rebuild
+plus the prefetched layers (``BudgetPlan.backward_peak``). Negative measured time deltas are noise
 (an option never makes a step faster) and count as 0.
 
 ``plan_budget`` solves the multiple-choice knapsack "one option per layer,

@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from ..budget.options import OptionSample, candidate_options, profile_from_samples
+from ..budget.options import OptionSample, applied_layers, candidate_options, profile_from_samples
 from ..budget.solver import OptionKind
 from ..errors import ConfigError
 from ..layer_specs import swappable_layers
@@ -88,14 +88,6 @@ class OptionRun:
             remove_ac(self.model)
 
 
-def _applied_layers(option, num_layers, prefetch):
-    if option.kind == OptionKind.NONE:
-        return []
-    if option.kind == OptionKind.SWAP:
-        return list(swappable_layers(num_layers, prefetch))
-    return list(range(num_layers))
-
-
 def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.05, options=None,
                   description="", check_loss=None):
     """Profile every option of ``candidate_options`` (or ``options``) on models from ``factory``.
@@ -126,7 +118,7 @@ def profile_model(factory, *, layers=None, prefetch=1, steps=12, warmup=2, lr=0.
     runs = []
     try:
         for option in options:
-            applied = _applied_layers(option, num_layers, prefetch)
+            applied = applied_layers(option, num_layers, prefetch)
             config = option_sections({i: option for i in applied}, prefetch) if applied else None
             runs.append(OptionRun(factory, option, config, lr, layers, check_loss))
         _step_interleaved(runs, warmup, steps)
@@ -161,7 +153,7 @@ def measure_configs(factory, configs, *, layers=None, steps=12, warmup=2, lr=0.0
 
 
 def _profile_from_runs(runs, num_layers, prefetch, description):
-    samples = [OptionSample(r.option, _applied_layers(r.option, num_layers, prefetch), statistics.median(r.times),
+    samples = [OptionSample(r.option, applied_layers(r.option, num_layers, prefetch), statistics.median(r.times),
                             r.memory) for r in runs]
     profile = profile_from_samples(samples, num_layers, prefetch, description)
     offloaded = sum(r.memory.layers[i].offloaded_bytes for r, s in zip(runs, samples)
