@@ -119,7 +119,9 @@ class LayerMemory:
     layer's modules (what the meter saw outside engine regions), the
     recompute regions, what swap left on the device.
     ``light_calls`` / ``intercepted_calls``: the layer's recompute-region calls
-    that took the light path / intercepted every op (see ``recompute.path_choice``).
+    that took the light path / intercepted every op (see ``recompute.path_choice``);
+    ``intercept_reasons``: why call signatures checked this step stayed intercepted
+    (reason -> signatures).
     """
 
     layer: object
@@ -131,6 +133,7 @@ class LayerMemory:
     ops_rerun: int = 0
     light_calls: int = 0
     intercepted_calls: int = 0
+    intercept_reasons: dict = field(default_factory=dict)
     # what kept_bytes is made of: module path (up to MODULE_DEPTH), LAYER_ITSELF, ENGINE_REGIONS,
     # SWAP_RESIDENT -> bytes (non-zero entries only); the values add up to kept_bytes
     kept_by_module: dict = field(default_factory=dict)
@@ -180,6 +183,8 @@ def _engine_figures(state, memory):
         lm.ops_rerun += stats.ops_rerun
         lm.light_calls += stats.light_calls
         lm.intercepted_calls += stats.intercepted_calls
+        for reason, n in stats.intercept_reasons.items():
+            lm.intercept_reasons[reason] = lm.intercept_reasons.get(reason, 0) + n
     report = state.swap_report
     if report is None:
         return

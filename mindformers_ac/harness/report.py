@@ -51,8 +51,20 @@ def layer_table(result):
             ops_rerun=str(row["ops_rerun"]),
             calls=f"{row['light_calls']}/{row['intercepted_calls']}" if calls else "-"))
     widths = [max(len(r[c]) for r in rows) for c in range(len(_LayerRow._fields))]
-    return "\n".join("  ".join(cell.ljust(w) if name in _LEFT_ALIGNED else cell.rjust(w)
-                               for name, cell, w in zip(_LayerRow._fields, r, widths)).rstrip() for r in rows)
+    lines = ["  ".join(cell.ljust(w) if name in _LEFT_ALIGNED else cell.rjust(w)
+                       for name, cell, w in zip(_LayerRow._fields, r, widths)).rstrip() for r in rows]
+    return "\n".join(lines + _intercept_lines(result["layers"]))
+
+
+def _intercept_lines(layers):
+    """Why a layer's calls stayed on the intercepting path (the first reason, and how many more)."""
+    why = [(row["layer"], row.get("intercept_reasons") or []) for row in layers]
+    why = [(layer, reasons) for layer, reasons in why if reasons]
+    if not why:
+        return []
+    return ["intercepting path kept by:"] + [
+        f"  {layer}: {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else "")
+        for layer, reasons in why]
 
 
 def module_table(result, min_bytes=MiB / 200):

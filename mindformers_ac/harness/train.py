@@ -95,6 +95,8 @@ def compare(spec, config_path, baseline, ac, rerun_baseline=None):
         # intercepts; a layer that never goes light pays the slower path every step)
         calls = {name: sum(step["layers"][key][name] for step in ac["memory"])
                  for name in ("light_calls", "intercepted_calls")}
+        calls["intercept_reasons"] = sorted({r for step in ac["memory"]
+                                             for r in step["layers"][key].get("intercept_reasons", {})})
         layers.append({**figures, **calls, "layer": key, "applied": ac["plan"].get(key, []),
                        "baseline_kept_bytes": base_mem["layers"][key]["kept_bytes"],
                        "baseline_kept_by_module": base_mem["layers"][key]["kept_by_module"]})

@@ -172,7 +172,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
-    light = light_path and policy_fn is None and not swap_inputs
+    light = light_path and not swap_inputs and (policy_fn is None or getattr(policy_fn, "decides_by_site", False))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
@@ -196,6 +196,8 @@ def _wrap_cell(cell, options, light):
     checks = PathChecks() if light else None
 
     def around(inner, *args, **kwargs):
+        if checks is not None and checks.redirects:
+            inner = checks.construct_for(cell, inner)
         return run_checkpoint(inner, args, kwargs, checks, cell, tracker=tracker, **options)
 
     patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
@@ -213,6 +215,8 @@ def unwrap(cell_or_fn):
         if patch is None:
             raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
         info = patch.info
+        if info.path_checks is not None:   # first: the tracker's slots hold the keep sites' proxies
+            info.path_checks.remove_sites()
         if info.tracker is not None:
             info.tracker.remove()
         if info.remove_proxies is not None:
@@ -222,6 +226,8 @@ def unwrap(cell_or_fn):
     info = _wrap_info(cell_or_fn)
     if info is None:
         raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
+    if info.path_checks is not None:
+        info.path_checks.remove_sites()
     if info.tracker is not None:
         info.tracker.remove()
     return info.original
@@ -264,4 +270,7 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
 
     policy.exclude_names = lowered
     policy.exclude_patterns = tuple(p.pattern for p in compiled)
+    # Its answers depend on the op's name and place only (and base_policy's, if that says so too): a
+    # wrapper may install them where the ops are reached and take the light path (keep_sites).
+    policy.decides_by_site = base_policy is None or getattr(base_policy, "decides_by_site", False) is True
     return policy

@@ -39,15 +39,17 @@ from mindspore import Tensor, ops
 
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
-from ..tensors import tensor_leaves, tensors_equal
+from ..tensors import output_tensors, tensor_leaves, tensors_equal
 from . import messages
+from .dispatch import arg_meta
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
-class _DropoutPack:
-    """What a light forward leaves for a tensor saved inside an ``nn.Dropout`` kernel call."""
+class _ApartPack:
+    """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout``
+    kernel call (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept)."""
 
     __slots__ = ("region", "tensor", "drop", "index")
 
@@ -134,10 +136,10 @@ def _keep(obj):
 
 
 def _unpack(obj):
-    """Unpack hook of light forwards: ``(region, position)`` or a ``_DropoutPack``."""
+    """Unpack hook of light forwards: ``(region, position)`` or an ``_ApartPack``."""
     if obj.__class__ is tuple:
         return obj[0].take(obj[1])
-    if obj.tensor is not None:   # a _DropoutPack whose tensor was kept
+    if obj.tensor is not None:   # an _ApartPack whose tensor was kept
         return obj.tensor
     obj.region.ensure_recomputed()
     return obj.drop.rebuilt[obj.index]
@@ -159,7 +161,8 @@ class LightRegion(RegionBase):
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
         self.dropouts = []        # _LightDropout per nn.Dropout kernel call, in order
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
-        self._pending = None      # _DropoutPacks made inside a Dropout kernel call in progress
+        self._pending = None      # _ApartPacks made inside a Dropout kernel call or a kept call in progress
+        self.kept = []            # (KeepProxy, its tensor arguments' (shape, dtype), outputs) per kept call
         self._collector = None
         self.probe = None         # _OutputProbe of the forward's output
 
@@ -169,7 +172,7 @@ class LightRegion(RegionBase):
         # MindSpore keeps those as long as the graph, which outlives the backward).
         pending = self._pending
         if pending is not None:
-            p = _DropoutPack(self, t)
+            p = _ApartPack(self, t)
             pending.append(p)
             return p
         sig = self.sig
@@ -189,6 +192,7 @@ class LightRegion(RegionBase):
 
     def run_forward(self, args, kwargs):
         run = RegionRun(self, FORWARD)
+        run.keeps = self.check.keep_proxies or None
         stats = self.stats
         stats.light_calls += 1
         ENGINE.push(run)
@@ -203,7 +207,9 @@ class LightRegion(RegionBase):
         self.keep_replaced()
         self.finish_chain(out)
         check = self.check
-        if self.sig != check.fwd or len(self.dropouts) != check.n_dropouts:
+        if check.n_kept is None:
+            check.n_kept = len(self.kept)
+        if self.sig != check.fwd or len(self.dropouts) != check.n_dropouts or len(self.kept) != check.n_kept:
             # Its code path changed since the checking call: this call's recompute is still checked
             # against its own forward, but the next call checks again.
             self._checks.forget(self._key)
@@ -253,9 +259,35 @@ class LightRegion(RegionBase):
         self.dropouts.append(drop)
         return out
 
+    def keep_call(self, run, proxy, args, kwargs):
+        """A call at a keep site (``keep_sites.KeepProxy``): forward runs it and keeps its outputs and whatever
+        it saved; the recompute hands those outputs back without running it."""
+        if run.mode == FORWARD:
+            pending, self._pending = self._pending, []
+            try:
+                out = proxy.mac_inner(*args, **kwargs)
+            finally:
+                packs, self._pending = self._pending, pending
+            for t in [p.tensor for p in packs] + [t for t in output_tensors(out) if isinstance(t, Tensor)]:
+                self.bytes.keep(t)
+            self.kept.append((proxy, arg_meta(args), out))
+            return out
+        if run.mode != RECOMPUTE:
+            return proxy.mac_inner(*args, **kwargs)
+        i = run.keep_idx
+        run.keep_idx += 1
+        if i >= len(self.kept):
+            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_description)
+        held, meta, out = self.kept[i]
+        got = arg_meta(args)
+        if held is not proxy or got != meta:
+            raise messages.other_kept_call(i, held.mac_description, meta, proxy.mac_description, got)
+        return out
+
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):
         run = RegionRun(self, RECOMPUTE)
+        run.keeps = self.check.keep_proxies or None
         collector = self._collector = _Collector()
         guard = BufferGuard(self.check.buffers) if self.check.buffers else None
         args, kwargs = self.load_inputs()
@@ -276,17 +308,19 @@ class LightRegion(RegionBase):
             raise messages.other_output()
         self.keep_rerun_output(out)
         self.recomputed = saved
-        self.inputs = self.sig = None
+        self.inputs = self.sig = self.kept = None
         check, stats = self.check, self.stats
         stats.ops_rerun += check.n_rerun
         stats.rerun_by_op.update(check.rerun_counts)
-        stats.ops_reused += run.dropout_idx
+        stats.ops_reused += run.dropout_idx + check.n_kept_ops
 
     def _check(self, saved, run):
         """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every
         nn.Dropout of it."""
         sig = self.sig
         got = [(t.shape, t.dtype) for t in saved]
+        if run.keep_idx != len(self.kept):
+            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_description)
         if got == sig and run.dropout_idx == len(self.dropouts):
             return
         n = min(len(got), len(sig))

@@ -111,6 +111,20 @@ def dropout_calls(rec, fwd):
     return RecomputeError(f"{_DIVERGED}: it called nn.Dropout {rec} time(s), the forward {fwd}. {SAME_PATH}")
 
 
+def kept_calls(rec, fwd, where):
+    """The recompute reached the ops exclude_op keeps another number of times than the forward."""
+    return RecomputeError(f"{_DIVERGED}: it reached the kept op at {where} after {rec} kept call(s), the forward "
+                          f"made {fwd}. {SAME_PATH}")
+
+
+def other_kept_call(i, fwd_where, fwd_meta, where, got):
+    """Kept call ``i`` of the recompute is not the forward's (another site, or inputs of other shapes)."""
+    fwd_args = ", ".join(describe_meta(m) for m in fwd_meta) or "no tensor"
+    args = ", ".join(describe_meta(m) for m in got) or "no tensor"
+    return RecomputeError(f"{_DIVERGED} at kept call #{i}: forward called {fwd_where} on {fwd_args}, recompute "
+                          f"calls {where} on {args}. {_SAME_SHAPES}")
+
+
 def nested_regions(fwd):
     """The recompute met more nested regions than the forward did."""
     return RecomputeError(

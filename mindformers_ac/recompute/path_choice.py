@@ -51,6 +51,7 @@ checking call's, which ran the same ops.
 import collections
 import enum
 import logging
+import types
 import weakref
 
 import mindspore as ms
@@ -79,7 +80,8 @@ class PathCheck:
     """
 
     __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
-                 "n_dropouts", "dropped", "param_ptrs", "buffers", "probe_index", "_owner")
+                 "n_dropouts", "dropped", "param_ptrs", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
+                 "n_kept", "checks", "_owner")
 
     def __init__(self):
         self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
@@ -91,6 +93,10 @@ class PathCheck:
         self.param_ptrs = frozenset()
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
         self.probe_index = {}         # output size -> the indices light._OutputProbe samples
+        self.keep_proxies = frozenset()   # keep_sites.KeepProxy objects whose calls a light run keeps
+        self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
+        self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
+        self.checks = None            # the PathChecks holding this check (its installed keep sites)
         self._owner = None
 
     def attach(self, region):
@@ -110,6 +116,11 @@ class PathCheck:
         cell_dropouts = {i for i in region.cell_dropouts if decisions.get(i) == REBUILD}
         if self.fwd != self.rec:
             region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
+        kept_ops = set()
+        if region.policy_saves and not any(k[0] != "op" or k[1] not in region.policy_saves for k in region.intercept):
+            # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
+            self.keep_proxies, kept_ops = region.settle_sites(self.checks.installed, self.checks.redirects)
+            self.n_kept_ops = len(kept_ops)
         # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
         # (``Region.keep_intercepted``); a new kind of decision is covered without an edit here. Writes in
         # forward only, to buffers, that no re-run op reads, leave no mark: a light re-run writes nothing
@@ -117,11 +128,12 @@ class PathCheck:
         self.ok = not region.intercept
         if not self.ok:
             logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
+            region.stats.note_intercepted(region.intercept.values())
         self.buffers = region.buffers
         self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
         self.n_forward = len(self.op_names)
         self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names)
-                                                if i not in cell_dropouts)
+                                                if i not in cell_dropouts and i not in kept_ops)
         self.n_rerun = sum(self.rerun_counts.values())
         self.n_dropouts = len(cell_dropouts)
         self.dropped = region.bytes.totals.dropped if region.bytes.totals is not None else 0
@@ -173,6 +185,8 @@ class PathChecks:
 
     def __init__(self):
         self._checks = {}
+        self.installed = {}   # keep site key -> (KeepProxy, undo), shared by the signatures (keep_sites)
+        self.redirects = {}   # id(cell) -> keep_sites.RedirectedMethod; the root's runs in place of its construct
 
     @staticmethod
     def key(root, args, kwargs):
@@ -197,10 +211,28 @@ class PathChecks:
         if len(self._checks) >= self.MAX_KEYS:
             return None
         check = self._checks[key] = PathCheck()
+        check.checks = self
         return check
 
     def forget(self, key):
         self._checks.pop(key, None)
+
+    def construct_for(self, cell, inner):
+        """What the root's wrapper runs for ``inner``: the redirected copy of its construct, when a keep site
+        was installed in it and ``inner`` is still the class's construct."""
+        redirect = self.redirects.get(id(cell))
+        if redirect is None or getattr(inner, "__func__", None) is not redirect.function:
+            return inner
+        return types.MethodType(redirect, cell)
+
+    def remove_sites(self):
+        """Take every installed ``KeepProxy`` out (``unwrap``); the signatures are checked again."""
+        for _, undo in reversed(list(self.installed.values())):
+            if undo is not None:
+                undo()
+        self.installed.clear()
+        self.redirects.clear()
+        self._checks.clear()
 
     def __len__(self):
         return len(self._checks)

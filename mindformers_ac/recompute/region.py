@@ -24,6 +24,7 @@ from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
+from .keep_sites import NoSite, find_site, install_site
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
@@ -71,13 +72,21 @@ class Region(RegionBase):
         # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``PathCheck``
         # reads only this. key -> reason, for the debug log.
         self.intercept = {}
-        if policy_fn is not None:
-            self.keep_intercepted("policy", "a policy_fn decides per op (exclude_op is one)")
+        # A policy deciding by the op's name and place only (exclude_policy) may be installed at the ops'
+        # keep sites (keep_sites, settle_sites); any other decides per call.
+        self.site_policy = policy_fn is not None and getattr(policy_fn, "decides_by_site", False) is True
+        if policy_fn is not None and not self.site_policy:
+            self.keep_intercepted("policy", "a policy_fn that decides per op call (not by the op's name and place)")
+        self.policy_saves = set()     # op indices the policy keeps (MUST_SAVE / PREFER_SAVE)
+        self.op_sites = {}            # checking call with a site policy: op index -> keep_sites.Site / NoSite
+        self._cells = None            # (id -> cell, id -> path) of the root's cells, for find_site
         if swap_inputs:
             self.keep_intercepted("swap_inputs", "its inputs are swapped")
         self.path_check = path_check
         if path_check is not None:
             path_check.attach(self)
+        elif self.intercept:   # never checked: say why once per call (a per-call policy, swapped inputs)
+            stats.note_intercepted(self.intercept.values())
         self.may_write_seen = False   # an op that may write tensors ran in forward
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
@@ -117,6 +126,8 @@ class Region(RegionBase):
     def decide(self, run, idx, name, func, args, kwargs):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         policy = self.ask_policy(run, idx, name, func, args, kwargs) if self.policy_fn is not None else None
+        if self.site_policy and self.path_check is not None:
+            self.note_site(idx, policy is not None and not policy.recomputes)
         if is_unreplayable_random_op(name, args):
             self.random_ops[idx] = args[0] if args and isinstance(args[0], Primitive) else None
             if name == "Dropout" and dropout_input(args)[0] is not None:
@@ -128,7 +139,44 @@ class Region(RegionBase):
             if self.swap_executor is not None:
                 return SWAP
             ENGINE.warnings.warning("must_swap", messages.MUST_SWAP_WITHOUT_EXECUTOR)
+        self.policy_saves.add(idx)
         return SAVE
+
+    # -- keep sites: a site policy's decisions installed where the ops are reached (keep_sites) -----
+    def note_site(self, idx, kept):
+        """In a checking call: under which keep site op ``idx`` runs (looked up in full for a kept op)."""
+        if self._cells is None:
+            named = list(self.root.cells_and_names()) if self.root is not None else []
+            self._cells = {id(c): c for _, c in named}, {id(c): n for n, c in named}
+        self.op_sites[idx] = find_site(*self._cells, resolve=kept)
+
+    def settle_sites(self, installed, redirects):
+        """After the checking call's recompute: install a ``KeepProxy`` at the site of every kept op whose
+        site ran kept ops only; a kept op without one keeps the signature intercepted (its reason says
+        why). Returns the proxies the light path is to hand to the region, and the ops they keep."""
+        by_site = {}
+        for idx, site in self.op_sites.items():
+            by_site.setdefault(site.key, []).append(idx)
+        proxies, kept_ops = set(), set()
+        for idx in sorted(self.policy_saves):
+            site, name = self.op_sites.get(idx), self.op_names[idx]
+            if site is None or idx in self.random_ops or self.decisions.get(idx) != SAVE:
+                continue
+            others = [self.op_names[i] for i in by_site[site.key] if i not in self.policy_saves]
+            if isinstance(site, NoSite):
+                why = site.why
+            elif others:
+                why = f"{site.description} also runs {others[0]}, which is recomputed"
+            else:
+                proxy = install_site(site, installed, self.root, redirects)
+                if proxy is not None:
+                    proxies.add(proxy)
+                    kept_ops.add(idx)
+                    self.light_reproduces(("op", idx))
+                    continue
+                why = f"{site.description} can't hold a proxy for {name}"
+            self.intercept[("op", idx)] = f"op #{idx} {self.describe_op(idx)} is kept, but {why}"
+        return frozenset(proxies), kept_ops
 
     # -- ops that write parameters (see side_effects) -----------------------------
     def guard_writes(self, run, idx, name, args, decision):
@@ -392,8 +440,10 @@ class Region(RegionBase):
             return t
         key = run.next_key()   # first: the recompute numbers every pack, weights included
         decision = self.decisions.get(key[0]) if key is not None else SAVE
-        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
-            # as a light run numbers them: an nn.Dropout's packs apart, a functional dropout's as any op's
+        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout) \
+                and (key is None or key[0] not in self.policy_saves):
+            # as a light run numbers them: an nn.Dropout's and a kept op's packs apart, a functional dropout's
+            # as any op's
             self.path_check.note_forward(t, key)
         ptr = t.data_ptr()
         if ptr in self.param_ptrs:
@@ -423,8 +473,11 @@ class Region(RegionBase):
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
             self.realign(run, idx)
         key = run.next_key()
-        if self.path_check is not None and (key is None or self.decisions.get(key[0]) != REBUILD):
-            self.path_check.note_recompute(t)   # as in forward: a light run numbers Dropout packs apart
+        if self.path_check is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
+                                                            and key[0] not in self.policy_saves)):
+            # as in forward: a light run numbers Dropout packs apart and runs no kept op (a legacy op handed
+            # its kept output here is still recorded, with its inputs)
+            self.path_check.note_recompute(t)
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
         return None

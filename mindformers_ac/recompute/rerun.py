@@ -71,7 +71,7 @@ class RegionRun:
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
-                 "asked_marker", "__weakref__")
+                 "asked_marker", "keeps", "keep_idx", "__weakref__")
 
     def __init__(self, region, mode, tracker=None):
         self.region, self.mode, self.tracker = region, mode, tracker
@@ -89,6 +89,8 @@ class RegionRun:
         self.in_cell_dropout = False   # an nn.Dropout's kernel call through its DropoutProxy is running
         self.noting_replay = False     # Region.check_replay's run of a random op: note its saves
         self.asked_marker = False      # a re-run whose code asked is_in_recompute(): may skip side effects
+        self.keeps = None      # light path: the KeepProxy objects whose calls this run keeps (keep_sites)
+        self.keep_idx = 0      # light recompute: kept calls handed back so far
 
     def dropout_call(self, prim, x):
         """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""

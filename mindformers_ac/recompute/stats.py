@@ -103,7 +103,11 @@ class RecomputeStats:
     signature and light afterwards, so ``light_calls`` staying 0 means it
     never left the slower path. ``chained_calls``: region forwards of a layer
     group's later members, whose first argument was not kept but will be
-    rebuilt from the previous member (``chain``).
+    rebuilt from the previous member (``chain``). ``intercept_reasons``:
+    why calls stayed on the intercepting path (reason -> times found: once per
+    checked call signature, once per call of a region that is never checked,
+    such as one with a per-call policy), e.g. an excluded op called as a
+    Tensor method, where no keep site can hold it (``keep_sites``).
     """
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
@@ -122,6 +126,11 @@ class RecomputeStats:
         self._live_dropped = 0
         self._live_swapped = 0
         self.rerun_by_op = collections.Counter()
+        self.intercept_reasons = collections.Counter()
+
+    def note_intercepted(self, reasons):
+        """A call signature (or an unchecked call) stays intercepted, for these reasons."""
+        self.intercept_reasons.update(set(reasons))
 
     def count_rerun(self, op_name, n=1):
         self.ops_rerun += n
@@ -151,6 +160,7 @@ class RecomputeStats:
     def as_dict(self):
         d = {name: getattr(self, name) for name in self._COUNTERS}
         d["rerun_by_op"] = dict(self.rerun_by_op)
+        d["intercept_reasons"] = dict(self.intercept_reasons)
         return d
 
     def __repr__(self):

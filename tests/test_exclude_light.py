@@ -1,0 +1,218 @@
+"""exclude_op on the light path: the kept ops are installed where they are reached (``keep_sites``).
+
+One layer reaches an excluded op each way a keep site covers: a Primitive
+attribute, a function attribute, a Primitive built lazily into a dict, a
+functional call in the layer's construct and one in a sub-cell's construct.
+Each test trains it for 3 steps against the same model without AC, bitwise,
+and counts the ops that really ran (an outer ``MsDispatchMode`` sees every op
+of the light re-run): the excluded ops run once, in forward. Ops reached where
+no proxy can stand keep the layer intercepted, with the reason in
+``RecomputeStats.intercept_reasons``.
+"""
+import copy
+import collections
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore.utils import MsDispatchMode
+
+from mindformers_ac import recompute as rc
+from mindformers_ac.checkpoint_policy import CheckpointPolicy
+from mindformers_ac.recompute.dispatch import op_name_of
+from mindformers_ac.recompute.keep_sites import KeepProxy
+
+H, S, B = 8, 6, 2
+SCALE = 1.0   # read by the layer's construct through its (redirected) globals
+
+
+class Sub(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(np.random.RandomState(3).randn(H, H).astype(np.float32) * 0.3), name="w")
+
+    def construct(self, x):
+        return ops.softmax(ops.matmul(x, self.w), -1) * SCALE
+
+
+class Layer(nn.Cell):
+    def __init__(self, seed, tensor_method=False):
+        super().__init__()
+        rs = np.random.RandomState(seed)
+        self.dense = mint.nn.Linear(H, H)
+        self.w2 = Parameter(Tensor(rs.randn(H, H).astype(np.float32) * 0.3), name="w2")
+        self.bmm = ops.BatchMatMul(transpose_b=True)
+        self.act = mint.nn.functional.softmax
+        self._prims = {}
+        self.sub = Sub()
+        self.tensor_method = tensor_method
+
+    def _prim(self, kind):
+        if kind not in self._prims:
+            self._prims[kind] = ops.MatMul()
+        return self._prims[kind]
+
+    def construct(self, x):
+        y = ops.sin(self.dense(x))   # recomputed: it saves its input
+        p = self.act(self.bmm(y, y) * SCALE, dim=-1)
+        z = p.matmul(y) if self.tensor_method else ops.matmul(p, y)
+        z = self._prim("mm")(z.reshape(-1, H), self.w2).reshape(x.shape)
+        return self.sub(z) * ops.cos(z) + x
+
+
+class Net(nn.Cell):
+    def __init__(self, tensor_method=False):
+        super().__init__()
+        self.layers = nn.CellList([Layer(i, tensor_method) for i in range(2)])
+
+    def construct(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+EXCLUDE = ["MatMul", "Softmax"]
+KEPT = {"BatchMatMul": 1, "Softmax": 2, "MatMulExt": 2, "MatMul": 1}   # per layer call, in forward
+
+
+class _CountOps(MsDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        self.counts[op_name_of(func, args)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train(wrap=None, steps=3, tensor_method=False, between=None):
+    """(losses and grads per step, op counts of the last step, the model)."""
+    ms.set_seed(0)
+    model = Net(tensor_method)
+    if wrap is not None:
+        wrap(model)
+    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+    x = Tensor(np.random.RandomState(9).randn(B, S, H).astype(np.float32))
+    history, counter = [], None
+    for step in range(steps):
+        if between is not None:
+            between(step)
+        counter = _CountOps() if step == steps - 1 else None
+        if counter is not None:
+            with counter:
+                loss, grads = grad_fn(x)
+        else:
+            loss, grads = grad_fn(x)
+        history.append([loss.asnumpy()] + [g.asnumpy() for g in grads])
+    return history, counter.counts, model
+
+
+def _assert_bitwise(a, b):
+    for step_a, step_b in zip(a, b):
+        for x, y in zip(step_a, step_b):
+            assert x.dtype == y.dtype and np.array_equal(x, y)
+
+
+def _wrap(policy_fn, stats):
+    def wrap(model):
+        for layer in model.layers:
+            stats.append(rc.RecomputeStats())
+            rc.checkpoint_wrapper(layer, policy_fn=policy_fn, stats=stats[-1])
+    return wrap
+
+
+def test_every_keep_site_goes_light_bitwise_and_the_kept_ops_run_once():
+    base, base_ops, _ = _train()
+    full, full_ops, _ = _train(_wrap(None, []))
+    stats = []
+    kept, kept_ops, model = _train(_wrap(rc.exclude_policy(EXCLUDE), stats))
+    _assert_bitwise(base, kept)
+    _assert_bitwise(base, full)
+    for s in stats:   # the first call checks the signature, the other two are light
+        assert (s.intercepted_calls, s.light_calls) == (1, 2) and not s.intercept_reasons
+        assert s.ops_reused == 3 * sum(KEPT.values())   # 3 steps
+        assert not set(s.rerun_by_op) & set(KEPT)
+    # the last (light) step, forward and backward: the excluded ops ran as often as without AC, and full
+    # recompute ran each once more per layer
+    for name, n in KEPT.items():
+        assert kept_ops[name] == base_ops[name], name
+        assert full_ops[name] == base_ops[name] + 2 * n, name
+    assert kept_ops["AddExt"] == full_ops["AddExt"] > base_ops["AddExt"]   # the rest is re-run
+    layer = model.layers[0]
+    assert isinstance(layer._prims["mm"], KeepProxy) and "construct" in vars(layer.sub)
+    plain = copy.deepcopy(model)   # a copy gets the plain ops
+    assert not isinstance(plain.layers[0]._prims["mm"], KeepProxy) and "construct" not in vars(plain.layers[0].sub)
+    for layer in model.layers:
+        rc.unwrap(layer)
+        assert not isinstance(layer._prims["mm"], KeepProxy) and "construct" not in vars(layer.sub)
+        assert not isinstance(vars(layer)["bmm"], KeepProxy) and vars(layer)["bmm"].name == "BatchMatMul"
+
+
+def test_a_global_the_redirected_construct_reads_is_refreshed_when_its_module_rebinds_it(monkeypatch):
+    def between(step):
+        monkeypatch.setattr(__import__(__name__), "SCALE", 1.0 + step)
+    base, _, _ = _train(between=between)
+    kept, _, _ = _train(_wrap(rc.exclude_policy(EXCLUDE), []), between=between)
+    _assert_bitwise(base, kept)
+
+
+def test_an_excluded_op_without_a_keep_site_keeps_its_layer_intercepted_and_says_why():
+    base, base_ops, _ = _train(tensor_method=True)
+    stats = []
+    kept, kept_ops, _ = _train(_wrap(rc.exclude_policy(EXCLUDE), stats), tensor_method=True)
+    _assert_bitwise(base, kept)
+    for s in stats:
+        assert (s.intercepted_calls, s.light_calls) == (3, 0)
+        (reason,) = [r for r in s.intercept_reasons if "Tensor method" in r]
+        assert "MatMulExt" in reason and "kept, but it is called as a Tensor method" in reason
+    assert kept_ops["MatMulExt"] == base_ops["MatMulExt"]   # the intercepting path keeps it as before
+
+
+def test_a_site_that_also_runs_recomputed_ops_is_not_kept_whole():
+    """``ops.gelu`` runs Erf among other ops: excluding Erf can't keep the whole call."""
+    class Gelu(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.act = ops.gelu
+
+        def construct(self, x):
+            return self.act(x) * 2
+
+    ms.set_seed(0)
+    cell, stats = Gelu(), rc.RecomputeStats()
+    rc.checkpoint_wrapper(cell, policy_fn=rc.exclude_policy(["Erf"]), stats=stats)
+    x = Tensor(np.linspace(-2, 2, 12, dtype=np.float32).reshape(3, 4))
+    grad_fn = ms.grad(lambda t: cell(t).sum())
+    got = [grad_fn(x).asnumpy() for _ in range(2)]
+    want = ms.grad(lambda t: Gelu()(t).sum())(x).asnumpy()
+    assert all(np.array_equal(g, want) for g in got)
+    assert (stats.intercepted_calls, stats.light_calls) == (2, 0)
+    (reason,) = stats.intercept_reasons
+    assert "attribute act also runs" in reason and "which is recomputed" in reason
+
+
+def test_a_policy_that_decides_per_call_stays_intercepted_and_says_so():
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if "matmul" in ctx.op_name.lower() else CheckpointPolicy.PREFER_RECOMPUTE
+    base, _, _ = _train()
+    stats = []
+    kept, _, _ = _train(_wrap(policy, stats))
+    _assert_bitwise(base, kept)
+    assert all((s.intercepted_calls, s.light_calls) == (3, 0) for s in stats)
+    assert any("decides per op call" in r for r in stats[0].intercept_reasons)
+    policy.decides_by_site = True   # the user's word that it answers by the op's name and place only
+    stats = []
+    kept, _, _ = _train(_wrap(policy, stats))
+    _assert_bitwise(base, kept)
+    assert all((s.intercepted_calls, s.light_calls) == (1, 2) for s in stats)
+
+
+@pytest.mark.parametrize("base_site", [True, False])
+def test_exclude_policy_decides_by_site_only_when_its_base_policy_does(base_site):
+    def base(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if base_site:
+        base.decides_by_site = True
+    assert rc.exclude_policy(["x"]).decides_by_site is True
+    assert rc.exclude_policy(["x"], base_policy=base).decides_by_site is base_site
