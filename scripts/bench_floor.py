@@ -1,13 +1,14 @@
 """Full recompute against the floor on the three model families: each configuration run several times.
 
     PYTHONPATH=scripts:. python scripts/bench_floor.py [--shape small mid] [--repeat 3] [--steps-small 30]
-                                                       [--steps-mid 12] [--only gpt plain llama]
+                                                       [--steps-mid 12] [--only gpt plain llama] [--first-config]
 
 Each run is one ``bench_recompute.py`` process (every row interleaved in it, medians over its steps);
 a ratio moves by a few percent between processes on a shared machine, so each configuration runs
 ``--repeat`` times and the table gives the median of the runs' ratios and their range. Rows: the
 reference GPT with its replayable SeededDropout, with ``nn.Dropout`` and without dropout; the plain
-pre-LN transformer with ``nn.Dropout`` and without; the LLaMA of docs/own_model.md (no dropout).
+pre-LN transformer with ``nn.Dropout`` and without; the LLaMA of docs/own_model.md (no dropout). The exclude columns: ``exclude_op: [matmul]``
+(``exclude_policy(["matmul"])``) on the same regions, against the same rows without it.
 """
 import argparse
 import os
@@ -20,6 +21,7 @@ CONFIGS = [("gpt", "SeededDropout 0.1", []), ("gpt", "nn.Dropout 0.1", ["--nn-dr
            ("gpt", "none", ["--dropout", "0"]), ("plain", "nn.Dropout 0.1", ["--dropout", "0.1"]),
            ("plain", "none", ["--dropout", "0"]), ("llama", "none", [])]
 FLOOR, BUILTIN = "floor (baseline + 1 forward)", "Cell.recompute() full"
+EXCLUDE = "full + exclude matmul"
 
 
 def run_once(family, flags, shape, steps):
@@ -51,15 +53,19 @@ def main():
     p.add_argument("--steps-small", type=int, default=30, help="interleaved steps per small run (default 30)")
     p.add_argument("--steps-mid", type=int, default=12, help="interleaved steps per mid run (default 12)")
     p.add_argument("--only", nargs="+", choices=("gpt", "plain", "llama"), help="these families only")
+    p.add_argument("--first-config", action="store_true", help="one configuration per family: its first")
     a = p.parse_args()
     print(f"median of {a.repeat} processes (range); wall-clock ratios of medians over interleaved steps")
     print("| shape | family | dropout | baseline ms | floor ms | `Cell.recompute()` x floor | full x floor | "
-          "full x `Cell.recompute()` | select mlp x `mlp.recompute()` | full: light / intercepted calls |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "full x `Cell.recompute()` | select mlp x `mlp.recompute()` | full + exclude x full | "
+          "full + exclude x floor | select mlp + exclude x select mlp | full: light / intercepted calls | "
+          "full + exclude: light / intercepted calls |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for shape in a.shape:
         steps = a.steps_small if shape == "small" else a.steps_mid
         for family, dropout, flags in CONFIGS:
-            if a.only and family not in a.only:
+            if (a.only and family not in a.only) or (a.first_config and (family, dropout, flags) !=
+                                                     next(c for c in CONFIGS if c[0] == family)):
                 continue
             runs = [run_once(family, flags, shape, steps) for _ in range(a.repeat)]
             base = statistics.median(r["baseline"][0] for r in runs)
@@ -67,7 +73,9 @@ def main():
             cells = [spread([ratio(r, BUILTIN, FLOOR) for r in runs]), spread([ratio(r, "full", FLOOR) for r in runs]),
                      spread([ratio(r, "full", BUILTIN) for r in runs]),
                      spread([ratio(r, "select mlp", "Cell.recompute() mlp") for r in runs]),
-                     runs[-1]["full"][1]["light / intercepted calls"]]
+                     spread([ratio(r, EXCLUDE, "full") for r in runs]), spread([ratio(r, EXCLUDE, FLOOR) for r in runs]),
+                     spread([ratio(r, "select mlp + exclude matmul", "select mlp") for r in runs]),
+                     runs[-1]["full"][1]["light / intercepted calls"], runs[-1][EXCLUDE][1]["light / intercepted calls"]]
             print(f"| {shape} | {family} | {dropout} | {base:.1f} | {floor:.1f} | " + " | ".join(cells) + " |",
                   flush=True)
 

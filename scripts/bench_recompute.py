@@ -9,7 +9,7 @@ pre-LN transformer with another op mix, or the LLaMA of docs/own_model.md.
 
 Rows: baseline, "baseline + 1 forward" (the floor for full recompute), MindSpore's Cell.recompute()
 on each layer and on each layer's mlp (fresh models: it can't be undone), and the engine's full,
-select mlp, select core_attention and full + exclude matmul; engine rows are also compared to the
+select mlp, full + exclude matmul and select mlp + exclude matmul; engine rows are also compared to the
 built-in row of the same cells ("ref"). Kept bytes come from the engine's RecomputeStats for engine
 rows and from SavedTensorMeter for the others (the engine's own hooks hide an outer meter inside its
 regions, so for engine rows the meter is run too and the bytes outside the regions are added).
@@ -87,6 +87,8 @@ def main():
         case(a, "full + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"])), ref=full_rc),
         case(a, mlp_rc, cell_recompute("mlp")),
         case(a, "select mlp", per_layer(cells="mlp"), ref=mlp_rc),
+        case(a, "select mlp + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"]), cells="mlp"),
+             ref=mlp_rc),
     ]
     if a.profile:
         profile(rows, a.profile, a.warmup, a.steps)

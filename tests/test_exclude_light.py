@@ -9,8 +9,8 @@ of the light re-run): the excluded ops run once, in forward. Ops reached where
 no proxy can stand keep the layer intercepted, with the reason in
 ``RecomputeStats.intercept_reasons``.
 """
-import copy
 import collections
+import copy
 
 import mindspore as ms
 import numpy as np

@@ -153,7 +153,10 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     those of ``checkpoint``; ``stats`` defaults to a new ``RecomputeStats``
     (see ``get_checkpoint_stats``).
 
-    ``light_path`` (default True): without ``policy_fn`` and ``swap_inputs``,
+    ``light_path`` (default True): without ``swap_inputs``, and without a
+    ``policy_fn`` or with one marked ``decides_by_site = True`` (its answers
+    depend on the op's name and place only, as ``exclude_policy``'s; its kept
+    ops are then installed where they are reached, see ``keep_sites``),
     the first call per call signature runs the op-intercepting path and
     checks the region (``path_choice.PathCheck``); later calls the check
     shows safe run with saved-tensor hooks only (see ``light``): same results,
@@ -245,6 +248,10 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
     when it can be found). Paths are relative to the region root; pass
     ``path_prefix`` (e.g. ``"mlp"`` for a region on ``layer.mlp``) to match
     patterns written against layer-relative paths.
+
+    The policy is marked ``decides_by_site`` (unless ``base_policy`` isn't):
+    ``checkpoint_wrapper`` then keeps a region on the light path when every
+    op it keeps is reached through a keep site (``keep_sites``).
     """
     if isinstance(names, str) or isinstance(path_patterns, str):
         raise TypeError("exclude_policy(names=..., path_patterns=...) takes lists of strings, not a string")

@@ -21,8 +21,10 @@ the light path does reproduce is taken back (``light_reproduces``). So a new
 kind of decision keeps its region intercepted without an edit here. What
 sets the mark today, i.e. what going light requires:
 
-* no policy and no swapped inputs (``checkpoint_wrapper`` without
-  ``policy_fn``; ``exclude_op`` is a policy);
+* no swapped inputs, and no policy unless it decides by the op's name and
+  place only (``exclude_policy``, ``exclude_op``): then every op it keeps must
+  have a keep site, a place where a proxy keeps it on the light path
+  (``keep_sites``; ``Region.settle_sites`` installs them);
 * no op that may write tensors (``side_effect_mem`` primitives such as
   BatchNorm in training, ``Inplace*`` ops), except writes to the root's
   non-trainable Parameters that the re-run skipped (guarded by
