@@ -9,7 +9,14 @@
 * ``llama``: the LLaMA of ``docs/own_model.md`` (RMSNorm, rotary, GQA, SwiGLU),
   its code taken from the doc's ``llama_factory.py`` block with the shape
   constants replaced, so the benchmark runs exactly what the doc shows; it
-  has no dropout.
+  has no dropout;
+* ``moe``: the reference MoE GPT (``harness/moe.py``: every layer a MoE layer,
+  4 experts, top-2, a shared expert; one process, so its all-to-alls are
+  copies), its "MLP" the MoE block.
+
+``Family.exclude`` is the ``exclude_op`` list the benchmark's exclude rows use:
+``matmul``, or ``AllToAll`` on the MoE model (the config the guide gives expert
+parallelism).
 
 ``build(family, gpt, batch, dropout, nn_dropout) -> Family``: a fresh model with
 fixed weights, one batch, its layer cells and each layer's MLP cell.
@@ -25,7 +32,7 @@ from mindspore import Tensor, mint, nn, ops
 
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
 
-FAMILIES = ("gpt", "plain", "llama")
+FAMILIES = ("gpt", "plain", "llama", "moe")
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "own_model.md")
 
 
@@ -36,6 +43,7 @@ class Family:
     layers: list          # the layer cells, in order
     mlp: list             # each layer's MLP cell (select-recompute target)
     describe: str
+    exclude: tuple = ("matmul",)   # exclude_op of the exclude rows
 
 
 class PlainLayer(nn.Cell):
@@ -107,6 +115,14 @@ def build(family, gpt, batch, dropout=0.0, nn_dropout=False):
         layers = list(model.decoder.layers)
         return Family(model, synthetic_batch(batch, gpt.seq_length, gpt.vocab_size, seed=0), layers,
                       [layer.mlp for layer in layers], "reference GPT")
+    if family == "moe":
+        from mindformers_ac.harness.moe import build_moe_gpt
+        model = build_moe_gpt(gpt, seed=0, num_experts=4, top_k=2)
+        if nn_dropout:
+            use_nn_dropout(model)
+        layers = list(model.decoder.layers)
+        return Family(model, synthetic_batch(batch, gpt.seq_length, gpt.vocab_size, seed=0), layers,
+                      [layer.mlp for layer in layers], "reference MoE GPT (4 experts, top-2, ep=1)", ("AllToAll",))
     if family == "plain":
         ms.set_seed(0)
         model = _fixed_weights(PlainTransformer(gpt.num_layers, gpt.hidden_size, gpt.num_heads, dropout))

@@ -1,14 +1,15 @@
 """Full recompute against the floor on the three model families: each configuration run several times.
 
     PYTHONPATH=scripts:. python scripts/bench_floor.py [--shape small mid] [--repeat 3] [--steps-small 30]
-                                                       [--steps-mid 12] [--only gpt plain llama] [--first-config]
+                                                       [--steps-mid 12] [--only gpt plain llama moe] [--first-config]
 
 Each run is one ``bench_recompute.py`` process (every row interleaved in it, medians over its steps);
 a ratio moves by a few percent between processes on a shared machine, so each configuration runs
 ``--repeat`` times and the table gives the median of the runs' ratios and their range. Rows: the
 reference GPT with its replayable SeededDropout, with ``nn.Dropout`` and without dropout; the plain
-pre-LN transformer with ``nn.Dropout`` and without; the LLaMA of docs/own_model.md (no dropout). The exclude columns: ``exclude_op: [matmul]``
-(``exclude_policy(["matmul"])``) on the same regions, against the same rows without it.
+pre-LN transformer with ``nn.Dropout`` and without; the LLaMA of docs/own_model.md (no dropout); the reference MoE GPT (ep=1). The exclude columns:
+``exclude_op: [matmul]`` (``exclude_policy(["matmul"])``; ``[AllToAll]`` on the MoE model) on the same
+regions, against the same rows without it.
 """
 import argparse
 import os
@@ -19,9 +20,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = [("gpt", "SeededDropout 0.1", []), ("gpt", "nn.Dropout 0.1", ["--nn-dropout"]),
            ("gpt", "none", ["--dropout", "0"]), ("plain", "nn.Dropout 0.1", ["--dropout", "0.1"]),
-           ("plain", "none", ["--dropout", "0"]), ("llama", "none", [])]
+           ("plain", "none", ["--dropout", "0"]), ("llama", "none", []), ("moe", "SeededDropout 0.1", [])]
 FLOOR, BUILTIN = "floor (baseline + 1 forward)", "Cell.recompute() full"
-EXCLUDE = "full + exclude matmul"
+EXCLUDE = "full + exclude_op"
 
 
 def run_once(family, flags, shape, steps):
@@ -52,7 +53,7 @@ def main():
     p.add_argument("--repeat", type=int, default=3, help="processes per configuration (default 3)")
     p.add_argument("--steps-small", type=int, default=30, help="interleaved steps per small run (default 30)")
     p.add_argument("--steps-mid", type=int, default=12, help="interleaved steps per mid run (default 12)")
-    p.add_argument("--only", nargs="+", choices=("gpt", "plain", "llama"), help="these families only")
+    p.add_argument("--only", nargs="+", choices=("gpt", "plain", "llama", "moe"), help="these families only")
     p.add_argument("--first-config", action="store_true", help="one configuration per family: its first")
     a = p.parse_args()
     print(f"median of {a.repeat} processes (range); wall-clock ratios of medians over interleaved steps")
@@ -74,7 +75,7 @@ def main():
                      spread([ratio(r, "full", BUILTIN) for r in runs]),
                      spread([ratio(r, "select mlp", "Cell.recompute() mlp") for r in runs]),
                      spread([ratio(r, EXCLUDE, "full") for r in runs]), spread([ratio(r, EXCLUDE, FLOOR) for r in runs]),
-                     spread([ratio(r, "select mlp + exclude matmul", "select mlp") for r in runs]),
+                     spread([ratio(r, "select mlp + exclude_op", "select mlp") for r in runs]),
                      runs[-1]["full"][1]["light / intercepted calls"], runs[-1][EXCLUDE][1]["light / intercepted calls"]]
             print(f"| {shape} | {family} | {dropout} | {base:.1f} | {floor:.1f} | " + " | ".join(cells) + " |",
                   flush=True)

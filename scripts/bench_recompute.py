@@ -9,7 +9,7 @@ pre-LN transformer with another op mix, or the LLaMA of docs/own_model.md.
 
 Rows: baseline, "baseline + 1 forward" (the floor for full recompute), MindSpore's Cell.recompute()
 on each layer and on each layer's mlp (fresh models: it can't be undone), and the engine's full,
-select mlp, full + exclude matmul and select mlp + exclude matmul; engine rows are also compared to the
+select mlp, and full and select mlp with exclude_op (``matmul``; ``AllToAll`` on the MoE model); engine rows are also compared to the
 built-in row of the same cells ("ref"). Kept bytes come from the engine's RecomputeStats for engine
 rows and from SavedTensorMeter for the others (the engine's own hooks hide an outer meter inside its
 regions, so for engine rows the meter is run too and the bytes outside the regions are added).
@@ -79,16 +79,16 @@ def main():
                                                        help="the model (default gpt: the reference GPT)"))
     synchronous_pynative()
     full_rc, mlp_rc, floor = "Cell.recompute() full", "Cell.recompute() mlp", "floor (baseline + 1 forward)"
+    exclude = list(build(a.family, a.gpt, a.batch).exclude)
     rows = [
         case(a, "baseline", lambda f: None),
         case(a, floor, lambda f: None, extra_forward=True),
         case(a, full_rc, cell_recompute(), ref=floor),
         case(a, "full", per_layer(), ref=floor),
-        case(a, "full + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"])), ref=full_rc),
+        case(a, "full + exclude_op", per_layer(policy=rc.exclude_policy(exclude)), ref=full_rc),
         case(a, mlp_rc, cell_recompute("mlp")),
         case(a, "select mlp", per_layer(cells="mlp"), ref=mlp_rc),
-        case(a, "select mlp + exclude matmul", per_layer(policy=rc.exclude_policy(["matmul"]), cells="mlp"),
-             ref=mlp_rc),
+        case(a, "select mlp + exclude_op", per_layer(policy=rc.exclude_policy(exclude), cells="mlp"), ref=mlp_rc),
     ]
     if a.profile:
         profile(rows, a.profile, a.warmup, a.steps)
@@ -97,7 +97,7 @@ def main():
     g = a.gpt
     dropout = "none" if not g.dropout or a.family == "llama" else (
         f"{g.dropout} ({'nn.Dropout, masks kept' if a.nn_dropout or a.family == 'plain' else 'replayable SeededDropout, drawn again'})")
-    print(f"{build(a.family, a.gpt, a.batch).describe}: {g.num_layers} layers, hidden {g.hidden_size}, heads "
+    print(f"{build(a.family, a.gpt, a.batch).describe}, exclude_op {exclude}: {g.num_layers} layers, hidden {g.hidden_size}, heads "
           f"{g.num_heads}, seq {g.seq_length}, batch {a.batch}, dropout {dropout}; median of {a.steps} interleaved "
           f"steps after {a.warmup} warm-up; cpu = process CPU time (all threads)")
     print_table(rows, "baseline", lambda r: r.kept_and_rerun())

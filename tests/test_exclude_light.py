@@ -23,6 +23,8 @@ from mindformers_ac.checkpoint_policy import CheckpointPolicy
 from mindformers_ac.recompute.dispatch import op_name_of
 from mindformers_ac.recompute.keep_sites import KeepProxy
 
+from isolated import run_isolated
+
 H, S, B = 8, 6, 2
 SCALE = 1.0   # read by the layer's construct through its (redirected) globals
 
@@ -216,3 +218,53 @@ def test_exclude_policy_decides_by_site_only_when_its_base_policy_does(base_site
         base.decides_by_site = True
     assert rc.exclude_policy(["x"]).decides_by_site is True
     assert rc.exclude_policy(["x"], base_policy=base).decides_by_site is base_site
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["skips_kept_op", "other_shape"])
+def test_a_light_rerun_that_reaches_its_kept_ops_otherwise_raises_naming_the_site(kind):
+    """A re-run (the second light one) that skips the kept BatchMatMul, or calls it on other shapes."""
+    change = ("return ops.sin(y) * 2" if kind == "skips_kept_op"
+              else "return self.bmm(y[:, :3], y[:, :3]).sum(-1).sum(-1, keepdims=True) * y")
+    res = run_isolated(f"""
+        import numpy as np
+        from mindspore import Tensor, nn, ops
+        from mindformers_ac import recompute as rc
+        from mindformers_ac.recompute.state import ENGINE
+        from mindspore.graph.api import _pynative_executor
+        calls = [0]
+
+        class Cell(nn.Cell):
+            def __init__(self):
+                super().__init__()
+                self.bmm = ops.BatchMatMul(transpose_b=True)
+
+            def construct(self, x):
+                y = ops.sin(x)
+                if rc.is_in_recompute():
+                    calls[0] += 1
+                    if calls[0] == 3:
+                        {change}
+                return self.bmm(y, y).sum(-1, keepdims=True) * y
+
+        cell, stats = Cell(), rc.RecomputeStats()
+        rc.checkpoint_wrapper(cell, policy_fn=rc.exclude_policy(["matmul"]), stats=stats)
+        grad_fn = ms.grad(lambda t: cell(t).sum())
+        x = Tensor(np.ones((2, 4, 3), np.float32))
+        grad_fn(x); grad_fn(x)
+        assert stats.light_calls == 1, stats
+        try:
+            grad_fn(x)
+        except RuntimeError as e:
+            print("RAISED", type(e).__name__, e)
+        assert ENGINE.top() is None and not _pynative_executor.is_saved_tensor_hook_active()
+        print("CLEAN")
+    """)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "RAISED RecomputeError mindformers_ac: recompute diverged from forward" in res.stdout, res.stdout
+    if kind == "skips_kept_op":
+        assert "the forward made 1 call(s) of ops exclude_op keeps, its recompute 0 (at attribute bmm)" in res.stdout
+    else:
+        assert "at kept call #0: forward called attribute bmm on (2, 4, 3) Float32, (2, 4, 3) Float32" in res.stdout
+        assert "recompute calls attribute bmm on (2, 3, 3) Float32" in res.stdout
+    assert "CLEAN" in res.stdout

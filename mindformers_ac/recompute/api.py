@@ -185,7 +185,8 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
-            return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
+            fn = checks.construct_for(root, cell_or_fn) if checks is not None and checks.redirects else cell_or_fn
+            return run_checkpoint(fn, args, kwargs, checks, root, tracker=tracker, **options)
         setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
         return wrapped_fn
     return _wrap_cell(cell_or_fn, options, light)

@@ -103,7 +103,9 @@ def find_site(cells, paths, resolve):
     if frame is None or callee is None:
         return NoSite(("none",), "it runs outside the model's code")
     code, target = frame.f_code, callee.f_locals.get("self")
-    if callee.f_code is AttrProxy.__call__.__code__ or callee.f_code is KeepProxy.__call__.__code__:
+    if callee.f_code is KeepProxy.__call__.__code__:   # a site installed for another signature
+        return Site("proxy", ("keep", id(target)), None, target, None, target.mac_description)
+    if callee.f_code is AttrProxy.__call__.__code__:
         return Site("attr", ("slot", id(target)), None, target, None,
                     f"attribute {getattr(target, 'mac_path', '')}".rstrip())
     if isinstance(target, Primitive) and callee.f_code.co_name == "__call__":
@@ -138,12 +140,19 @@ def _item_site(key, prim, cells, paths):
     return NoSite(key, f"its primitive {prim.name} is not held by a cell of the region")
 
 
+def _read_names(code):
+    """The names ``code`` reads as globals or attributes, its comprehensions' and lambdas' included (they
+    share its globals)."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _read_names(const)
+    return names
+
+
 def _global_paths(code, globals_, target):
     """Global name paths (``("ops", "matmul")``) that ``code`` may read to reach the function ``target``."""
-    names = set(code.co_names)
-    for const in code.co_consts:   # comprehensions and lambdas share the globals
-        if isinstance(const, types.CodeType):
-            names |= set(const.co_names)
+    names = _read_names(code)
     found = []
 
     def walk(obj, path):
@@ -190,12 +199,7 @@ class RedirectedMethod:
     def __init__(self, function, globals_):
         self.function, self.module_globals = function, globals_
         self.globals = dict(globals_)
-        self.redirected = set()
-        names = set(function.__code__.co_names)
-        for const in function.__code__.co_consts:
-            if isinstance(const, types.CodeType):
-                names |= set(const.co_names)
-        self.watched = names
+        self.watched = _read_names(function.__code__)   # less the redirected heads: compared on every call
         self.copy = types.FunctionType(function.__code__, self.globals, function.__name__,
                                        function.__defaults__, function.__closure__)
         self.copy.__kwdefaults__ = function.__kwdefaults__
@@ -203,7 +207,6 @@ class RedirectedMethod:
 
     def redirect(self, path, proxy):
         head = path[0]
-        self.redirected.add(head)
         self.watched.discard(head)
         if len(path) == 1:
             self.globals[head] = proxy
@@ -234,6 +237,8 @@ def install_site(site, installed, root, redirects):
     signatures; ``root``: the region's root cell; ``redirects``: ``id(cell)``
     -> ``RedirectedMethod`` of the wrapper (the root's wrapper runs the root's).
     """
+    if site.kind == "proxy":
+        return site.where
     held = installed.get(site.key)
     if held is not None:
         return held[0]

@@ -113,8 +113,8 @@ def dropout_calls(rec, fwd):
 
 def kept_calls(rec, fwd, where):
     """The recompute reached the ops exclude_op keeps another number of times than the forward."""
-    return RecomputeError(f"{_DIVERGED}: it reached the kept op at {where} after {rec} kept call(s), the forward "
-                          f"made {fwd}. {SAME_PATH}")
+    return RecomputeError(f"{_DIVERGED}: the forward made {fwd} call(s) of ops exclude_op keeps, its recompute "
+                          f"{rec} (at {where}). {SAME_PATH}")
 
 
 def other_kept_call(i, fwd_where, fwd_meta, where, got):
