@@ -268,3 +268,38 @@ def test_a_light_rerun_that_reaches_its_kept_ops_otherwise_raises_naming_the_sit
         assert "at kept call #0: forward called attribute bmm on (2, 4, 3) Float32, (2, 4, 3) Float32" in res.stdout
         assert "recompute calls attribute bmm on (2, 3, 3) Float32" in res.stdout
     assert "CLEAN" in res.stdout
+
+
+def test_apply_ac_reports_per_layer_which_path_exclude_op_took_and_why():
+    """exclude_op [BatchMatMul, Muls] on the reference GPT: bmm_qk / bmm_pv are attributes (kept at their
+    sites), the scaling ``scores * scale`` is a Tensor operator (no site): every layer stays intercepted,
+    and the step's figures and train's table say why; [BatchMatMul] alone goes light."""
+    import mindformers_ac as mac
+    from mindformers_ac.accounting import StepMeter
+    from mindformers_ac.harness.models import build_gpt, synthetic_batch
+    from mindformers_ac.harness.report import layer_table
+
+    def steps(exclude):
+        model = build_gpt(num_layers=2, hidden_size=32, num_heads=4, seq_length=8, vocab_size=32, dropout=0.0)
+        mac.apply_ac(model, config={"recompute": {"mode": "full", "full_recompute_layer": [0, 1], "exclude_op": exclude}})
+        grad_fn, meter = ms.value_and_grad(model, None, model.trainable_params()), StepMeter(model)
+        memory = []
+        for step in range(2):
+            with meter.step() as figures:
+                grad_fn(*synthetic_batch(2, 8, 32, seed=step))
+            memory.append(figures)
+        return memory
+
+    first, second = steps(["BatchMatMul", "Muls"])
+    for layer in (0, 1):
+        assert (first.layers[layer].intercepted_calls, second.layers[layer].intercepted_calls) == (1, 1)
+        (reason,) = first.layers[layer].intercept_reasons
+        assert "Muls" in reason and "Tensor method, an operator or a C function in construct" in reason
+    rows = [{**lm.as_dict(), "layer": str(lm.layer), "applied": [], "baseline_kept_bytes": 0,
+             "light_calls": lm.light_calls, "intercept_reasons": sorted(lm.intercept_reasons)}
+            for lm in first.layers.values()]
+    table = layer_table({"layers": rows})
+    assert "intercepting path kept by:\n  0: op #" in table and "\n  1: op #" in table
+    first, second = steps(["BatchMatMul"])
+    assert all((lm.intercepted_calls, lm.light_calls) == (0, 1) and not lm.intercept_reasons
+               for lm in second.layers.values() if lm.layer != "other")

@@ -88,7 +88,9 @@ class _OutputProbe:
     forward: Sin in forward, Cos in the re-run) would hand backward other
     tensors silently. Such a re-run computes another output: ``PROBE_SIZE``
     evenly spaced elements of it, compared bitwise, catch it. Cost: one small
-    gather per forward and per re-run, and a 256-byte host read.
+    ``GatherNd`` per forward and per re-run (one op on the output as it is: a
+    flattening view first would cost another, about 8 us at the small shape),
+    and a 256-byte host read.
     """
 
     __slots__ = ("index", "values", "shape")
@@ -98,16 +100,17 @@ class _OutputProbe:
         t = _first_float(out)
         if t is None:
             return
-        n, self.shape = t.size, t.shape
-        self.index = check.probe_index.get(n)
+        self.shape = shape = t.shape
+        self.index = check.probe_index.get(shape)
         if self.index is None:
-            self.index = check.probe_index[n] = Tensor(np.arange(0, n, max(1, n // PROBE_SIZE),
-                                                                 dtype=np.int32)[:PROBE_SIZE])
+            positions = np.arange(0, t.size, max(1, t.size // PROBE_SIZE))[:PROBE_SIZE]
+            coords = np.stack(np.unravel_index(positions, shape), -1) if shape else positions[:, None]
+            self.index = check.probe_index[shape] = Tensor(coords.astype(np.int32))
         self.values = self._sample(t)
 
     def _sample(self, t):
         with no_grad(), no_casts():
-            return ops.gather(t.reshape(-1), self.index, 0)
+            return ops.gather_nd(t if self.shape else t.reshape((1,)), self.index)
 
     def matches(self, out):
         if self.values is None:

@@ -94,7 +94,7 @@ class PathCheck:
         self.rerun_counts = collections.Counter()
         self.param_ptrs = frozenset()
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
-        self.probe_index = {}         # output size -> the indices light._OutputProbe samples
+        self.probe_index = {}         # output shape -> the coordinates light._OutputProbe samples
         self.keep_proxies = frozenset()   # keep_sites.KeepProxy objects whose calls a light run keeps
         self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
         self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
