@@ -87,6 +87,12 @@ def test_ep2_full_recompute_reruns_both_all_to_alls_of_each_moe_layer(ep_job):
 def test_ep2_full_recompute_excluding_alltoall_runs_none_again(ep_job):
     results = _check_config(ep_job, "full_exclude_alltoall")
     assert all(_ops_rerun(r, layer) > 0 for r in results for layer in range(4))
+    # the all-to-all primitives sit in dicts of cells held in _comm_ops: kept there, the layers go light
+    for r in results:
+        for row in r["layers"]:
+            if row["layer"] != "other":
+                assert row["intercepted_calls"] == 1 and row["light_calls"] > 0, row
+                assert not row["intercept_reasons"], row["intercept_reasons"]
 
 
 @pytest.mark.slow

@@ -200,7 +200,12 @@ def test_train_tp2_with_ac_is_bitwise_equal_and_counts_collective_reruns(tmp_pat
                         "--report", str(tmp_path / "report")],
                        nproc=2, timeout_s=240, log_dir=tmp_path / "logs", env=ENV)
     assert res.returncode == 0, _tail(res)
-    _check_tp_comparison(json.loads((tmp_path / "report" / "report.json").read_text())["summary"], expected_rerun)
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    _check_tp_comparison(report["summary"], expected_rerun)
+    # the collectives are kept where their cells hold them (keep_sites): after its first step each layer is light
+    for row in report["layers"]:
+        if row["layer"] != "other":
+            assert (row["light_calls"], row["intercepted_calls"]) == (2, 1) and not row["intercept_reasons"], row
 
 
 @pytest.mark.slow

@@ -81,12 +81,35 @@ class Site:
 
 
 class NoSite:
-    """An op reached where no proxy can stand; ``why`` says where, for ``intercept_reasons``."""
+    """An op reached where no proxy can stand; ``why`` says where, for ``intercept_reasons``.
 
-    __slots__ = ("key", "why")
+    ``held``: the object whose ``id`` is in ``key``, kept alive until the check ends, so that no object
+    made later in the same forward (a primitive built on first use) takes its address and its key.
+    """
 
-    def __init__(self, key, why):
-        self.key, self.why = key, why
+    __slots__ = ("key", "why", "held")
+
+    def __init__(self, key, why, held=None):
+        self.key, self.why, self.held = key, why, held
+
+
+def region_cells(root):
+    """``(id -> cell, id -> path)`` of the cells a region rooted at ``root`` runs: its sub-cells, and cells
+    held in dict attributes (MindFormers' ``_comm_ops`` slots, which the cell tree does not list)."""
+    cells, paths = {}, {}
+    todo = [("", root)] if root is not None else []
+    while todo:
+        prefix, top = todo.pop()
+        for name, cell in top.cells_and_names():
+            if id(cell) in cells:
+                continue
+            path = f"{prefix}.{name}" if prefix and name else (prefix or name)
+            cells[id(cell)], paths[id(cell)] = cell, path
+            for attr, value in vars(cell).items():
+                if isinstance(value, dict):
+                    todo.extend((f"{path + '.' if path else ''}{attr}[{k!r}]", v) for k, v in value.items()
+                                if isinstance(v, nn.Cell))
+    return cells, paths
 
 
 def find_site(cells, paths, resolve):
@@ -110,13 +133,13 @@ def find_site(cells, paths, resolve):
                     f"attribute {getattr(target, 'mac_path', '')}".rstrip())
     if isinstance(target, Primitive) and callee.f_code.co_name == "__call__":
         key = ("prim", id(target))
-        return _item_site(key, target, cells, paths) if resolve else NoSite(key, "")
+        return _item_site(key, target, cells, paths) if resolve else NoSite(key, "", target)
     if callee.f_code.co_name == "__ms_dispatch__":
         return NoSite(("c", code, frame.f_lasti),
                       f"it is called as a Tensor method, an operator or a C function in {code.co_name}")
     if isinstance(target, nn.Cell) and callee.f_code.co_name == "__call__":
         return NoSite(("cell", id(target)), f"it runs inside the MindSpore cell {type(target).__name__} "
-                                            f"(a whole cell is not kept)")
+                                            f"(a whole cell is not kept)", target)
     owner = frame.f_locals.get("self")
     cell = owner if isinstance(owner, nn.Cell) and id(owner) in cells else None
     if cell is None or code.co_name != "construct":
@@ -137,7 +160,7 @@ def _item_site(key, prim, cells, paths):
                         path = paths[cell_id]
                         return Site("item", key, cell, (attr, k), prim,
                                     f"{(path + '.') if path else ''}{attr}[{k!r}]")
-    return NoSite(key, f"its primitive {prim.name} is not held by a cell of the region")
+    return NoSite(key, f"its primitive {prim.name} is not held by a cell of the region", prim)
 
 
 def _read_names(code):

@@ -122,7 +122,7 @@ class _OutputProbe:
 PROBE_SIZE = 64
 
 
-# bfloat16 is left out: the CPU build has no bfloat16 Gather, and a cast of the whole output would cost more
+# bfloat16 is left out: the CPU build has no bfloat16 Gather or GatherNd, and a cast of the whole output would cost more
 # than the probe is worth; a region whose outputs are all bfloat16 is not probed (docs/exactness.md).
 _PROBED = (ms.float16, ms.float32, ms.float64)
 

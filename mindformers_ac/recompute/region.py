@@ -24,7 +24,7 @@ from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
-from .keep_sites import NoSite, find_site, install_site
+from .keep_sites import NoSite, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
@@ -146,8 +146,7 @@ class Region(RegionBase):
     def note_site(self, idx, kept):
         """In a checking call: under which keep site op ``idx`` runs (looked up in full for a kept op)."""
         if self._cells is None:
-            named = list(self.root.cells_and_names()) if self.root is not None else []
-            self._cells = {id(c): c for _, c in named}, {id(c): n for n, c in named}
+            self._cells = region_cells(self.root)
         self.op_sites[idx] = find_site(*self._cells, resolve=kept)
 
     def settle_sites(self, installed, redirects):
@@ -176,6 +175,7 @@ class Region(RegionBase):
                     continue
                 why = f"{site.description} can't hold a proxy for {name}"
             self.intercept[("op", idx)] = f"op #{idx} {self.describe_op(idx)} is kept, but {why}"
+        self.op_sites, self._cells = {}, None   # they hold the checking call's primitives and cells
         return frozenset(proxies), kept_ops
 
     # -- ops that write parameters (see side_effects) -----------------------------
