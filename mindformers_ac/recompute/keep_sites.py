@@ -10,7 +10,9 @@ a *keep site*:
   ``self.softmax = mint.nn.functional.softmax``), reached through the policy's
   ``AttrProxy``;
 * ``item``: a Primitive a cell holds in a dict attribute (the lazily built
-  collectives of ``harness.tp``: ``self._prims["AllGather"]``);
+  collectives of ``harness.tp``: ``self._prims["AllGather"]``), the cells held
+  in dicts (MindFormers' ``_comm_ops`` slots) counting as the region's
+  (``region_cells``);
 * ``function``: a MindSpore function that a cell's ``construct`` calls by a
   global name (``ops.matmul``, ``mint.nn.functional.softmax``, ``matmul``
   imported by name). That construct is run, for this cell, as a copy whose
@@ -29,8 +31,9 @@ under it in the checking call was kept (``Region.settle_sites``). What has no
 site keeps its signature on the intercepting path, with the reason in
 ``RecomputeStats.intercept_reasons``: an op called as a Tensor method or an
 operator (C code: no Python frame between the model and the op), from a
-module-level function (no cell holds it), from a sub-cell whose construct
-another wrapper replaced, or from a construct that assigns module globals.
+module-level function (no cell holds it), inside a MindSpore cell (``nn.Dense``:
+a whole cell is not kept), from a sub-cell whose construct another wrapper
+replaced, or from a construct that assigns module globals.
 """
 import dis
 import sys
@@ -52,7 +55,7 @@ _MODEL_CODE = (_ENGINE_PACKAGE + "harness",)   # the package's own reference mod
 
 def _is_engine_frame(frame):
     module = frame.f_globals.get("__name__", "")
-    if module.startswith("mindspore"):
+    if module == "mindspore" or module.startswith("mindspore."):
         return True
     return module.startswith(_ENGINE_PACKAGE) and not module.startswith(_MODEL_CODE)
 

@@ -16,6 +16,13 @@ recompute rebuilds the output from the mask without calling the kernel (the
 rebuild's ops save nothing for the region) and those saves take the rebuilt
 output and mask.
 
+Ops ``exclude_op`` keeps: their calls arrive through the ``KeepProxy`` the
+checking call installed where they are reached (``keep_sites``) as
+``keep_call``. The forward keeps their outputs and what they saved (numbered
+apart, as a Dropout's); the recompute hands the outputs back in call order
+without running them, and raises when it reaches another site, with inputs of
+other shapes, or another number of times.
+
 Failure modes (``RecomputeError``, the same texts as the intercepting path):
 a recompute that saved another number of tensors, or one of another shape or
 dtype (named by the op the checking call numbered, when the forward saved what
@@ -122,8 +129,8 @@ class _OutputProbe:
 PROBE_SIZE = 64
 
 
-# bfloat16 is left out: the CPU build has no bfloat16 Gather or GatherNd, and a cast of the whole output would cost more
-# than the probe is worth; a region whose outputs are all bfloat16 is not probed (docs/exactness.md).
+# bfloat16 is left out: the CPU build has no bfloat16 Gather or GatherNd, and a cast of the whole output would
+# cost more than the probe is worth; a region whose outputs are all bfloat16 is not probed (docs/exactness.md).
 _PROBED = (ms.float16, ms.float32, ms.float64)
 
 
