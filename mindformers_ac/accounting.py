@@ -120,8 +120,8 @@ class LayerMemory:
     recompute regions, what swap left on the device.
     ``light_calls`` / ``intercepted_calls``: the layer's recompute-region calls
     that took the light path / intercepted every op (see ``recompute.path_choice``);
-    ``intercept_reasons``: why call signatures checked this step stayed intercepted
-    (reason -> signatures).
+    ``intercept_reasons``: why the layer's calls stayed intercepted this step
+    (reason -> times found, as ``RecomputeStats.intercept_reasons``).
     """
 
     layer: object

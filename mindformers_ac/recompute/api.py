@@ -51,6 +51,7 @@ from mindspore import nn
 from ..construct_patch import ConstructPatch, find_patch
 from ..tensors import root_cell_of
 from .dropout_proxy import install_dropout_proxies
+from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
 from .path_choice import PathChecks, run_checkpoint
 from .policy import CheckpointPolicy
@@ -175,7 +176,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
-    light = light_path and not swap_inputs and (policy_fn is None or getattr(policy_fn, "decides_by_site", False))
+    light = light_path and not swap_inputs and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
@@ -280,5 +281,5 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
     policy.exclude_patterns = tuple(p.pattern for p in compiled)
     # Its answers depend on the op's name and place only (and base_policy's, if that says so too): a
     # wrapper may install them where the ops are reached and take the light path (keep_sites).
-    policy.decides_by_site = base_policy is None or getattr(base_policy, "decides_by_site", False) is True
+    policy.decides_by_site = base_policy is None or decides_by_site(base_policy)
     return policy

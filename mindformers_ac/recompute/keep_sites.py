@@ -53,6 +53,12 @@ _ENGINE_PACKAGE = __name__.split(".")[0] + "."
 _MODEL_CODE = (_ENGINE_PACKAGE + "harness",)   # the package's own reference models are model code
 
 
+def decides_by_site(policy_fn):
+    """Whether ``policy_fn`` says its answers depend on the op's name and place only (``exclude_policy``'s
+    do): its kept ops may then be installed at their keep sites."""
+    return getattr(policy_fn, "decides_by_site", False) is True
+
+
 def _is_engine_frame(frame):
     module = frame.f_globals.get("__name__", "")
     if module == "mindspore" or module.startswith("mindspore."):

@@ -24,7 +24,7 @@ from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
-from .keep_sites import NoSite, find_site, install_site, region_cells
+from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
@@ -74,7 +74,7 @@ class Region(RegionBase):
         self.intercept = {}
         # A policy deciding by the op's name and place only (exclude_policy) may be installed at the ops'
         # keep sites (keep_sites, settle_sites); any other decides per call.
-        self.site_policy = policy_fn is not None and getattr(policy_fn, "decides_by_site", False) is True
+        self.site_policy = policy_fn is not None and decides_by_site(policy_fn)
         if policy_fn is not None and not self.site_policy:
             self.keep_intercepted("policy", "a policy_fn that decides per op call (not by the op's name and place)")
         self.policy_saves = set()     # op indices the policy keeps (MUST_SAVE / PREFER_SAVE)
