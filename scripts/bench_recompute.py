@@ -22,7 +22,7 @@ from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.tensors import MiB
 
 from bench_common import Row, parse_args, print_table, profile, run_interleaved
-from bench_families import FAMILIES, build
+from bench_families import FAMILIES, build, exclude_op
 
 
 def case(a, name, setup, ref=None, extra_forward=False):
@@ -79,7 +79,7 @@ def main():
                                                        help="the model (default gpt: the reference GPT)"))
     synchronous_pynative()
     full_rc, mlp_rc, floor = "Cell.recompute() full", "Cell.recompute() mlp", "floor (baseline + 1 forward)"
-    exclude = list(build(a.family, a.gpt, a.batch).exclude)
+    exclude = exclude_op(a.family)
     rows = [
         case(a, "baseline", lambda f: None),
         case(a, floor, lambda f: None, extra_forward=True),

@@ -228,9 +228,9 @@ class RedirectedMethod:
     every call and refreshed when the module rebound one (a flag set later).
     """
 
-    def __init__(self, function, globals_):
-        self.function, self.module_globals = function, globals_
-        self.globals = dict(globals_)
+    def __init__(self, function):
+        self.function, self.module_globals = function, function.__globals__
+        self.globals = dict(function.__globals__)
         self.watched = _read_names(function.__code__)   # less the redirected heads: compared on every call
         self.copy = types.FunctionType(function.__code__, self.globals, function.__name__,
                                        function.__defaults__, function.__closure__)
@@ -316,7 +316,7 @@ def _install_function(site, root, redirects):
     if redirect is None:
         if cell is not root and "construct" in vars(cell):
             return None, None   # another wrapper replaced it: the copy would skip that wrapper
-        redirect = RedirectedMethod(function, function.__globals__)
+        redirect = RedirectedMethod(function)
         if cell is not root:
             redirect.patch = ConstructPatch(cell, KEEP_SITE_KIND, lambda _inner, *a, **k: redirect(cell, *a, **k))
         redirects[id(cell)] = redirect

@@ -119,7 +119,8 @@ class PathCheck:
         if self.fwd != self.rec:
             region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
         kept_ops = set()
-        if region.policy_saves and not any(k[0] != "op" or k[1] not in region.policy_saves for k in region.intercept):
+        if region.policy_saves and all(isinstance(k, tuple) and k[0] == "op" and k[1] in region.policy_saves
+                                       for k in region.intercept):
             # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
             self.keep_proxies, kept_ops = region.settle_sites(self.checks.installed, self.checks.redirects)
             self.n_kept_ops = len(kept_ops)
