@@ -22,6 +22,10 @@ this one file:
   call) and ``mindspore.common.generator.default_generator`` (the ``mint``
   random ops' seed and offset).
 
+* ``tensor_stamp``: a tensor's storage pointer and ``_version``, the counter
+  MindSpore's own "modified by an inplace operation" check reads (``Inplace*``
+  ops advance it; a rebinding gives the tensor new storage instead).
+
 ``synchronous_pynative`` picks, per release, the API that sets synchronous
 PyNative execution.
 """
@@ -42,6 +46,15 @@ MIN_MINDSPORE = "2.9.0"
 # ``mindspore.common.seed`` is shadowed by the function ``seed`` in ``mindspore.common``'s namespace.
 _seed_module = importlib.import_module("mindspore.common.seed")
 _generator_module = importlib.import_module("mindspore.common.generator")
+
+
+def tensor_stamp(t):
+    """``(data_ptr, version)`` of ``t``: unchanged until something writes it in place or rebinds its storage.
+
+    Views share their base's version counter; a detached alias (``stop_gradient``) does not, so stamp
+    the tensor the model holds. Legacy side-effect ops (``AssignAdd`` ...) do not advance it (rule W7 of
+    docs/exactness.md)."""
+    return t.data_ptr(), t._version   # pylint: disable=protected-access
 
 
 class RandomState:

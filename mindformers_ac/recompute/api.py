@@ -186,8 +186,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
-            fn = checks.construct_for(root, cell_or_fn) if checks is not None and checks.redirects else cell_or_fn
-            return run_checkpoint(fn, args, kwargs, checks, root, tracker=tracker, **options)
+            return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
         setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
         return wrapped_fn
     return _wrap_cell(cell_or_fn, options, light)
@@ -201,8 +200,6 @@ def _wrap_cell(cell, options, light):
     checks = PathChecks() if light else None
 
     def around(inner, *args, **kwargs):
-        if checks is not None and checks.redirects:
-            inner = checks.construct_for(cell, inner)
         return run_checkpoint(inner, args, kwargs, checks, cell, tracker=tracker, **options)
 
     patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")

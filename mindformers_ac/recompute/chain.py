@@ -11,13 +11,17 @@ rebuilt at once: less is kept at the end of forward, more is alive inside backwa
 a member receives (masks, rotary tuples, keyword arguments) is kept as it received it.
 
 ``LayerChain`` is the forward's bookkeeping of one group: which member ran last and its output, held
-weakly (a failed forward leaves nothing alive). A member whose first argument is not the previous
-member's output, or that runs out of order, is refused with a ``RecomputeError`` naming the layers.
+weakly (a failed forward leaves nothing alive), with the output's stamp (``tensor_stamp``). A member whose
+first argument is not the previous member's output, or that runs out of order, is refused with a
+``RecomputeError`` naming the layers. One whose first argument was written in place or rebound between
+the two members (``x[:, 0] = 0`` in the model's loop) keeps that argument as an ungrouped layer does
+(rule W5 of docs/exactness.md): the previous member's re-run would not see the write.
 """
 import weakref
 
 from mindspore import Tensor
 
+from ..mindspore_compat import tensor_stamp
 from . import messages
 
 
@@ -33,17 +37,18 @@ def first_output(out):
 class LayerChain:
     """The members of one group (their global layer ids, in call order) and the forward in progress."""
 
-    __slots__ = ("layer_ids", "_next", "_region", "_output")
+    __slots__ = ("layer_ids", "_next", "_region", "_output", "_stamp")
 
     def __init__(self, layer_ids):
         self.layer_ids = tuple(layer_ids)
         self._reset()
 
     def _reset(self):
-        self._next, self._region, self._output = 0, None, None
+        self._next, self._region, self._output, self._stamp = 0, None, None, None
 
     def link(self, index, args):
-        """Member ``index`` starts its forward on ``args``: the previous member's region (None for the first)."""
+        """Member ``index`` starts its forward on ``args``: the previous member's region (None for the first,
+        or when the previous member's output was written since it returned: then this member keeps it)."""
         if index == 0:
             self._reset()
             self._next = 1
@@ -58,6 +63,8 @@ class LayerChain:
             self._reset()
             raise messages.group_not_chained(self.layer_ids, index, "did not receive the previous layer's output "
                                                                     "as its first argument")
+        if tensor_stamp(output) != self._stamp:
+            return None
         return region
 
     def done(self, index, region, out):
@@ -67,3 +74,4 @@ class LayerChain:
             self._reset()
             return
         self._next, self._region, self._output = index + 1, weakref.ref(region), weakref.ref(first)
+        self._stamp = tensor_stamp(first)

@@ -102,7 +102,7 @@ class RegionDispatch(MsDispatchMode):
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
             region.may_write_seen = True
-            region.guard_input_writes(run, args)
+            region.guard_write_targets(run, idx, name, args)
             decision = region.guard_writes(run, idx, name, args, decision)
         if decision is not None:
             region.record_decision(idx, decision)   # before the call: legacy ops pack inside it
@@ -112,7 +112,7 @@ class RegionDispatch(MsDispatchMode):
         if decision == REBUILD:
             region.finish_dropout(run, idx, args, out)
         elif decision in (SAVE, SWAP):
-            region.cache_output(run, idx, out)
+            region.cache_output(run, idx, out, name, args)
         return out
 
     def _recompute_op(self, run, idx, func, args, kwargs):
@@ -139,6 +139,8 @@ class RegionDispatch(MsDispatchMode):
         region.stats.ops_reused += 1
         run.last = idx
         out = region.rebuild_dropout(run, idx, args) if decision == REBUILD else region.cached_output(idx)
+        if idx in region.writes_arg:
+            out = region.replay_write(run, idx, args, out)
         if region.path_check is not None and idx in region.random_ops:
             region.check_replay(run, idx, func, args, kwargs, out)
         return out

@@ -164,7 +164,7 @@ class LightRegion(RegionBase):
     """
 
     def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None):
-        super().__init__(fn, stats, context_fn, check.param_ptrs, check.buffers, chain)
+        super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain)
         self.check = check
         self.precision = precision
         self._checks, self._key = checks, key
@@ -214,6 +214,7 @@ class LightRegion(RegionBase):
             self.probe = _OutputProbe(out, self.check)
         finally:
             ENGINE.pop(run)
+        self.stamp(args, kwargs, out, self.check.saved_outputs)
         self.keep_replaced()
         self.finish_chain(out)
         check = self.check

@@ -20,7 +20,11 @@ second device-to-host copy). Two markers answer:
 MindFormers' semantics: values are queued per key, per region call, in call
 order; saving outside a region's forward does nothing (returns False);
 asking outside a re-run returns None; asking in a re-run for a key the
-forward never saved (or saved fewer times) raises ``RecomputeError``.
+forward never saved (or saved fewer times) raises ``RecomputeError``. Each
+run reads the queue from its start (``RegionRun.metadata_read``): a region
+nested in another is run again twice, as a replay inside the enclosing
+region's recompute and by its own recompute, and both read what its forward
+saved.
 
 What the engine accepts of a re-run under the marker: it may run *fewer* ops
 than its forward (the skipped ones are the one-shot side effects, which must
@@ -72,7 +76,7 @@ def save_for_recompute(key, value):
         return False
     region = run.region
     if region.metadata is None:
-        region.metadata = collections.defaultdict(collections.deque)
+        region.metadata = collections.defaultdict(list)
     region.metadata[key].append(value)
     return True
 
@@ -88,10 +92,13 @@ def get_recompute_metadata(key):
     if run is None or run.mode == FORWARD or not ENGINE.in_recompute():
         return None
     run.asked_marker = True
-    values = run.region.metadata.get(key) if run.region.metadata is not None else None
-    if not values:
+    values = run.region.metadata.get(key, ()) if run.region.metadata is not None else ()
+    read = run.metadata_read
+    i = read.get(key, 0)
+    if i >= len(values):
         raise messages.no_metadata(key)
-    return values.popleft()
+    read[key] = i + 1
+    return values[i]
 
 
 def default_context_fn():

@@ -67,6 +67,24 @@ def missing_ops(idx, n, first_missing):
         f"backward or kept its output (only ops that leave nothing for backward may be skipped). {SAME_PATH}")
 
 
+def written_after_forward(what, shape, dtype, region):
+    """A tensor the region's re-run or backward reads was written in place after the region's forward."""
+    return RecomputeError(
+        f"mindformers_ac: {what} of the recomputed region {region} ({shape} {dtype}) was modified by an "
+        "in-place operation after the region's forward; its recompute would read the new values. MindSpore "
+        "refuses the same without AC when an op saved the tensor ('One of the Tensor needed for gradient "
+        "computation has been modified by an inplace operation'). Write into a copy instead "
+        "(x = x * 1 before the write), or leave this layer out of recompute.")
+
+
+def skipped_op_needed(idx, desc):
+    """Backward reached an op that the re-run skipped under the marker."""
+    return RecomputeError(
+        f"{_DIVERGED}: its re-run skipped op #{idx} {desc} under is_in_recompute(), but the backward needs "
+        "what that op saved: a skipped side effect must not feed the loss. Run the op in the re-run too, or "
+        "detach its result (ops.stop_gradient) before keeping it.")
+
+
 def no_metadata(key):
     """A re-run asked for replay metadata its forward did not save."""
     return RecomputeError(

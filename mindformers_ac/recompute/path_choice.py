@@ -53,7 +53,6 @@ checking call's, which ran the same ops.
 import collections
 import enum
 import logging
-import types
 import weakref
 
 import mindspore as ms
@@ -82,8 +81,8 @@ class PathCheck:
     """
 
     __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
-                 "n_dropouts", "dropped", "param_ptrs", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
-                 "n_kept", "checks", "_owner")
+                 "n_dropouts", "dropped", "param_ptrs", "params", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
+                 "n_kept", "checks", "saved_outputs", "_owner")
 
     def __init__(self):
         self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
@@ -93,12 +92,14 @@ class PathCheck:
         self.n_forward = self.n_rerun = self.n_dropouts = self.dropped = 0
         self.rerun_counts = collections.Counter()
         self.param_ptrs = frozenset()
+        self.params = ()              # the root's Parameters, whose rebinding in forward is watched
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
         self.probe_index = {}         # output shape -> the coordinates light._OutputProbe samples
         self.keep_proxies = frozenset()   # keep_sites.KeepProxy objects whose calls a light run keeps
         self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
         self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
         self.checks = None            # the PathChecks holding this check (its installed keep sites)
+        self.saved_outputs = ()       # positions of the outputs an op of the region saved (stamped: rule W6)
         self._owner = None
 
     def attach(self, region):
@@ -122,7 +123,7 @@ class PathCheck:
         if region.policy_saves and all(isinstance(k, tuple) and k[0] == "op" and k[1] in region.policy_saves
                                        for k in region.intercept):
             # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
-            self.keep_proxies, kept_ops = region.settle_sites(self.checks.installed, self.checks.redirects)
+            self.keep_proxies, kept_ops = region.settle_sites(self.checks.installed)
             self.n_kept_ops = len(kept_ops)
         # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
         # (``Region.keep_intercepted``); a new kind of decision is covered without an edit here. Writes in
@@ -132,7 +133,8 @@ class PathCheck:
         if not self.ok:
             logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
             region.stats.note_intercepted(region.intercept.values())
-        self.buffers = region.buffers
+        self.params, self.buffers = region.params, region.buffers
+        self.saved_outputs = region.saved_outputs
         self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
         self.n_forward = len(self.op_names)
         self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names)
@@ -163,6 +165,10 @@ _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, np
 _MAX_DEPTH = 8
 
 
+_UNSIGNED = ("an argument can't be part of a call signature without holding it (a Cell, or an object other "
+             "than tensors, plain values and tuples, lists and dicts of them), so no call is checked")
+
+
 class _NoSignature(Exception):
     """An argument the signature can't describe without holding it."""
 
@@ -189,7 +195,6 @@ class PathChecks:
     def __init__(self):
         self._checks = {}
         self.installed = {}   # keep site key -> (KeepProxy, undo), shared by the signatures (keep_sites)
-        self.redirects = {}   # id(cell) -> keep_sites.RedirectedMethod; the root's runs in place of its construct
 
     @staticmethod
     def key(root, args, kwargs):
@@ -220,21 +225,12 @@ class PathChecks:
     def forget(self, key):
         self._checks.pop(key, None)
 
-    def construct_for(self, cell, inner):
-        """What the root's wrapper runs for ``inner``: the redirected copy of its construct, when a keep site
-        was installed in it and ``inner`` is still the class's construct."""
-        redirect = self.redirects.get(id(cell))
-        if redirect is None or getattr(inner, "__func__", None) is not redirect.function:
-            return inner
-        return types.MethodType(redirect, cell)
-
     def remove_sites(self):
         """Take every installed ``KeepProxy`` out (``unwrap``); the signatures are checked again."""
         for _, undo in reversed(list(self.installed.values())):
             if undo is not None:
                 undo()
         self.installed.clear()
-        self.redirects.clear()
         self._checks.clear()
 
     def __len__(self):
@@ -252,6 +248,8 @@ def run_checkpoint(fn, args, kwargs, checks, root, **options):
     if checks is None or ENGINE.top() is not None or not _executor.requires_grad():
         return run_region(fn, args, kwargs, root=root, **options)
     key = checks.key(root, args, kwargs)
+    if key is None:   # every call that stays intercepted says why (issue 42)
+        options["stats"].note_intercepted((_UNSIGNED,))
     check = checks.lookup(key) if key is not None else None
     if check is not None and check.ok:
         return LightRegion(fn, check, checks, key, options["stats"], options["context_fn"],

@@ -16,20 +16,32 @@ import functools
 import weakref
 
 import mindspore as ms
-from mindspore import Tensor
+from mindspore import Tensor, ops
 from mindspore.ops import Primitive
 
+from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
+from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
 from . import messages
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
 from .saved import SwappedTensor, Token, drop_saved, keep_saved, unpack_saved
-from .side_effects import KEEP, StateSnapshot, choose_handling, read_slots, replace_at, slot_ptrs, written_slots
+from .side_effects import (
+    KEEP,
+    StateSnapshot,
+    choose_handling,
+    first_input,
+    read_slots,
+    replace_at,
+    slot_ptrs,
+    writes_first_input,
+    written_slots,
+    written_tensors,
+)
 from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
 from .tracking import OpContext
 
@@ -48,8 +60,9 @@ class Region(RegionBase):
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []
         ptrs = param_ptrs(params)
+        self.params = tuple(params)
         self.buffers = tuple(p for p in params if not p.requires_grad)   # the root's non-trainable Parameters
-        super().__init__(fn, stats, context_fn, ptrs, self.buffers, chain)
+        super().__init__(fn, stats, context_fn, ptrs, self.params, chain)
         self.policy_fn = policy_fn
         self.swap_executor = swap_executor
         self.swap_inputs = swap_inputs
@@ -66,8 +79,14 @@ class Region(RegionBase):
         self.dropouts = {}        # op index -> DropoutRecord
         self.snapshots = {}       # op index -> StateSnapshot of a side-effect op's written tensors
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
+        self.kept_ptrs = {}       # storage pointer of a kept (SAVE) output -> (op index, output position)
+        self.writes_arg = set()   # kept ops that wrote their first argument in forward (replay_write)
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
+        # (storage, producing op) of every tensor saved in forward: whether an output was saved (rule W6); the
+        # producer tells a storage from a later one at the same address (freed saves' addresses are reused)
+        self.packed = set()
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
+        self.skipped = set()      # forward op indices the recompute skipped under the marker (skippable)
         # Why this call's signature must stay on the intercepting path: whoever makes a per-op decision, or
         # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``PathCheck``
         # reads only this. key -> reason, for the debug log.
@@ -113,7 +132,7 @@ class Region(RegionBase):
     # -- decisions --------------------------------------------------------------
     def ask_policy(self, run, idx, name, func, args, kwargs):
         ctx = OpContext(name, run.cell_path(), run.mode != FORWARD, idx, run.cell(),
-                        run.attrs[-1] if run.attrs else None)
+                        run.attrs[-1].mac_path if run.attrs else None)
         run.in_hook = True   # a policy that runs ops must not shift the numbering
         try:
             policy = self.policy_fn(ctx, func, *args, **kwargs)
@@ -127,7 +146,7 @@ class Region(RegionBase):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         policy = self.ask_policy(run, idx, name, func, args, kwargs) if self.policy_fn is not None else None
         if self.site_policy and self.path_check is not None:
-            self.note_site(idx, policy is not None and not policy.recomputes)
+            self.note_site(run, idx, name, args, policy is not None and not policy.recomputes)
         if is_unreplayable_random_op(name, args):
             self.random_ops[idx] = args[0] if args and isinstance(args[0], Primitive) else None
             if name == "Dropout" and dropout_input(args)[0] is not None:
@@ -143,13 +162,13 @@ class Region(RegionBase):
         return SAVE
 
     # -- keep sites: a site policy's decisions installed where the ops are reached (keep_sites) -----
-    def note_site(self, idx, kept):
+    def note_site(self, run, idx, name, args, kept):
         """In a checking call: under which keep site op ``idx`` runs (looked up in full for a kept op)."""
         if self._cells is None:
             self._cells = region_cells(self.root)
-        self.op_sites[idx] = find_site(*self._cells, resolve=kept)
+        self.op_sites[idx] = find_site(run, name, args, *self._cells, resolve=kept)
 
-    def settle_sites(self, installed, redirects):
+    def settle_sites(self, installed):
         """After the checking call's recompute: install a ``KeepProxy`` at the site of every kept op whose
         site ran kept ops only; a kept op without one keeps the signature intercepted (its reason says
         why). Returns the proxies the light path is to hand to the region, and the ops they keep."""
@@ -167,7 +186,7 @@ class Region(RegionBase):
             elif others:
                 why = f"{site.description} also runs {others[0]}, which is recomputed"
             else:
-                proxy = install_site(site, installed, self.root, redirects)
+                proxy = install_site(site, installed)
                 if proxy is not None:
                     proxies.add(proxy)
                     kept_ops.add(idx)
@@ -212,20 +231,39 @@ class Region(RegionBase):
         return decision
 
 
-    def guard_input_writes(self, run, args):
-        """Called in forward before an op that may write: a region input among its tensor arguments is
-        copied for the re-run first (``protect_input``), and the region stays off the light path."""
-        if not self.input_ptrs:
+    def guard_write_targets(self, run, idx, name, args):
+        """Called in forward before an op that may write (rule W1): each tensor it writes that the re-run
+        must see as it is now gets a private copy first. A region input (``protect_input``): the re-run
+        starts from it. A kept op's output (``protect_kept``): the re-run gets it back as the kept op
+        returned it, and the writer writes it again. Either keeps the region off the light path."""
+        if not self.input_ptrs and not self.kept_ptrs:
             return
-        for t in tensor_args(args):
+        for t in written_tensors(name, args):
             ptr = t.data_ptr()
-            if ptr in self.input_ptrs:
-                run.in_hook = True   # the copy is ours: it must not shift the op numbering
-                try:
-                    if self.protect_input(ptr):
+            if ptr in self.input_ptrs or ptr in self.kept_ptrs:
+                with run.engine_ops():   # the copy is ours: it must not shift the op numbering
+                    if ptr in self.kept_ptrs:
+                        self.protect_kept(ptr, idx, name)
+                    elif self.protect_input(ptr):
                         self.keep_intercepted("writes_input", "an op writes one of its inputs in place")
-                finally:
-                    run.in_hook = False
+
+    def protect_kept(self, ptr, idx, name):
+        """Op ``idx`` is about to write the output that kept op ``kept`` returned at ``ptr``: keep a copy of
+        it as it is now, for the re-run."""
+        kept, j = self.kept_ptrs.pop(ptr)
+        out = self.cache[kept]
+        with no_grad(), no_casts():
+            if isinstance(out, Tensor):
+                out = ops.deepcopy(out)
+                copy = out
+            else:
+                items = list(out)
+                copy = items[j] = ops.deepcopy(items[j])
+                out = type(out)(items)
+        self.cache[kept] = out
+        self.bytes.keep(copy)
+        self.keep_intercepted(("writes_kept", kept), f"op #{idx} {name} writes the kept output of op #{kept} "
+                                                     f"{self.op_names[kept]} in place")
 
     def rerun_args(self, run, idx, name, args):
         """Arguments for re-running op ``idx`` in a region that writes tensors.
@@ -264,10 +302,11 @@ class Region(RegionBase):
     # -- aligning a re-run that skips ops ---------------------------------------------
     def skippable(self, idx, run):
         """May ``run`` skip forward op ``idx``? Only under the marker (its code asked it, or the region has
-        a ``context_fn``), and only an op that left nothing for backward: it saved no tensor and its
-        output is not kept (a one-shot side effect under ``is_in_recompute()``)."""
-        return ((run.asked_marker or self.context_fn is not None) and idx not in self.decisions
-                and not self.fwd_npacks.get(idx))
+        a ``context_fn``), and only an op whose output is not kept (a one-shot side effect under
+        ``is_in_recompute()``). What a skipped op saved for backward is not rebuilt: its tokens raise if
+        the backward ever reaches them (rule W6 of docs/exactness.md: a tracker that keeps an attached loss
+        is never differentiated, so its saves are never asked for)."""
+        return (run.asked_marker or self.context_fn is not None) and idx not in self.decisions
 
     def align(self, run, idx, name, args):
         """The forward index of the re-run's next op ``name`` (``idx``: right after the previous one).
@@ -284,6 +323,7 @@ class Region(RegionBase):
                 return j
             if not self.skippable(j, run):
                 break
+            self.skipped.add(j)
             j += 1
         raise messages.other_op(idx, self.describe_op(idx), names[idx] if idx < len(names) else "", name,
                                 run.cell_path())
@@ -325,10 +365,11 @@ class Region(RegionBase):
         missing = next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)), None)
         if missing is not None:
             raise messages.missing_ops(missing, n, self.describe_op(missing))
+        self.skipped.update(range(run.op_idx + 1, n))
         for key, meta in self.token_meta.items():
             idx, k = key
-            if self.decisions.get(idx) is not None:
-                continue   # kept or rebuilt: not run again, its tokens are served otherwise
+            if self.decisions.get(idx) is not None or idx in self.skipped:
+                continue   # kept or rebuilt: served otherwise; skipped: its tokens raise if asked for
             fwd, rec = self.fwd_npacks.get(idx, 0), run.npacks.get(idx, 0)
             if fwd != rec:
                 raise messages.save_count_at_op(idx, self.describe_op(idx), fwd, rec)
@@ -338,15 +379,30 @@ class Region(RegionBase):
                 raise messages.other_tensor(f"op #{idx} {self.describe_op(idx)}, its saved tensor #{k}", meta, got)
 
     # -- kept outputs -----------------------------------------------------------
-    def cache_output(self, run, idx, out):
+    def cache_output(self, run, idx, out, name, args):
         if self.decisions[idx] == SWAP:
             self.cache[idx] = tuple(self.offload(run, t) if isinstance(t, Tensor) else t
                                     for t in output_tensors(out)), isinstance(out, (tuple, list))
             return
-        for t in output_tensors(out):
+        for j, t in enumerate(output_tensors(out)):
             if isinstance(t, Tensor):
                 self.bytes.keep(t)
+                self.kept_ptrs.setdefault(t.data_ptr(), (idx, j))   # a later write copies it first (W2)
         self.cache[idx] = out
+        if writes_first_input(name, args) and first_input(args).data_ptr() not in self.param_ptrs:
+            # A kept op that wrote its argument (all_reduce(t), t.copy_(...)): the re-run writes the kept
+            # value into its own argument, which the code after it reads (rule W3).
+            self.writes_arg.add(idx)
+            self.keep_intercepted(("kept_writer", idx), f"op #{idx} {name} is kept and writes its argument "
+                                                        f"in place")
+
+    def replay_write(self, run, idx, args, out):
+        """The re-run's kept op ``idx`` that wrote its first argument in forward: the kept value written into
+        the re-run's argument, which stands for the op's output as in forward."""
+        target = first_input(args)
+        with run.engine_ops(), no_grad(), no_casts():
+            target.copy_(out if isinstance(out, Tensor) else out[0])
+        return target if isinstance(out, Tensor) else type(out)((target, *out[1:]))
 
     def cached_output(self, idx):
         out = self.cache[idx]
@@ -366,6 +422,7 @@ class Region(RegionBase):
         pending, run.pending = run.pending, []
         x, keep_prob = dropout_input(args)
         record, where = self.keep_dropout(idx, x, out, keep_prob, [t for _, t in pending])
+        name = self.op_names[idx]
         for (token, t), j in zip(pending, where):
             if j is None:
                 token.tensor = t
@@ -375,7 +432,7 @@ class Region(RegionBase):
                 self.bytes.drop(t)
         if record is None:
             self.record_decision(idx, SAVE)
-            self.cache_output(run, idx, out)
+            self.cache_output(run, idx, out, name, args)
         else:
             self.dropouts[idx] = record
 
@@ -448,6 +505,8 @@ class Region(RegionBase):
         ptr = t.data_ptr()
         if ptr in self.param_ptrs:
             return t
+        base = storage_info(t)[0]
+        self.packed.add((base, self.bytes.producer.get(base)))
         if decision == SAVE or (ptr in self.input_ptrs and not self.swap_inputs):
             self.bytes.keep(t)
             return t
@@ -519,6 +578,11 @@ class Region(RegionBase):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
+        producer = self.bytes.producer
+        self.saved_outputs = tuple(j for j, t in enumerate(tensor_leaves(out))
+                                   if (storage_info(t)[0], producer.get(storage_info(t)[0])) in self.packed)
+        self.packed = None
+        self.stamp(args, kwargs, out, self.saved_outputs)
         self.keep_replaced()
         self.finish_chain(out)
         self.fwd_npacks = run.npacks

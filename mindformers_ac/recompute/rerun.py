@@ -25,9 +25,10 @@ decision (``path_choice``). Everything else is here, once:
   set again for the re-run and put back after it: a re-run draws what its
   forward drew and leaves the state as it found it, so the state advances
   exactly as without AC;
-* the region's buffers that its forward replaced (``self.count += 1`` on a
-  Cell's non-trainable Parameter: ``side_effects.ReplacedBuffers``), set back
-  to their pre-forward values for the re-run and put back after it.
+* the region's Parameters that its forward rebound (``self.count += 1``,
+  ``assign_value``, slice assignment, trainable or not:
+  ``side_effects.ReboundParameters``), set back to their pre-forward values for
+  the re-run and put back after it.
 
 A divergence is described by ``messages`` for both ways in.
 
@@ -40,19 +41,20 @@ in a region (saved-input copies, copies of written parameters) run under
 ``no_casts``.
 """
 import contextlib
+import weakref
 
 from mindspore import Parameter, Tensor, ops
 
-from ..mindspore_compat import RandomState, no_grad
+from ..mindspore_compat import RandomState, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
-from ..tensors import detached, is_tracked
+from ..tensors import detached, is_tracked, tensor_leaves
 from . import messages
 from .chain import first_output
 from .markers import context_pair
 from .random_ops import DropoutRecord
 from .saved import SwappedTensor
-from .side_effects import ReplacedBuffers
+from .side_effects import ReboundParameters
 from .state import ENGINE, FORWARD, RECOMPUTE
 from .stats import RegionBytes
 
@@ -71,7 +73,7 @@ class RegionRun:
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
-                 "asked_marker", "keeps", "keep_idx", "__weakref__")
+                 "asked_marker", "keeps", "keep_idx", "metadata_read", "__weakref__")
 
     def __init__(self, region, mode, tracker=None):
         self.region, self.mode, self.tracker = region, mode, tracker
@@ -80,7 +82,7 @@ class RegionRun:
         self.last = None       # index of the op that returned last (pyboost ops pack after)
         self.npacks = {}       # op index -> packs so far
         self.path = []         # [(name, cell)] of sub-cells entered, maintained by PathTracker
-        self.attrs = []        # op attribute paths being called, maintained by AttrProxy
+        self.attrs = []        # AttrProxy objects of the op attributes being called (innermost last)
         self.child_idx = 0     # nested regions met so far
         self.in_hook = False   # our own code running ops (swap offload, Dropout rebuild): not the region's
         self.pending = []      # (token, tensor) packed inside a Dropout call, settled when it returns
@@ -91,6 +93,7 @@ class RegionRun:
         self.asked_marker = False      # a re-run whose code asked is_in_recompute(): may skip side effects
         self.keeps = None      # light path: the KeepProxy objects whose calls this run keeps (keep_sites)
         self.keep_idx = 0      # light recompute: kept calls handed back so far
+        self.metadata_read = {}   # re-run or replay: key -> replay metadata values read so far (markers)
 
     def dropout_call(self, prim, x):
         """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""
@@ -151,6 +154,18 @@ class ChainedInput:
     def saved(self):
         """A ``SavedInput`` of the previous member's re-run output (which runs that re-run first)."""
         return SavedInput(self.region.rerun_output(), self.tracked, self.ptr)
+
+
+class _Held:
+    """A strong reference that reads like a weak one (``held()``)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __call__(self):
+        return self.tensor
 
 
 def recompute_input(a):
@@ -270,18 +285,19 @@ class RegionBase:
     holds the region, so it dies with the graph after backward.
     """
 
-    def __init__(self, fn, stats, context_fn, param_ptrs, buffers=(), chain=None):
+    def __init__(self, fn, stats, context_fn, param_ptrs, params=(), chain=None):
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
         self.chain = chain           # (LayerChain, member index) of a layer group, or None
         self.feeds_next = False      # a group's next member rebuilds its first argument from this re-run's output
         self._rerun_out = None
-        self.replaced = ReplacedBuffers(buffers) if buffers else None   # None: the root has no buffers
+        self.replaced = ReboundParameters(params) if params else None   # None: the root has no Parameters
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
-        self.metadata = None      # key -> deque of values the forward saved for the re-run (markers)
+        self.metadata = None      # key -> list of values the forward saved for the re-run (markers)
         self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
         self.children = []        # regions nested in this one's forward, in call order
         self.bytes = RegionBytes(param_ptrs)
+        self.stamps = ()             # (weakref, stamp, description) of what a later write must not touch
         self.done = False
         self._running = False
         self._recompute_ctx = None   # the recompute context made with this call's forward context
@@ -292,18 +308,54 @@ class RegionBase:
         self.random_state = RandomState()
 
     def watch_buffers(self, hidden=contextlib.nullcontext):
-        """Around the forward's call: note the buffers it replaces (``ReplacedBuffers.watch``)."""
+        """Around the forward's call: note the Parameters it rebinds (``ReboundParameters.watch``)."""
         return _NO_CONTEXT if self.replaced is None else self.replaced.watch(hidden)
 
     def keep_replaced(self):
-        """After the forward: count the pre-forward copies of replaced buffers as kept."""
+        """After the forward: count the pre-forward copies of rebound Parameters as kept."""
         if self.replaced is not None:
             for i, c in enumerate(self.replaced.copies()):
                 self.bytes.add(("replaced", i), int(c.nbytes))
 
     def buffers_as_before(self):
-        """Around the re-run, outside its graph: replaced buffers as before the forward, then as now."""
+        """Around the re-run, outside its graph: rebound Parameters as before the forward, then as now."""
         return _NO_CONTEXT if self.replaced is None else self.replaced.rerun_from()
+
+    # -- writes after the forward (rule W6) -------------------------------------------------------------
+    def stamp(self, args, kwargs, out, saved_outputs):
+        """At the end of the forward: stamp the region's tensor inputs, which the re-run reads through the
+        aliases it saved, and the outputs at ``saved_outputs`` (positions in ``tensor_leaves(out)``), which
+        an op of the region saved for backward. Inputs are held weakly (the saved alias has its own version
+        counter, so the caller's tensor is stamped: once it dies nobody writes it). A saved output is held
+        until the re-run, as the graph holds it without AC (counted as kept): the model's loop rebinds its
+        variable, so a weak reference would die before the next layer's write is seen."""
+        stamps = []
+        for i, a in enumerate((*args, *kwargs.values())):
+            if isinstance(a, Tensor) and not isinstance(a, Parameter):
+                stamps.append((weakref.ref(a), tensor_stamp(a), f"input #{i}"))
+        if saved_outputs:
+            leaves = tensor_leaves(out)
+            for j in saved_outputs:
+                if j < len(leaves):
+                    t = leaves[j]
+                    self.bytes.keep(t)
+                    stamps.append((_Held(t), tensor_stamp(t), f"output #{j}"))
+        self.stamps = stamps
+
+    def check_unwritten(self):
+        """Before the re-run: ``RecomputeError`` when a stamped tensor was written in place since the forward
+        (same storage, another version), as MindSpore refuses a saved tensor modified in place."""
+        for ref, (ptr, version), what in self.stamps:
+            t = ref()
+            if t is not None:
+                now_ptr, now_version = tensor_stamp(t)
+                if now_ptr == ptr and now_version != version:
+                    raise messages.written_after_forward(what, tuple(t.shape), t.dtype, self.describe_root())
+        self.stamps = ()
+
+    def describe_root(self):
+        root = getattr(self, "root", None)
+        return type(root).__name__ if root is not None else getattr(self.fn, "__qualname__", "function")
 
     # -- layer groups (see ``chain``) -----------------------------------------------------------------
     def link_chain(self, args):
@@ -464,6 +516,7 @@ class RegionBase:
         if self._running:
             raise messages.recompute_reentered()
         refuse_higher_order()
+        self.check_unwritten()
         self._running = True
         try:
             self._recompute()

@@ -34,9 +34,11 @@ class Token:
         region.ensure_recomputed()
         t = region.recomputed.pop(self.key, None)
         if t is None:
-            # The recompute checked that it regenerated every dropped tensor (Region.check_recompute),
-            # so a missing one was handed out already.
+            # The recompute checked that it regenerated every dropped tensor (Region.check_recompute) but
+            # those of ops it skipped under the marker, so a missing one was skipped or handed out already.
             idx, k = self.key
+            if idx in region.skipped:
+                raise messages.skipped_op_needed(idx, region.describe_op(idx))
             raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}")
         return t
 

@@ -30,11 +30,11 @@ All parameter arguments are copied, not only the written ones: the
 primitive's signature can't tell them apart (BatchNorm marks gamma and beta
 writable too).
 
-A buffer can also be *replaced* rather than written: ``self.count += 1`` on a
-Cell's non-trainable Parameter (MindFormers' global aux loss) is an add and
-then ``Parameter.set_data``, which gives the Parameter the sum's storage. No op
-writes, so neither the dispatch nor ``BufferGuard`` sees it;
-``ReplacedBuffers`` gives the re-run the values from before the forward.
+A Parameter can also be *rebound* rather than written: ``self.count += 1`` on a
+Cell's Parameter (MindFormers' global aux loss), ``assign_value`` and slice
+assignment give it new storage. No op writes, so neither the dispatch nor
+``BufferGuard`` sees it; ``ReboundParameters`` gives the re-run the values from
+before the forward.
 """
 import contextlib
 import functools
@@ -58,9 +58,38 @@ def is_side_effect_op(args):
     return bool(args) and isinstance(args[0], Primitive) and getattr(args[0], "side_effect_mem", False) is True
 
 
+# Ops that write their first input, by name (pyboost ops are dispatched without their primitive):
+# in-place ops (``copy_``, ``masked_fill_`` ...), ``ops.assign*`` and ``Scatter*`` updates, and the
+# collectives of ``mint.distributed``, which write their tensor (``all_reduce``) or output in place (rule W1).
+_WRITES_FIRST = ("Inplace", "InnerInplace", "Assign", "Scatter", "DistComm")
+
+
+def first_input(args):
+    """The first input of a dispatched op: ``args[0]``, or a legacy op's ``(prim, name, (inputs...))`` first."""
+    if is_side_effect_op(args) or (len(args) == 3 and isinstance(args[0], Primitive) and isinstance(args[2], tuple)):
+        return args[2][0] if args[2] else None
+    return args[0] if args else None
+
+
+def writes_first_input(name, args):
+    """True for an op that writes its first input, a tensor, in place (see ``_WRITES_FIRST``)."""
+    return name.startswith(_WRITES_FIRST) and isinstance(first_input(args), Tensor)
+
+
 def may_write(name, args):
-    """Cheap pre-check, per op in forward, before ``written_slots``: a marked primitive or an ``Inplace*`` op."""
-    return is_side_effect_op(args) or name.startswith("Inplace")
+    """Cheap pre-check, per op in forward, before ``written_slots``: a marked primitive or a writer by name."""
+    return is_side_effect_op(args) or name.startswith(_WRITES_FIRST)
+
+
+def written_tensors(name, args):
+    """The tensors op ``name`` may write: a ``side_effect_mem`` primitive's Parameter arguments, and a
+    writer's first input (a tensor, or the tensors of a list of outputs)."""
+    found = [_item(args, pos) for pos in written_slots(name, args, ())] if is_side_effect_op(args) else []
+    if name.startswith(_WRITES_FIRST):
+        first = first_input(args)
+        items = [first] if isinstance(first, Tensor) else list(first) if isinstance(first, (tuple, list)) else []
+        found += [t for t in items if isinstance(t, Tensor) and all(t is not f for f in found)]
+    return found
 
 
 def _item(args, pos):
@@ -70,9 +99,9 @@ def _item(args, pos):
 def written_slots(name, args, param_ptrs):
     """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write.
 
-    For a ``side_effect_mem`` primitive: its Parameter arguments. For an
-    ``Inplace*`` op: its first argument when it is one of ``param_ptrs`` (a
-    parameter of the region). Empty for every other op.
+    For a ``side_effect_mem`` primitive: its Parameter arguments. For a writer
+    by name (``writes_first_input``): its first argument when it is one of
+    ``param_ptrs`` (a parameter of the region). Empty for every other op.
     """
     if is_side_effect_op(args):
         slots = []
@@ -82,7 +111,7 @@ def written_slots(name, args, param_ptrs):
             elif isinstance(a, (tuple, list)):
                 slots.extend((i, j) for j, b in enumerate(a) if isinstance(b, Parameter))
         return slots
-    if name.startswith("Inplace") and args and isinstance(args[0], Tensor) and args[0].data_ptr() in param_ptrs:
+    if name.startswith(_WRITES_FIRST) and args and isinstance(args[0], Tensor) and args[0].data_ptr() in param_ptrs:
         return [(0,)]
     return []
 
@@ -203,51 +232,59 @@ class BufferGuard:
         return written
 
 
-class ReplacedBuffers:
-    """A region's non-trainable Parameters whose storage its forward replaced, with their values from before.
+class ReboundParameters:
+    """A region's Parameters whose storage its forward replaced, with their values from before (rule W4).
 
-    While the forward runs, each buffer's ``set_data`` is wrapped on the
-    instance (and put back after, on every exit path); the first call per
-    buffer keeps a copy of the value it replaces. The re-run starts from those
-    copies, so it reads what its forward read and replaces them as the forward
-    did, and each buffer then gets back what it held before the re-run: the
-    update lands once per step, as without AC. Cost: two attribute writes per
-    buffer and forward; one copy per replaced buffer, kept until backward.
-    Nested regions chain their wrappers, so an enclosing region sees the write too.
+    A Parameter gets new storage without any op the dispatch sees: ``set_data``
+    (``self.count += 1`` and ``self.g = self.g * 0.999`` on a Cell go through it),
+    ``assign_value``, and slice assignment (``self.hist[1:4] = v``: a functional
+    ``TensorScatterUpdate``, then ``assign_value`` of its result). While the
+    forward runs, both methods are wrapped on each Parameter's instance (and put
+    back after, on every exit path); the first call per Parameter keeps a copy
+    of the value it replaces. The re-run starts from those copies, so it reads
+    what its forward read and rebinds them as the forward did, and each
+    Parameter then gets back what it held before the re-run: the update lands
+    once per step, as without AC, trainable weights included. Cost: four
+    attribute writes per Parameter and forward; one copy per rebound Parameter,
+    kept until backward. Nested regions chain their wrappers, so an enclosing
+    region sees the rebinding too.
     """
 
     __slots__ = ("params", "before")
 
+    METHODS = ("set_data", "assign_value")
+
     def __init__(self, params):
-        self.params = params   # the root's non-trainable Parameters
-        self.before = ()       # (param, copy of its value before the forward replaced it), in order
+        self.params = params   # the root's Parameters, trainable or not
+        self.before = ()       # (param, copy of its value before the forward rebound it), in order
 
     @contextlib.contextmanager
     def watch(self, hidden=contextlib.nullcontext):
-        """Around the forward: note each buffer's value before its first ``set_data``. ``hidden``: a
+        """Around the forward: note each Parameter's value before its first rebinding. ``hidden``: a
         context under which the copy is no op of the region (the intercepting path's dispatch)."""
         before = {}
         wrapped = []
 
-        def set_data(p, call, data, slice_shape=False):
+        def rebind(p, call, *args, **kwargs):
             if id(p) not in before:
                 with hidden(), no_grad(), no_casts():
                     before[id(p)] = (p, ops.deepcopy(p))
-            return call(data, slice_shape)
+            return call(*args, **kwargs)
 
         try:
             for p in self.params:
-                outer = p.__dict__.get("set_data")   # an enclosing region's wrapper
-                call = outer if outer is not None else functools.partial(type(p).set_data, p)
-                wrapped.append((p, outer))
-                p.__dict__["set_data"] = functools.partial(set_data, p, call)
+                for method in self.METHODS:
+                    outer = p.__dict__.get(method)   # an enclosing region's wrapper
+                    call = outer if outer is not None else functools.partial(getattr(type(p), method), p)
+                    wrapped.append((p, method, outer))
+                    p.__dict__[method] = functools.partial(rebind, p, call)
             yield
         finally:
-            for p, outer in reversed(wrapped):
+            for p, method, outer in reversed(wrapped):
                 if outer is None:
-                    del p.__dict__["set_data"]
+                    del p.__dict__[method]
                 else:
-                    p.__dict__["set_data"] = outer
+                    p.__dict__[method] = outer
             self.before = tuple(before.values())
 
     def copies(self):
@@ -256,7 +293,7 @@ class ReplacedBuffers:
 
     @contextlib.contextmanager
     def rerun_from(self):
-        """Around the re-run (outside its graph): the replaced buffers hold their pre-forward values,
+        """Around the re-run (outside its graph): the rebound Parameters hold their pre-forward values,
         and what they held before the re-run afterwards."""
         if not self.before:
             yield

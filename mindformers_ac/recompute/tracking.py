@@ -72,9 +72,13 @@ def _find_op_attr(cell, op_name):
 
 
 def is_op_attribute(value):
-    """A cell attribute that runs ops when called: a Primitive, a function, or one of our proxies."""
-    return isinstance(value, (Primitive, types.FunctionType, types.BuiltinFunctionType, functools.partial)) \
-        or getattr(value, "mac_is_op_proxy", False)
+    """A cell attribute that runs ops when called: a Primitive, a function, a ``functools.partial``, a bound
+    method, a callable object (a kernel wrapper, a CPU stand-in for a fused kernel), or one of our proxies;
+    not a Cell (a sub-cell is tracked as a cell), a class or a tensor."""
+    if isinstance(value, (Primitive, types.FunctionType, types.BuiltinFunctionType, functools.partial,
+                          types.MethodType)) or getattr(value, "mac_is_op_proxy", False):
+        return True
+    return callable(value) and not isinstance(value, (ms.nn.Cell, type, ms.Tensor))
 
 
 class AttrProxy(OpSlotProxy):
@@ -90,7 +94,7 @@ class AttrProxy(OpSlotProxy):
         run = ENGINE.top()
         if run is None or run.tracker is not self.mac_tracker:
             return self.mac_inner(*args, **kwargs)
-        run.attrs.append(self.mac_path)
+        run.attrs.append(self)
         try:
             return self.mac_inner(*args, **kwargs)
         finally:

@@ -1,0 +1,157 @@
+"""One model of what a region's forward writes (docs/exactness.md, rules W1-W7): every kind of write, in every
+recompute path that meets it, trains bitwise against its plain twin or is refused with a RecomputeError.
+
+The models are in ``write_cases.py``. Each exact case trains 3 steps and compares loss, every gradient and
+every parameter, trainable or not, with the same model without AC, and checks that the mode acted; the
+refused case (a tensor a layer saved, written by the next layer) runs in a subprocess, since it raises
+inside backward.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import write_cases as wc
+
+import mindformers_ac as mac
+
+from model_patterns import hidden_batch
+from steps import first_difference, run_steps
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _exclude_api(*names):
+    """The checkpoint API with HyperParallel's exclude policy around every layer."""
+    def install(model):
+        stats = mac.RecomputeStats()
+        policy = mac.recompute.exclude_policy(names)
+        object.__setattr__(model, "run_layer",
+                           lambda layer, *a, **k: mac.checkpoint(layer, *a, policy_fn=policy, stats=stats, **k))
+        return stats
+    return install
+
+
+def _plain_api(model):
+    stats = mac.RecomputeStats()
+    object.__setattr__(model, "run_layer", lambda layer, *a, **k: mac.checkpoint(layer, *a, stats=stats, **k))
+    return stats
+
+
+# case -> (builder, {mode: apply_ac config dict, or an installer of the checkpoint API})
+CASES = {
+    # W2: a kept output written later in its layer (PyTorch's test_checkpointing_without_reentrant_saved_
+    # object_identity writes a saved output the same way), by an Inplace op and by a side-effect op
+    "kept_output_copy": (lambda: wc.build_layers(wc.KeptCopyLayer),
+                         {"exclude_op": wc.exclude("MatMul"), "checkpoint_api": _exclude_api("MatMul")}),
+    "kept_output_assign_add": (lambda: wc.build_layers(wc.KeptAssignAddLayer),
+                               {"exclude_op": wc.exclude("MatMul"), "checkpoint_api": _exclude_api("MatMul")}),
+    # W3: a kept op that writes its own argument (all_reduce(t) in place under exclude_op: [AllReduce])
+    "kept_op_writes_argument": (lambda: wc.build_layers(wc.KeptWriterLayer),
+                                {"exclude_op": wc.exclude("InplaceCopy"), "checkpoint_api": _exclude_api("InplaceCopy")}),
+    # W4: Parameters rebound in forward: slice assignment, assign_value, a trainable weight's set_data
+    "buffer_slice_write": (lambda: wc.build_layers(wc.SliceBufferLayer),
+                           {"full": wc.FULL, "group": wc.GROUP, "exclude_op": wc.exclude("MatMul"),
+                            "checkpoint_api": _plain_api}),
+    "buffer_assign_value": (lambda: wc.build_layers(wc.AssignValueBufferLayer),
+                            {"full": wc.FULL, "group": wc.GROUP, "checkpoint_api": _plain_api}),
+    "trainable_weight_rebound": (lambda: wc.build_layers(wc.ReboundWeightLayer),
+                                 {"full": wc.FULL, "group": wc.GROUP, "exclude_op": wc.exclude("MatMul"),
+                                  "checkpoint_api": _plain_api}),
+    # W5: a write between two grouped layers (a setitem rebinds, a copy_ writes)
+    "write_between_group_members_setitem": (lambda: wc.init_weights(wc.WriteBetweenModel("setitem")),
+                                            {"group": wc.GROUP, "full": wc.FULL}),
+    "write_between_group_members_copy": (lambda: wc.init_weights(wc.WriteBetweenModel("copy")),
+                                         {"group": wc.GROUP, "full": wc.FULL}),
+    # W6: a marker-guarded side effect that keeps a tracked tensor (MindFormers 2.1.0's MoE aux-loss tracker)
+    "tracker_keeps_attached_loss": (lambda: wc.build_layers(wc.TrackerLayer),
+                                    {"full": wc.FULL, "group": wc.GROUP, "exclude_op": wc.exclude("MatMul"),
+                                     "checkpoint_api": _plain_api}),
+    # nested regions with replay metadata: a checkpoint_wrapper inside a recomputed layer
+    "nested_region_metadata": (wc.build_nested, {"full": wc.FULL, "group": wc.GROUP}),
+}
+
+
+@pytest.fixture(scope="module")
+def baselines():
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            cache[case] = run_steps(CASES[case][0](), hidden_batch)
+        return cache[case]
+    return get
+
+
+@pytest.mark.parametrize("case, mode", [(c, m) for c in CASES for m in CASES[c][1]])
+def test_write_trains_bitwise(baselines, case, mode):
+    build, modes = CASES[case]
+    wc.TRACKER.clear()
+    model = build()
+    how = modes[mode]
+    if callable(how):
+        stats = [how(model)]
+    else:
+        mac.apply_ac(model, config=mac.AcConfig.from_dict(how))
+        stats = list(mac.ac_state(model).recompute_stats.values())
+    history = run_steps(model, hidden_batch)
+    assert first_difference(baselines(case), history) is None, first_difference(baselines(case), history)
+    assert sum(s.ops_rerun for s in stats) > 0 and sum(s.recompute_calls for s in stats) > 0
+    if mode == "exclude_op" or case.startswith("kept"):
+        assert sum(s.ops_reused for s in stats) > 0   # the kept ops were kept, not re-run
+
+
+def test_kept_writes_keep_the_region_intercepted():
+    """A write into a kept output is invisible to the light path: the checking call says why it stays off."""
+    model = wc.build_layers(wc.KeptCopyLayer)
+    mac.apply_ac(model, config=mac.AcConfig.from_dict(wc.exclude("MatMul")))
+    run_steps(model, hidden_batch, steps=2)
+    stats = list(mac.ac_state(model).recompute_stats.values())
+    assert sum(s.light_calls for s in stats) == 0
+    reasons = {r for s in stats for r in s.intercept_reasons}
+    assert any("writes the kept output of op" in r and "MatMul" in r for r in reasons), reasons
+
+
+def test_group_member_after_a_write_keeps_its_input():
+    """W5: the member after the write keeps its argument (it is not chained); the others still chain."""
+    model = wc.init_weights(wc.WriteBetweenModel("copy"))
+    mac.apply_ac(model, config=mac.AcConfig.from_dict(wc.GROUP))
+    run_steps(model, hidden_batch, steps=1)
+    chained = {layer: s.chained_calls for layer, s in mac.ac_state(model).recompute_stats.items()}
+    assert chained == {0: 0, 1: 0, 2: 1}, chained
+
+
+_SAVED_WRITTEN = """
+import sys
+sys.path.insert(0, {tests!r})
+import conftest
+import mindformers_ac as mac
+import write_cases as wc
+from model_patterns import hidden_batch
+from steps import run_steps
+model = wc.build_layers(wc.WritesInputLayer, first=wc.SavesOutputLayer)
+if {ac}:
+    mac.apply_ac(model, config=mac.AcConfig.from_dict({{"recompute": {{"mode": "full", "full_recompute_layer": [0]}}}}))
+try:
+    run_steps(model, hidden_batch, steps=1)
+except Exception as exc:
+    print("REFUSED", type(exc).__name__, exc)
+else:
+    print("TRAINED")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ac", [False, True])
+def test_saved_tensor_written_later_is_refused_as_without_ac(ac):
+    """W6 (issue 37, case 11): layer 1 writes in place into the output layer 0 saved for backward. MindSpore
+    refuses the backward without AC; with layer 0 recomputed the engine refuses it too, naming the tensor."""
+    proc = subprocess.run([sys.executable, "-c", _SAVED_WRITTEN.format(tests=TESTS, ac=ac)],
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert "REFUSED" in out, out + proc.stderr[-2000:]
+    if ac:
+        assert "RecomputeError" in out and "output #0 of the recomputed region SavesOutputLayer" in out, out
+        assert "modified by an in-place operation after the region's forward" in out, out
+    else:
+        assert "modified by an inplace operation" in out, out

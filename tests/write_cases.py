@@ -1,0 +1,193 @@
+"""Models whose forward writes, each kind of write a region's forward (or the code around it) can make.
+
+The cases of the recompute engine's one model of writes (docs/exactness.md, rules W1-W7): a kept op's
+output written in place later in its layer, a kept op that writes its own argument, a buffer written by
+slice or ``assign_value``, a trainable weight rebound in forward, a write between two grouped layers, a
+tensor a layer saved and the next layer writes, a marker-guarded side effect that keeps a tracked tensor,
+and nested regions with replay metadata. Each builds on ``model_patterns``' layer (3 layers, hidden 32) so
+that the exactness tests compare it against its plain twin with ``steps.run_steps``.
+"""
+import numpy as np
+from mindspore import Parameter, Tensor, mint, nn, ops
+
+import mindformers_ac as mac
+
+from model_patterns import N_LAYERS, H, Layer, PatternModel, init_weights
+
+
+class KeptCopyLayer(Layer):
+    """A matmul's output (kept by ``exclude_op: [MatMul]``) written in place later by ``copy_``
+    (PyTorch's test_checkpointing_without_reentrant_saved_object_identity writes a saved output the same way)."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        m = ops.matmul(self.norm2(h), self.mlp.fc1.weight.T)          # MatMul: kept under exclude_op
+        m.copy_(m * 0.5 + 1.0)                                        # the kept output written in place
+        return h + self.mlp.fc2(ops.gelu(m))
+
+
+class KeptAssignAddLayer(Layer):
+    """As ``KeptCopyLayer``, written by ``ops.assign_add`` (a side-effect op, not an ``Inplace*`` one)."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        m = ops.matmul(self.norm2(h), self.mlp.fc1.weight.T)
+        ops.assign_add(m, ops.stop_gradient(m) * 0.25)
+        return h + self.mlp.fc2(ops.gelu(m))
+
+
+class KeptWriterLayer(Layer):
+    """A kept op that writes its own argument, as ``mint.distributed.all_reduce(t)`` reduces ``t`` in place:
+    here ``t.copy_(...)`` under ``exclude_op: [InplaceCopy]``; the layer goes on with ``t``, not with what
+    the op returned."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        t = self.norm2(h) * 1.0
+        t.copy_(t * 2.0 + 0.5)                                        # kept: re-run must see t written
+        return h + self.mlp(t)
+
+
+class SliceBufferLayer(Layer):
+    """A non-trainable buffer written by slice assignment, and read before the write (a running history)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hist = Parameter(Tensor(np.zeros(8, np.float32)), name="hist", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * (1.0 + self.hist[1])
+        self.hist[1:4] = ops.stop_gradient(h.mean((0, 1))[:3])
+        return h + self.mlp(self.norm2(h))
+
+
+class AssignValueBufferLayer(Layer):
+    """A non-trainable buffer given a new value with ``assign_value`` (no op, no ``set_data``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ema = Parameter(Tensor(np.full(H, 0.5, np.float32)), name="ema", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * self.ema
+        self.ema.assign_value(ops.stop_gradient(self.ema * 0.9 + 0.1 * h.mean((0, 1))))
+        return h + self.mlp(self.norm2(h))
+
+
+class ReboundWeightLayer(Layer):
+    """A trainable weight rebound in forward (``self.gain = self.gain * 0.999``: ``Parameter.set_data``), read
+    before and after the rebinding."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = Parameter(Tensor(np.full(H, 1.0, np.float32)), name="gain")
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * self.gain
+        self.gain = ops.stop_gradient(self.gain * 0.999)
+        return h + self.mlp(self.norm2(h)) * self.gain
+
+
+class WriteBetweenModel(PatternModel):
+    """Writes in place into the hidden states between layer 0 and layer 1 (``how``: ``setitem`` rebinds
+    the tensor's storage, ``copy`` writes it)."""
+
+    def __init__(self, how):
+        super().__init__([Layer() for _ in range(N_LAYERS)])
+        self.how = how
+
+    def construct(self, x, y, pos, mask):
+        for i, layer in enumerate(self.layers):
+            if i == 1:
+                if self.how == "setitem":
+                    x[:, 0] = 0
+                else:
+                    x.copy_(x * 0.5)
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+        return self.loss(x, y)
+
+
+class SavesOutputLayer(Layer):
+    """Ends with a sigmoid, which saves its output for backward."""
+
+    def construct(self, x, pos, mask, scale):
+        return ops.sigmoid(super().construct(x, pos, mask, scale))
+
+
+class WritesInputLayer(Layer):
+    """Writes into its input in place (``copy_``) before using it: the previous layer saved that tensor."""
+
+    def construct(self, x, pos, mask, scale):
+        x.copy_(x * 0.5)
+        return super().construct(x, pos, mask, scale)
+
+
+TRACKER = []   # a module-level aux-loss logger, as MindFormers' tracker: it keeps the attached loss
+
+
+class TrackerLayer(Layer):
+    """MindFormers 2.1.0's MoE router on MindSpore 2.10: the layer's aux loss added to a module-level
+    tracker, attached to the graph (no ``detach``), skipped under the recompute marker; the add saves
+    tensors for backward, but nothing the loss differentiates reads it."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        aux = (h * h).mean()
+        if not mac.is_in_recompute():
+            TRACKER.append(aux * aux)          # Mul of two tracked inputs: saves them
+        return h + self.mlp(self.norm2(h)) + aux * 0.01
+
+
+class MetadataAttention(nn.Cell):
+    """Hands a host value from its forward to its re-run (MindFormers' ``save_for_recompute``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = mint.nn.Linear(H, H)
+
+    def construct(self, x):
+        if mac.is_in_recompute():
+            k = mac.get_recompute_metadata("k")
+        else:
+            k = int(np.argmax(np.abs(x.asnumpy()).sum((0, 1)))) % 4 + 1
+            mac.save_for_recompute("k", k)
+        return ops.sin(self.q(x)) * float(k)
+
+
+class NestedLayer(Layer):
+    """A sub-cell the user wrapped with ``checkpoint_wrapper`` inside a layer that apply_ac recomputes."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = MetadataAttention()
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) + self.inner(x)
+        return h + self.mlp(self.norm2(h))
+
+
+def build_layers(layer_cls, first=None):
+    layers = [layer_cls() for _ in range(N_LAYERS)]
+    if first is not None:
+        layers[0] = first()
+    return init_weights(PatternModel(layers))
+
+
+def build_nested():
+    model = build_layers(NestedLayer)
+    for layer in model.layers:
+        mac.checkpoint_wrapper(layer.inner)
+    return model
+
+
+ALL = f"0-{N_LAYERS - 1}"
+FULL = {"recompute": {"mode": "full", "full_recompute_layer": [ALL]}}
+
+
+def exclude(*names):
+    return {"recompute": {"mode": "full", "full_recompute_layer": [ALL], "exclude_op": list(names)}}
+
+
+GROUP = {"recompute": {"mode": "full", "full_recompute_layer": [ALL], "group_layers": N_LAYERS}}
+SELECT_ATTN = {"recompute": {"mode": "select", "select_module": {"attn": [ALL]}}}
+LAYER_SWAP = {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}
