@@ -10,13 +10,16 @@
 * ``region``: the op-intercepting way into a region, with ``dispatch`` (op numbering and decisions);
 * ``light``: the light way in (saved-tensor hooks only, tensors matched by position);
 * ``path_choice``: which way a wrapped call takes (per call signature, checked by a first call);
+* ``keep_sites``: the op slots where a name-based policy's kept ops are kept on the light path;
+* ``chain``: layer groups (``recompute.group_layers``), each member rebuilding the next one's input;
 * ``dropout_proxy``: ``nn.Dropout`` kernels handed to the running region;
 * ``messages``: every error and warning text, and ``RecomputeError``'s uses;
 * ``tracking``: the cell path and op attribute a policy sees;
 * ``op_slot``: ``OpSlotProxy``, the base of every proxy standing in an op attribute slot;
 * ``saved``: what a region leaves in the autograd graph instead of a tensor;
 * ``random_ops``: which ops can't be run again, and Dropout's exact rebuild;
-* ``side_effects``: ops that write parameters (BatchNorm, Assign ...), written once per step;
+* ``side_effects``: what a forward writes (rules W1-W7 of docs/exactness.md): ops that write an argument,
+  Parameters rebound in forward, each written once per step;
 * ``output``: output recompute of one op (``recompute_comm``, op paths);
 * ``stats``: ``RecomputeStats``, ``RegionBytes``; ``state``: the per-thread engine state.
 

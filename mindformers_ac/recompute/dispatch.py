@@ -107,6 +107,8 @@ class RegionDispatch(MsDispatchMode):
         if decision is not None:
             region.record_decision(idx, decision)   # before the call: legacy ops pack inside it
             region.arg_metas[idx] = arg_meta(args)   # to tell it from a same-named op when the re-run skips ops
+            if idx in region.policy_saves:
+                region.note_kept_args(idx, args)
         out = self._call(run, idx, func, args, kwargs)
         region.bytes.note_outputs(idx, out)
         if decision == REBUILD:
@@ -139,6 +141,8 @@ class RegionDispatch(MsDispatchMode):
         region.stats.ops_reused += 1
         run.last = idx
         out = region.rebuild_dropout(run, idx, args) if decision == REBUILD else region.cached_output(idx)
+        if idx in region.kept_args:
+            region.serve_kept_args(idx, args)
         if idx in region.writes_arg:
             out = region.replay_write(run, idx, args, out)
         if region.path_check is not None and idx in region.random_ops:

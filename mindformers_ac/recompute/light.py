@@ -48,7 +48,7 @@ from ..mindspore_compat import no_grad
 from ..precision import no_casts
 from ..tensors import output_tensors, tensor_leaves, tensors_equal
 from . import messages
-from .dispatch import arg_meta
+from .dispatch import arg_meta, tensor_args
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
@@ -56,12 +56,13 @@ from .state import ENGINE, FORWARD, RECOMPUTE
 
 class _ApartPack:
     """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout``
-    kernel call (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept)."""
+    kernel call (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept, or, for
+    one of the call's arguments, ``call`` and ``index``: the re-run's argument, rule K1)."""
 
-    __slots__ = ("region", "tensor", "drop", "index")
+    __slots__ = ("region", "tensor", "drop", "index", "call")
 
     def __init__(self, region, tensor):
-        self.region, self.tensor, self.drop, self.index = region, tensor, None, 0
+        self.region, self.tensor, self.drop, self.index, self.call = region, tensor, None, 0, None
 
 
 class _LightDropout:
@@ -152,6 +153,8 @@ def _unpack(obj):
     if obj.tensor is not None:   # an _ApartPack whose tensor was kept
         return obj.tensor
     obj.region.ensure_recomputed()
+    if obj.call is not None:     # an argument a kept call saved: the re-run's
+        return obj.region.kept_args[obj.call][obj.index]
     return obj.drop.rebuilt[obj.index]
 
 
@@ -173,6 +176,8 @@ class LightRegion(RegionBase):
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
         self._pending = None      # _ApartPacks made inside a Dropout kernel call or a kept call in progress
         self.kept = []            # (KeepProxy, its tensor arguments' (shape, dtype), outputs) per kept call
+        self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
+        self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
         self.probe = None         # _OutputProbe of the forward's output
 
@@ -208,7 +213,7 @@ class LightRegion(RegionBase):
         ENGINE.push(run)
         try:
             self.start_forward()
-            self.save_inputs(args, kwargs, chained=self.link_chain(args))
+            self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args)))
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.watch_buffers():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
@@ -275,12 +280,20 @@ class LightRegion(RegionBase):
         it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
             pending, self._pending = self._pending, []
+            arg_ptrs = {t.data_ptr(): i for i, t in enumerate(tensor_args(args))}
             try:
                 out = proxy.mac_inner(*args, **kwargs)
             finally:
                 packs, self._pending = self._pending, pending
-            for t in [p.tensor for p in packs] + [t for t in output_tensors(out) if isinstance(t, Tensor)]:
-                self.bytes.keep(t)
+            for p in packs:
+                ptr = p.tensor.data_ptr()
+                if ptr in arg_ptrs and ptr not in self.check.param_ptrs and ptr not in self.input_ptrs:
+                    p.call, p.index, p.tensor = len(self.kept), arg_ptrs[ptr], None   # K1: the re-run's
+                else:
+                    self.bytes.keep(p.tensor)
+            for t in output_tensors(out):
+                if isinstance(t, Tensor):
+                    self.bytes.keep(t)
             self.kept.append((proxy, arg_meta(args), out))
             return out
         if run.mode != RECOMPUTE:
@@ -293,6 +306,7 @@ class LightRegion(RegionBase):
         got = arg_meta(args)
         if held is not proxy or got != meta:
             raise messages.other_kept_call(i, held.mac_description, meta, proxy.mac_description, got)
+        self.kept_args.append(tensor_args(args))
         return out
 
     # -- recompute ------------------------------------------------------------------

@@ -24,7 +24,7 @@ from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
 from . import messages
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
@@ -80,6 +80,8 @@ class Region(RegionBase):
         self.snapshots = {}       # op index -> StateSnapshot of a side-effect op's written tensors
         self.written = {}         # data_ptr -> (op index, StateSnapshot or None, slot) of its first write
         self.kept_ptrs = {}       # storage pointer of a kept (SAVE) output -> (op index, output position)
+        self.kept_args = {}       # policy-kept op index -> {data_ptr of a tensor argument: its position}
+        self.arg_saves = {}       # key of a kept op's save that is one of its arguments -> that position (K1)
         self.writes_arg = set()   # kept ops that wrote their first argument in forward (replay_write)
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
         # (storage, producing op) of every tensor saved in forward: whether an output was saved (rule W6); the
@@ -396,6 +398,19 @@ class Region(RegionBase):
             self.keep_intercepted(("kept_writer", idx), f"op #{idx} {name} is kept and writes its argument "
                                                         f"in place")
 
+    def note_kept_args(self, idx, args):
+        """Before policy-kept op ``idx`` runs: where its tensor arguments live, so that what it saves of them
+        is left to the re-run of the ops before it (rule K1), not kept beside its output."""
+        self.kept_args[idx] = {t.data_ptr(): i for i, t in enumerate(tensor_args(args))
+                               if t.data_ptr() not in self.param_ptrs}
+
+    def serve_kept_args(self, idx, args):
+        """In the re-run, at kept op ``idx``: its saved arguments are the re-run's (rule K1)."""
+        tensors = tensor_args(args)
+        for key, i in self.arg_saves.items():
+            if key[0] == idx and key in self.token_meta:
+                self.recomputed[key] = tensors[i]
+
     def replay_write(self, run, idx, args, out):
         """The re-run's kept op ``idx`` that wrote its first argument in forward: the kept value written into
         the re-run's argument, which stands for the op's output as in forward."""
@@ -507,10 +522,15 @@ class Region(RegionBase):
             return t
         base = storage_info(t)[0]
         self.packed.add((base, self.bytes.producer.get(base)))
-        if decision == SAVE or (ptr in self.input_ptrs and not self.swap_inputs):
+        if decision == SAVE and key is not None and ptr in self.kept_args.get(key[0], ()) \
+                and ptr not in self.input_ptrs:
+            # K1: a kept op keeps its outputs; an argument it saved is the re-run's (serve_kept_args)
+            self.arg_saves[key] = self.kept_args[key[0]][ptr]
+            decision = None
+        elif decision == SAVE or (ptr in self.input_ptrs and not self.swap_inputs):
             self.bytes.keep(t)
             return t
-        if decision == SWAP:
+        elif decision == SWAP:
             return self.offload(run, t)
         token = Token(self, key)
         self.token_meta[key] = (tuple(t.shape), t.dtype)   # checked against the recompute's

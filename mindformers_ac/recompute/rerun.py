@@ -157,12 +157,17 @@ class ChainedInput:
 
 
 class _Held:
-    """A strong reference that reads like a weak one (``held()``)."""
+    """A view of a saved output, made without recording, that reads like a weak reference (``held()``).
+
+    It shares the output's storage and version counter but has no graph node: holding the output itself
+    would tie the region to its own graph (a cycle through MindSpore's C++ nodes that a step failing before
+    its backward never frees)."""
 
     __slots__ = ("tensor",)
 
     def __init__(self, tensor):
-        self.tensor = tensor
+        with no_grad():
+            self.tensor = tensor.view(tensor.shape)
 
     def __call__(self):
         return self.tensor
@@ -327,8 +332,8 @@ class RegionBase:
         aliases it saved, and the outputs at ``saved_outputs`` (positions in ``tensor_leaves(out)``), which
         an op of the region saved for backward. Inputs are held weakly (the saved alias has its own version
         counter, so the caller's tensor is stamped: once it dies nobody writes it). A saved output is held
-        until the re-run, as the graph holds it without AC (counted as kept): the model's loop rebinds its
-        variable, so a weak reference would die before the next layer's write is seen."""
+        until the re-run as a view (``_Held``), as the graph holds it without AC (counted as kept): the
+        model's loop rebinds its variable, so a weak reference would die before the next layer's write."""
         stamps = []
         for i, a in enumerate((*args, *kwargs.values())):
             if isinstance(a, Tensor) and not isinstance(a, Parameter):
