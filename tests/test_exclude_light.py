@@ -357,3 +357,42 @@ def test_apply_ac_reports_per_layer_which_path_exclude_op_took_and_why():
     first, second = steps(["BatchMatMul"])
     assert all((lm.intercepted_calls, lm.light_calls) == (0, 1) and not lm.intercept_reasons
                for lm in second.layers.values() if lm.layer != "other")
+
+
+def test_a_function_rebound_after_apply_is_the_one_that_runs(monkeypatch):
+    """Issue 37, case 6: a profiler or numerics hook patches ``ops.matmul`` after the engine kept MatMul;
+    the wrapped layer calls what the module holds now, as the plain model does."""
+    x = Tensor(np.random.RandomState(9).randn(B, S, H).astype(np.float32))
+    plain, cell = FunctionLayer(), FunctionLayer()
+    rc.checkpoint_wrapper(cell, policy_fn=rc.exclude_policy(["MatMul"]))
+    original = ops.matmul
+    for step in range(3):
+        if step == 1:
+            monkeypatch.setattr(ops, "matmul", lambda a, b: original(a, b) * 2.0)
+        want = ms.grad(plain, grad_position=0)(x).asnumpy()
+        assert np.array_equal(ms.grad(cell, grad_position=0)(x).asnumpy(), want), step
+
+
+class ViewsLayer(nn.Cell):
+    """``mint.t``, ``mint.reshape``, ``mint.flatten`` and ``mint.squeeze`` share one code object in MindSpore
+    2.10; keeping them by name must not mix them up (issue 37, case 7)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = Parameter(Tensor(np.random.RandomState(6).randn(H, H).astype(np.float32) * 0.3), name="w")
+
+    def construct(self, x):
+        y = mint.reshape(ops.sin(x), (B * S, H))
+        z = ops.matmul(y, mint.t(self.w))
+        return ops.cos(mint.squeeze(mint.flatten(z, 0, 1).reshape(1, -1), 0)).sum()
+
+
+def test_functions_sharing_one_code_object_are_kept_apart():
+    x = Tensor(np.random.RandomState(9).randn(B, S, H).astype(np.float32))
+    want = ms.grad(ViewsLayer(), grad_position=0)(x).asnumpy()
+    cell, stats = ViewsLayer(), rc.RecomputeStats()
+    rc.checkpoint_wrapper(cell, policy_fn=rc.exclude_policy(["Reshape", "Transpose", "Flatten", "Squeeze"]),
+                          stats=stats)
+    grad_fn = ms.grad(cell, grad_position=0)
+    assert all(np.array_equal(grad_fn(x).asnumpy(), want) for _ in range(3))
+    assert stats.ops_reused > 0

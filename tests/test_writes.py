@@ -155,3 +155,22 @@ def test_saved_tensor_written_later_is_refused_as_without_ac(ac):
         assert "modified by an in-place operation after the region's forward" in out, out
     else:
         assert "modified by an inplace operation" in out, out
+
+
+@pytest.mark.slow
+def test_inplace_collective_under_exclude_op_on_two_ranks(tmp_path):
+    """W3 under msrun (issue 37, case 1): ``mint.distributed.all_reduce(t)`` reduces ``t`` in place and the
+    layer goes on with ``t``; full recompute with ``exclude_op: [AllReduce]`` is bitwise on both ranks, and
+    the all-reduce is kept, not run again in backward."""
+    import json
+
+    from mindformers_ac.harness.launch import launch_msrun
+    root = os.path.dirname(TESTS)
+    env = {"PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    res = launch_msrun([os.path.join(TESTS, "inplace_collective_worker.py"), tmp_path], nproc=2, timeout_s=240,
+                       log_dir=tmp_path / "logs", env=env)
+    assert res.returncode == 0, "\n".join(open(f, errors="replace").read()[-2000:] for f in res.worker_logs())
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["difference"] is None, result
+        assert result["reused"] == 6 and not any("AllReduce" in op for op in result["rerun_by_op"]), result
