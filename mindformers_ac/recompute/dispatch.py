@@ -55,6 +55,18 @@ def op_name_of(op, args=()):
     return name if isinstance(name, str) else type(op).__name__
 
 
+# Names of ops that communicate: a kept one stays kept even when no backward reads its output (rule K2),
+# since re-running it would communicate in backward, which is what exclude_op on a collective avoids.
+_COMM_NAMES = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast", "distcomm", "send", "recv")
+
+
+def is_comm_op(name):
+    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``,
+    an ``AllToAll`` stand-in)."""
+    lowered = name.lower()
+    return any(n in lowered for n in _COMM_NAMES)
+
+
 def tensor_args(args):
     """The tensor arguments of a dispatched op (a legacy op's inputs are a tuple)."""
     return [t for a in args for t in (a if isinstance(a, tuple) else (a,)) if isinstance(t, Tensor)]

@@ -280,17 +280,16 @@ class LightRegion(RegionBase):
         it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
             pending, self._pending = self._pending, []
-            arg_ptrs = {t.data_ptr(): i for i, t in enumerate(tensor_args(args))}
             try:
                 out = proxy.mac_inner(*args, **kwargs)
             finally:
                 packs, self._pending = self._pending, pending
-            for p in packs:
-                ptr = p.tensor.data_ptr()
-                if ptr in arg_ptrs and ptr not in self.check.param_ptrs and ptr not in self.input_ptrs:
-                    p.call, p.index, p.tensor = len(self.kept), arg_ptrs[ptr], None   # K1: the re-run's
-                else:
+            plan = self._arg_plan(len(self.kept), args, out, [p.tensor for p in packs])
+            for p, i in zip(packs, plan):
+                if i is None:
                     self.bytes.keep(p.tensor)
+                else:
+                    p.call, p.index, p.tensor = len(self.kept), i, None   # K1: the re-run's argument
             for t in output_tensors(out):
                 if isinstance(t, Tensor):
                     self.bytes.keep(t)
@@ -308,6 +307,33 @@ class LightRegion(RegionBase):
             raise messages.other_kept_call(i, held.mac_description, meta, proxy.mac_description, got)
         self.kept_args.append(tensor_args(args))
         return out
+
+    def _arg_plan(self, n, args, out, packed):
+        """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is
+        (the re-run's argument then stands for it), or None (kept). A legacy op saves converted copies of
+        its arguments, not the caller's tensors, so the first light forward of the signature compares
+        values once and notes the positions (``PathCheck.kept_arg_plans``); later ones check shapes."""
+        tensors = tensor_args(args)
+        plans = self.check.kept_arg_plans
+        plan = plans.get(n)
+        metas = [(tuple(t.shape), t.dtype) for t in packed]
+        if plan is not None and plan[0] == metas:
+            return plan[1]
+        outs = {t.data_ptr() for t in output_tensors(out) if isinstance(t, Tensor)}
+        skip = set(self.check.param_ptrs) | set(self.input_ptrs) | outs
+        found = []
+        for t, meta in zip(packed, metas):
+            i = None
+            if t.data_ptr() not in skip:
+                same = [j for j, a in enumerate(tensors) if (tuple(a.shape), a.dtype) == meta
+                        and a.data_ptr() not in skip]
+                i = next((j for j in same if tensors[j].data_ptr() == t.data_ptr()), None)
+                if i is None:
+                    with no_grad():
+                        i = next((j for j in same if tensors_equal(tensors[j], t)), None)
+            found.append(i)
+        plans[n] = (metas, found)
+        return found
 
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):

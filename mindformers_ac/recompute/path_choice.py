@@ -82,7 +82,7 @@ class PathCheck:
 
     __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
                  "n_dropouts", "dropped", "param_ptrs", "params", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
-                 "n_kept", "checks", "saved_outputs", "_owner")
+                 "n_kept", "checks", "saved_outputs", "kept_arg_plans", "_owner")
 
     def __init__(self):
         self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
@@ -100,6 +100,7 @@ class PathCheck:
         self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
         self.checks = None            # the PathChecks holding this check (its installed keep sites)
         self.saved_outputs = ()       # positions of the outputs an op of the region saved (stamped: rule W6)
+        self.kept_arg_plans = {}      # kept call number -> (saves' metas, argument position per save): K1
         self._owner = None
 
     def attach(self, region):
@@ -117,6 +118,10 @@ class PathCheck:
         decisions = region.decisions
         # nn.Dropout kernels the light path's DropoutProxy handles (mask bits): not re-run ops.
         cell_dropouts = {i for i in region.cell_dropouts if decisions.get(i) == REBUILD}
+        kept = region.policy_saves
+        if kept:   # a kept op's saves are numbered apart by a light run (its KeepProxy's call)
+            self.fwd = [m for m, key in zip(self.fwd, self.keys) if key is None or key[0] not in kept]
+            self.keys = [key for key in self.keys if key is None or key[0] not in kept]
         if self.fwd != self.rec:
             region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
         kept_ops = set()

@@ -24,7 +24,7 @@ from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
 from . import messages
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, is_comm_op, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
@@ -84,9 +84,10 @@ class Region(RegionBase):
         self.arg_saves = {}       # key of a kept op's save that is one of its arguments -> that position (K1)
         self.writes_arg = set()   # kept ops that wrote their first argument in forward (replay_write)
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
-        # (storage, producing op) of every tensor saved in forward: whether an output was saved (rule W6); the
-        # producer tells a storage from a later one at the same address (freed saves' addresses are reused)
-        self.packed = set()
+        # (storage, producing op) -> bytes of every tensor saved in forward: whether an output was saved (rule
+        # W6), and what the region's forward saved in all (rule K2); the producer tells a storage from a later
+        # one at the same address (freed saves' addresses are reused)
+        self.packed = {}
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.skipped = set()      # forward op indices the recompute skipped under the marker (skippable)
         # Why this call's signature must stay on the intercepting path: whoever makes a per-op decision, or
@@ -398,6 +399,34 @@ class Region(RegionBase):
             self.keep_intercepted(("kept_writer", idx), f"op #{idx} {name} is kept and writes its argument "
                                                         f"in place")
 
+    def release_unread_kept(self):
+        """K2, at the end of the forward: when what the region keeps is more than its forward saved (what
+        the model keeps without AC), policy-kept ops none of whose outputs a backward saved are re-run
+        instead of kept, largest first, until it is not. A kept op that communicates (``is_comm_op``:
+        exclude_op on a collective keeps it out of backward) or writes stays kept."""
+        kept, budget = sum(self.bytes.kept.values()), sum(self.packed.values())
+        unread = []
+        for idx in self.policy_saves:
+            out = self.cache.get(idx)
+            if out is None or idx in self.writes_arg or is_comm_op(self.op_names[idx]) \
+                    or self.decisions.get(idx) != SAVE:
+                continue
+            tensors = [t for t in output_tensors(out) if isinstance(t, Tensor)]
+            if not any((storage_info(t)[0], idx) in self.packed for t in tensors):
+                unread.append((sum(storage_info(t)[1] for t in tensors), idx, tensors))
+        for nbytes, idx, tensors in sorted(unread, key=lambda u: (-u[0], u[1])):
+            if kept <= budget:
+                break
+            del self.cache[idx], self.decisions[idx]
+            self.policy_saves.discard(idx)
+            self.kept_args.pop(idx, None)
+            self.light_reproduces(("op", idx))
+            for t in tensors:
+                self.bytes.unkeep(t)
+                self.kept_ptrs.pop(t.data_ptr(), None)
+            kept -= nbytes
+            self.stats.unread_kept += 1
+
     def note_kept_args(self, idx, args):
         """Before policy-kept op ``idx`` runs: where its tensor arguments live, so that what it saves of them
         is left to the re-run of the ops before it (rule K1), not kept beside its output."""
@@ -512,16 +541,15 @@ class Region(RegionBase):
             return t
         key = run.next_key()   # first: the recompute numbers every pack, weights included
         decision = self.decisions.get(key[0]) if key is not None else SAVE
-        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout) \
-                and (key is None or key[0] not in self.policy_saves):
-            # as a light run numbers them: an nn.Dropout's and a kept op's packs apart, a functional dropout's
-            # as any op's
+        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
+            # as a light run numbers them: an nn.Dropout's apart, a functional dropout's as any op's (a kept
+            # op's are filtered out when the check ends: whether it stays kept is known then, rule K2)
             self.path_check.note_forward(t, key)
         ptr = t.data_ptr()
         if ptr in self.param_ptrs:
             return t
-        base = storage_info(t)[0]
-        self.packed.add((base, self.bytes.producer.get(base)))
+        base, nbytes = storage_info(t)
+        self.packed[(base, self.bytes.producer.get(base))] = nbytes
         if decision == SAVE and key is not None and ptr in self.kept_args.get(key[0], ()) \
                 and ptr not in self.input_ptrs:
             # K1: a kept op keeps its outputs; an argument it saved is the re-run's (serve_kept_args)
@@ -601,8 +629,9 @@ class Region(RegionBase):
         producer = self.bytes.producer
         self.saved_outputs = tuple(j for j, t in enumerate(tensor_leaves(out))
                                    if (storage_info(t)[0], producer.get(storage_info(t)[0])) in self.packed)
+        self.stamp(args, kwargs, out, self.saved_outputs)   # first: a held output counts against K2's bound
+        self.release_unread_kept()
         self.packed = None
-        self.stamp(args, kwargs, out, self.saved_outputs)
         self.keep_replaced()
         self.finish_chain(out)
         self.fwd_npacks = run.npacks

@@ -45,6 +45,10 @@ class RegionBytes:
         ptr, nbytes = storage_info(t)
         self.kept[ptr] = nbytes
 
+    def unkeep(self, t):
+        """``t`` is no longer kept (a kept op's output no backward read: rule K2)."""
+        self.kept.pop(storage_info(t)[0], None)
+
     def add(self, key, nbytes):
         """Bytes the engine made itself and keeps (a Dropout's mask bits, copies of written parameters)."""
         self.kept[key] = nbytes
@@ -103,7 +107,9 @@ class RecomputeStats:
     signature and light afterwards, so ``light_calls`` staying 0 means it
     never left the slower path. ``chained_calls``: region forwards of a layer
     group's later members, whose first argument was not kept but will be
-    rebuilt from the previous member (``chain``). ``intercept_reasons``:
+    rebuilt from the previous member (``chain``). ``unread_kept``: kept ops whose
+    outputs no backward read, re-run instead of kept (rule K2 of docs/exactness.md).
+    ``intercept_reasons``:
     why calls stayed on the intercepting path (reason -> times found: once per
     checked call signature, once per call of a region that is never checked,
     such as one with a per-call policy), e.g. an excluded op called as a
@@ -111,7 +117,7 @@ class RecomputeStats:
     """
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
-                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "chained_calls",
+                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "chained_calls", "unread_kept",
                  "live_bytes", "live_regions")
 
     def __init__(self):
