@@ -174,3 +174,46 @@ def test_inplace_collective_under_exclude_op_on_two_ranks(tmp_path):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["difference"] is None, result
         assert result["reused"] == 6 and not any("AllReduce" in op for op in result["rerun_by_op"]), result
+
+
+def _kept_run(build, policy):
+    """(gradients of 3 steps, kept bytes): no AC (a meter around each step), or a checkpoint_wrapper."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor
+
+    from mindformers_ac.meter import SavedTensorMeter
+    from mindformers_ac.recompute import checkpoint_wrapper, exclude_policy
+    x = Tensor(np.random.RandomState(2).randn(4, 32, 64).astype(np.float32))
+    cell, stats = build(), mac.RecomputeStats()
+    meter = SavedTensorMeter(params=cell.trainable_params())
+    if policy is not None:
+        checkpoint_wrapper(cell, policy_fn=policy, stats=stats)
+    grad_fn = ms.grad(lambda t: cell(t).sum(), grad_position=None, weights=cell.trainable_params())
+    grads = []
+    for _ in range(3):
+        with meter.hooks():
+            grads.append([g.asnumpy() for g in grad_fn(x)])
+    return grads, (meter.peak if policy is None else stats.peak_kept_bytes), stats
+
+
+@pytest.mark.parametrize("block", ["Attention", "Chain"])
+def test_kept_ops_never_keep_more_than_without_ac(block):
+    """K1/K2 (issue 37, case 9; HyperParallel's and torchtitan's memory tests keep a region's matmuls): keeping
+    the matmuls keeps their outputs, not their inputs, and never more bytes than the model without AC, on
+    the intercepting call and the light ones; bitwise."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "scripts"))
+    import bench_kept_bytes as bench
+    build = getattr(bench, block)
+    base, none, _ = _kept_run(build, None)
+    got, kept, stats = _kept_run(build, mac.recompute.exclude_policy(["matmul"]))
+    assert all(np.array_equal(a, b) for s, t in zip(base, got) for a, b in zip(s, t))
+    assert 0 < kept <= none, (kept, none)
+    assert stats.ops_reused > 0
+    if block == "Attention":   # every kept call sits in its own slot: the later calls are light
+        assert stats.light_calls == 2
+    else:   # one slot runs the kept and the re-run matmuls: it can't hold a proxy, and says so
+        assert stats.light_calls == 0 and stats.unread_kept > 0
+        assert any("attribute mm also runs MatMul, which is recomputed" in r for r in stats.intercept_reasons)
