@@ -22,7 +22,7 @@ from mindspore.utils import MsDispatchMode
 from mindformers_ac import recompute as rc
 from mindformers_ac.checkpoint_policy import CheckpointPolicy
 from mindformers_ac.recompute.dispatch import op_name_of
-from mindformers_ac.recompute.keep_sites import KeepProxy
+from mindformers_ac.recompute.op_slot import OpSlot
 
 from isolated import run_isolated
 
@@ -153,14 +153,14 @@ def test_every_keep_site_goes_light_bitwise_and_the_kept_ops_run_once():
         assert full_ops[name] == base_ops[name] + 2 * n, name
     assert kept_ops["AddExt"] == full_ops["AddExt"] > base_ops["AddExt"]   # the rest is re-run
     layer = model.layers[0]
-    assert isinstance(layer._prims["mm"], KeepProxy) and isinstance(vars(layer.sub)["softmax"].mac_inner, KeepProxy)
+    assert layer._prims["mm"].mac_keep and vars(layer.sub)["softmax"].mac_keep   # one slot, keep role set
     plain = copy.deepcopy(model)   # a copy gets the plain ops
-    assert not isinstance(plain.layers[0]._prims["mm"], KeepProxy)
+    assert not isinstance(plain.layers[0]._prims["mm"], OpSlot)
     assert isinstance(vars(plain.layers[0].sub)["softmax"], SoftmaxKernel)
     for layer in model.layers:
         rc.unwrap(layer)
-        assert not isinstance(layer._prims["mm"], KeepProxy) and isinstance(vars(layer.sub)["softmax"], SoftmaxKernel)
-        assert not isinstance(vars(layer)["bmm"], KeepProxy) and vars(layer)["bmm"].name == "BatchMatMul"
+        assert not isinstance(layer._prims["mm"], OpSlot) and isinstance(vars(layer.sub)["softmax"], SoftmaxKernel)
+        assert not isinstance(vars(layer)["bmm"], OpSlot) and vars(layer)["bmm"].name == "BatchMatMul"
 
 
 class FunctionLayer(nn.Cell):

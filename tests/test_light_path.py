@@ -17,8 +17,9 @@ from test_recompute_engine import SMALL, assert_bitwise_equal, train, wrap_layer
 import mindformers_ac as mac
 from mindformers_ac import recompute as rc
 from mindformers_ac.harness.models import synthetic_batch
-from mindformers_ac.recompute import dropout_proxy, light
+from mindformers_ac.recompute import light
 from mindformers_ac.recompute.api import _wrap_info
+from mindformers_ac.recompute.op_slot import OpSlot
 
 from isolated import run_isolated
 
@@ -203,12 +204,13 @@ def test_unwrap_restores_dropout_primitives_shared_by_nested_wrappers():
     prim = layer.mlp_dropout.dropout
     rc.checkpoint_wrapper(layer.self_attention)
     rc.checkpoint_wrapper(layer)
-    assert isinstance(layer.self_attention.core_attention.attention_dropout.dropout, dropout_proxy.DropoutProxy)
-    rc.unwrap(layer.self_attention)   # the layer's wrapper still needs the attention dropout's proxy
-    assert isinstance(layer.self_attention.core_attention.attention_dropout.dropout, dropout_proxy.DropoutProxy)
+    attention_dropout = layer.self_attention.core_attention.attention_dropout
+    assert isinstance(attention_dropout.dropout, OpSlot) and attention_dropout.dropout.mac_dropout == 2
+    rc.unwrap(layer.self_attention)   # the layer's wrapper still needs the attention dropout's slot
+    assert isinstance(attention_dropout.dropout, OpSlot) and attention_dropout.dropout.mac_dropout == 1
     rc.unwrap(layer)
     assert layer.mlp_dropout.dropout is prim
-    assert not isinstance(layer.self_attention.core_attention.attention_dropout.dropout, dropout_proxy.DropoutProxy)
+    assert not isinstance(attention_dropout.dropout, OpSlot)
 
 
 def test_signature_change_checks_the_path_again(light_calls):

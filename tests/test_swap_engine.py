@@ -9,9 +9,9 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from mindformers_ac import swap  # the swap engine package, callable as HyperParallel's swap(fn, *args)
+from mindformers_ac.checkpoint_policy import CheckpointPolicy
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
 from mindformers_ac.meter import SavedTensorMeter
-from mindformers_ac.recompute.policy import CheckpointPolicy
 from mindformers_ac.swap import (
     SwapExecutor,
     SwapManager,

@@ -183,7 +183,7 @@ def _kept_run(build, policy):
     from mindspore import Tensor
 
     from mindformers_ac.meter import SavedTensorMeter
-    from mindformers_ac.recompute import checkpoint_wrapper, exclude_policy
+    from mindformers_ac.recompute import checkpoint_wrapper
     x = Tensor(np.random.RandomState(2).randn(4, 32, 64).astype(np.float32))
     cell, stats = build(), mac.RecomputeStats()
     meter = SavedTensorMeter(params=cell.trainable_params())

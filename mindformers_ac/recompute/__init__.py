@@ -4,18 +4,18 @@
   (HyperParallel's checkpoint API);
 * ``markers``: ``is_in_recompute``, ``save_for_recompute`` / ``get_recompute_metadata``
   (MindFormers' marker API) and the bridge to MindFormers' own marker;
-* ``policy``: ``CheckpointPolicy``, the per-op decision (defined in ``mindformers_ac.checkpoint_policy``,
-  which the swap engine reads too);
+* ``CheckpointPolicy``, the per-op decision, is defined in ``mindformers_ac.checkpoint_policy`` (the swap
+  engine reads it too) and re-exported here;
 * ``rerun``: what every region shares (run record, saved inputs, Dropout mask bits, the once-only recompute);
 * ``region``: the op-intercepting way into a region, with ``dispatch`` (op numbering and decisions);
 * ``light``: the light way in (saved-tensor hooks only, tensors matched by position);
 * ``path_choice``: which way a wrapped call takes (per call signature, checked by a first call);
 * ``keep_sites``: the op slots where a name-based policy's kept ops are kept on the light path;
 * ``chain``: layer groups (``recompute.group_layers``), each member rebuilding the next one's input;
-* ``dropout_proxy``: ``nn.Dropout`` kernels handed to the running region;
 * ``messages``: every error and warning text, and ``RecomputeError``'s uses;
 * ``tracking``: the cell path and op attribute a policy sees;
-* ``op_slot``: ``OpSlotProxy``, the base of every proxy standing in an op attribute slot;
+* ``op_slot``: ``OpSlot``, the one object standing in an op slot, with its roles (track, keep, dropout,
+  output recompute), and the dropout role of ``nn.Dropout`` kernels handed to the running region;
 * ``saved``: what a region leaves in the autograd graph instead of a tensor;
 * ``random_ops``: which ops can't be run again, and Dropout's exact rebuild;
 * ``side_effects``: what a forward writes (rules W1-W7 of docs/exactness.md): ops that write an argument,
@@ -26,6 +26,7 @@
 A recompute that can't rebuild what its forward dropped raises
 ``RecomputeError`` (a ``RuntimeError``) in backward.
 """
+from ..checkpoint_policy import CheckpointPolicy
 from ..errors import RecomputeError
 from .api import (
                   checkpoint,
@@ -38,7 +39,6 @@ from .api import (
 from .dispatch import OP_NAME_ATTR, op_name_of
 from .markers import get_recompute_metadata, is_in_recompute, save_for_recompute
 from .output import OpOutputHandle, wrap_op_output
-from .policy import CheckpointPolicy
 from .random_ops import RANDOM_OP_PATTERN, REPLAYABLE_ATTR, is_random_op_name
 from .stats import RecomputeStats
 from .tracking import OpContext

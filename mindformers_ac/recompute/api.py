@@ -48,13 +48,13 @@ import re
 
 from mindspore import nn
 
+from ..checkpoint_policy import CheckpointPolicy
 from ..construct_patch import ConstructPatch, find_patch
 from ..tensors import root_cell_of
-from .dropout_proxy import install_dropout_proxies
 from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
+from .op_slot import install_dropout_slots
 from .path_choice import PathChecks, run_checkpoint
-from .policy import CheckpointPolicy
 from .region import run_region
 from .stats import RecomputeStats
 from .tracking import PathTracker
@@ -147,8 +147,8 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     cell is returned: parameter names, the cell tree and other instances are
     unchanged; ``unwrap(cell)`` restores it. With a ``policy_fn``, forward
     hooks that track ``ctx.cell_path`` stay on the sub-cells until ``unwrap``
-    (without one nothing is installed on them but a ``DropoutProxy`` on each
-    ``nn.Dropout``). For a function a new callable is returned. Wrapping twice
+    (without one nothing is installed on them but the dropout role of each
+    ``nn.Dropout``'s kernel slot). For a function a new callable is returned. Wrapping twice
     raises ValueError, and so does a cell that ``swap_wrapper`` wraps (in
     either order: recompute or swap a cell, not both). Keyword arguments are
     those of ``checkpoint``; ``stats`` defaults to a new ``RecomputeStats``
@@ -204,7 +204,7 @@ def _wrap_cell(cell, options, light):
 
     patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
     patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options, checks,
-                           install_dropout_proxies(cell) if light else None)
+                           install_dropout_slots(cell) if light else None)
     if tracker is not None:
         tracker.install()
     return cell

@@ -17,8 +17,8 @@ a *keep site*, one of the op slots the engine already tracks:
   ``region_cells``): a legacy op is dispatched with its Primitive, found there
   by identity; a pyboost op without it, found as the only one of its name.
 
-A site holds a ``KeepProxy``. In a light run whose signature keeps the site it
-hands the call to the region (``LightRegion.keep_call``: forward keeps the
+A site is an ``op_slot.OpSlot`` with the keep role. In a light run whose
+signature keeps the site it hands the call to the region (``LightRegion.keep_call``: forward keeps the
 outputs and whatever the call saved; the recompute returns those outputs
 without running the op); everywhere else it calls the op.
 
@@ -35,8 +35,7 @@ from mindspore import nn
 from mindspore.ops import Primitive
 
 from .dispatch import OP_NAME_ATTR
-from .op_slot import OpSlotProxy
-from .state import ENGINE
+from .op_slot import OpSlot, release, slot_at
 
 _NO_SLOT = ("it is not called through an op attribute of the region's cells (a function called by its global "
             "name, a Tensor method or an operator: no slot can hold a proxy for it)")
@@ -46,19 +45,6 @@ def decides_by_site(policy_fn):
     """Whether ``policy_fn`` says its answers depend on the op's name and place only (``exclude_policy``'s
     do): its kept ops may then be installed at their keep sites."""
     return getattr(policy_fn, "decides_by_site", False) is True
-
-
-class KeepProxy(OpSlotProxy):
-    """Stands where an excluded op is reached; in a light run that keeps it, the region takes the call."""
-
-    def __init__(self, inner, description):
-        self.mac_inner, self.mac_description = inner, description
-
-    def __call__(self, *args, **kwargs):
-        run = ENGINE.top()
-        if run is None or run.keeps is None or self not in run.keeps:
-            return self.mac_inner(*args, **kwargs)
-        return run.region.keep_call(run, self, args, kwargs)
 
 
 class Site:
@@ -106,7 +92,7 @@ def region_cells(root):
 def _held_primitives(cells, paths):
     """``(cell, (attr, key or None), primitive, description)`` of every Primitive the region holds outside
     its cell tree's op attributes: in a dict attribute of a region cell (``_prims["AllGather"]``), or as an
-    attribute of a cell held in a dict (a ``_comm_ops`` slot's collective). A ``KeepProxy`` standing there
+    attribute of a cell held in a dict (a ``_comm_ops`` slot's collective). An ``OpSlot`` standing there
     counts as its Primitive."""
     held = []
     for cell_id, cell in cells.items():
@@ -121,7 +107,7 @@ def _held_primitives(cells, paths):
 
 
 def _inner(value):
-    return value.mac_inner if isinstance(value, KeepProxy) else value
+    return value.mac_inner if isinstance(value, OpSlot) else value
 
 
 def _held_site(name, args, cells, paths):
@@ -150,8 +136,8 @@ def find_site(run, name, args, cells, paths, resolve):
     op runs under.
     """
     if run.attrs:
-        slot = run.attrs[-1]
-        return Site("attr", ("slot", id(slot)), None, slot, None, f"attribute {slot.mac_path}")
+        slot, path = run.attrs[-1]
+        return Site("attr", ("slot", id(slot)), None, slot, None, f"attribute {path}")
     if resolve:
         return _held_site(name, args, cells, paths)
     prim = args[0] if args and isinstance(args[0], Primitive) else None
@@ -159,45 +145,30 @@ def find_site(run, name, args, cells, paths, resolve):
 
 
 def install_site(site, installed):
-    """Put a ``KeepProxy`` at ``site``; returns it, or None when the site can't take one now.
+    """Give the ``OpSlot`` at ``site`` the keep role; returns it, or None when the site can't take it now.
 
-    ``installed``: site key -> (proxy, undo) of the wrapper, shared by its signatures.
+    ``installed``: site key -> (slot, undo) of the wrapper, shared by its signatures.
     """
     held = installed.get(site.key)
     if held is not None:
         return held[0]
     if site.kind == "attr":
-        slot = site.where
-        if isinstance(slot.mac_inner, KeepProxy):
-            proxy = slot.mac_inner
-            undo = None
-        else:
-            proxy = KeepProxy(slot.mac_inner, site.description)
-            slot.mac_inner = proxy
-
-            def undo(slot=slot, proxy=proxy):
-                if slot.mac_inner is proxy:
-                    slot.mac_inner = proxy.mac_inner
+        slot, holder, key = site.where, None, None
     else:
         attr, k = site.where
-        cell = site.cell
-        if k is None:   # an attribute of a dict-held cell
-            if vars(cell).get(attr) is not site.callee:
-                return None
-            proxy = KeepProxy(site.callee, site.description)
-            object.__setattr__(cell, attr, proxy)
+        holder, key = (site.cell, attr) if k is None else (vars(site.cell).get(attr), k)
+        table = vars(holder) if k is None else holder
+        if not isinstance(table, dict) or _inner(table.get(key)) is not site.callee:
+            return None
+        slot = slot_at(holder, key)
+    if slot.mac_keep is not None:   # kept for another wrapper's signature already
+        installed[site.key] = (slot, None)
+        return slot
+    slot.mac_keep = site.description
 
-            def undo(cell=cell, attr=attr, proxy=proxy):
-                if vars(cell).get(attr) is proxy:
-                    object.__setattr__(cell, attr, proxy.mac_inner)
-        else:
-            table = vars(cell).get(attr)
-            if not isinstance(table, dict) or table.get(k) is not site.callee:
-                return None
-            proxy = table[k] = KeepProxy(site.callee, site.description)
-
-            def undo(table=table, k=k, proxy=proxy):
-                if table.get(k) is proxy:
-                    table[k] = proxy.mac_inner
-    installed[site.key] = (proxy, undo)
-    return proxy
+    def undo(slot=slot, holder=holder, key=key):
+        slot.mac_keep = None
+        if holder is not None:
+            release(holder, key, slot)
+    installed[site.key] = (slot, undo)
+    return slot

@@ -9,16 +9,15 @@ inputs and collects what it saves, in order; backward takes them by position.
 Inputs, Dropout mask bits, bytes and the once-only recompute are
 ``rerun.RegionBase``'s, messages ``messages``'.
 
-``nn.Dropout``: its kernel call arrives through the cell's ``DropoutProxy``
-(``dropout_proxy``) as ``dropout_call``. The forward keeps the mask as bits
+``nn.Dropout``: its kernel call arrives through the dropout role of its slot
+(``op_slot``) as ``dropout_call``. The forward keeps the mask as bits
 (``RegionBase.keep_dropout``) and numbers the Dropout's own saves apart; the
 recompute rebuilds the output from the mask without calling the kernel (the
 rebuild's ops save nothing for the region) and those saves take the rebuilt
 output and mask.
 
-Ops ``exclude_op`` keeps: their calls arrive through the ``KeepProxy`` the
-checking call installed where they are reached (``keep_sites``) as
-``keep_call``. The forward keeps their outputs and what they saved (numbered
+Ops ``exclude_op`` keeps: their calls arrive through the op slots the checking
+call gave the keep role (``keep_sites``) as ``keep_call``. The forward keeps their outputs and what they saved (numbered
 apart, as a Dropout's); the recompute hands the outputs back in call order
 without running them, and raises when it reaches another site, with inputs of
 other shapes, or another number of times.
@@ -175,7 +174,7 @@ class LightRegion(RegionBase):
         self.dropouts = []        # _LightDropout per nn.Dropout kernel call, in order
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
         self._pending = None      # _ApartPacks made inside a Dropout kernel call or a kept call in progress
-        self.kept = []            # (KeepProxy, its tensor arguments' (shape, dtype), outputs) per kept call
+        self.kept = []            # (OpSlot, its tensor arguments' (shape, dtype), outputs) per kept call
         self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
         self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
@@ -276,12 +275,12 @@ class LightRegion(RegionBase):
         return out
 
     def keep_call(self, run, proxy, args, kwargs):
-        """A call at a keep site (``keep_sites.KeepProxy``): forward runs it and keeps its outputs and whatever
+        """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and whatever
         it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
             pending, self._pending = self._pending, []
             try:
-                out = proxy.mac_inner(*args, **kwargs)
+                out = proxy.call_op(args, kwargs)
             finally:
                 packs, self._pending = self._pending, pending
             plan = self._arg_plan(len(self.kept), args, out, [p.tensor for p in packs])
@@ -296,15 +295,15 @@ class LightRegion(RegionBase):
             self.kept.append((proxy, arg_meta(args), out))
             return out
         if run.mode != RECOMPUTE:
-            return proxy.mac_inner(*args, **kwargs)
+            return proxy.call_op(args, kwargs)
         i = run.keep_idx
         run.keep_idx += 1
         if i >= len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_description)
+            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_keep)
         held, meta, out = self.kept[i]
         got = arg_meta(args)
         if held is not proxy or got != meta:
-            raise messages.other_kept_call(i, held.mac_description, meta, proxy.mac_description, got)
+            raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got)
         self.kept_args.append(tensor_args(args))
         return out
 
@@ -371,7 +370,7 @@ class LightRegion(RegionBase):
         sig = self.sig
         got = [(t.shape, t.dtype) for t in saved]
         if run.keep_idx != len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_description)
+            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep)
         if got == sig and run.dropout_idx == len(self.dropouts):
             return
         n = min(len(got), len(sig))

@@ -1,35 +1,133 @@
-"""``OpSlotProxy``: what the engine puts in a cell's op attribute slot in place of the op.
+"""``OpSlot``: the one object the engine puts in a cell's op slot in place of the op, with up to four roles.
 
-A path tracker's ``AttrProxy``, an ``nn.Dropout``'s ``DropoutProxy`` and
-output recompute's function proxy all stand, as an instance attribute, where
-a Primitive or function op was, and differ only in what a call does. The slot
-behaviour they share lives here: the wrapped op is ``mac_inner``, attribute
-reads the proxy doesn't answer go to it (``name``, ``keep_prob``, a
-Primitive's attrs), a deep copy of the cell gets the plain op (see
-``construct_patch``), and ``mac_is_op_proxy`` marks it as an op for
-``tracking.is_op_attribute``. Each subclass defines ``__call__`` itself, so a
-call costs no more than it did before the classes shared a base.
+An op slot is an instance attribute holding a Primitive or a function (``self.bmm_qk``,
+``self.activation_func``, a callable object), or an item of a dict a cell holds (``_prims["AllGather"]``,
+a ``_comm_ops`` entry). Four mechanisms act on an op there, and each is a role of one ``OpSlot``, set
+and cleared independently, so none wraps another by hand:
+
+* **track** (``mac_paths``: path tracker -> the slot's path under its root): while a region of one of
+  those trackers runs, ``(slot, path)`` is on the run's ``attrs`` stack, so a policy sees
+  ``ctx.attr_path`` and a keep site is known by its slot (``tracking``, ``keep_sites``); nested
+  wrappers with policies each track the slot under their own root;
+* **keep** (``mac_keep``, a description): in a light run that keeps this slot, the region takes the
+  call (``LightRegion.keep_call``: ``exclude_op`` on the light path, ``keep_sites``);
+* **dropout** (``mac_dropout``, how many wrappers asked): an ``nn.Dropout`` cell's kernel, handed to
+  the running region (``run.dropout_call``), which keeps its mask as bits (``install_dropout_slots``);
+* **output** (``mac_output``): output recompute of the op (``output._Target.observe``).
+
+A call goes through the roles in that order and ends in the op. Attribute reads the slot doesn't
+answer go to the op (``name``, ``keep_prob``, a Primitive's attrs); a deep copy of the cell gets the
+plain op; ``mac_is_op_proxy`` marks it as an op for ``tracking.is_op_attribute``. When its last role
+is cleared, ``release`` puts the plain op back (unless someone replaced the slot since).
 """
 import copy
 
+from mindspore import nn
+from mindspore.ops import Primitive
 
-class OpSlotProxy:
-    """Stands in an instance attribute slot for the callable ``mac_inner``; subclasses define ``__call__``.
+from .state import ENGINE
 
-    ``mac_inner`` may be reassigned (``wrap_op_output`` swaps a tracker's
-    inner op for its own proxy, ``OpOutputHandle.remove`` swaps it back).
-    """
+
+class OpSlot:
+    """Stands in an op slot for the callable ``mac_inner`` (see the module docstring for the roles)."""
 
     mac_is_op_proxy = True
 
     def __init__(self, inner):
         self.mac_inner = inner
+        self.mac_paths = {}
+        self.mac_keep = self.mac_output = None
+        self.mac_dropout = 0
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(f"{type(self).__name__} must define __call__")
+        run = ENGINE.top()
+        if run is None:
+            return self.call_op(args, kwargs)
+        path = self.mac_paths.get(run.tracker) if self.mac_paths else None
+        tracked = path is not None
+        if tracked:
+            run.attrs.append((self, path))
+        try:
+            if self.mac_keep is not None and run.keeps is not None and self in run.keeps:
+                return run.region.keep_call(run, self, args, kwargs)
+            if self.mac_dropout:
+                return run.dropout_call(self.mac_inner, *args)
+            return self.call_op(args, kwargs)
+        finally:
+            if tracked:
+                run.attrs.pop()
 
-    def __getattr__(self, name):   # only for names the proxy lacks: the op's attributes stay reachable
+    def call_op(self, args, kwargs):
+        """The op itself, through output recompute when that role is set."""
+        target = self.mac_output
+        if target is not None:
+            return target.observe(args, kwargs, lambda: self.mac_inner(*args, **kwargs))
+        return self.mac_inner(*args, **kwargs)
+
+    def in_use(self):
+        return bool(self.mac_paths) or self.mac_keep is not None or self.mac_output is not None \
+            or self.mac_dropout > 0
+
+    def __getattr__(self, name):   # only for names the slot lacks: the op's attributes stay reachable
         return getattr(self.__dict__["mac_inner"], name)
 
     def __deepcopy__(self, memo):   # a copied cell gets the plain op (see construct_patch)
         return copy.deepcopy(self.mac_inner, memo)
+
+
+def slot_at(holder, key):
+    """The ``OpSlot`` in ``holder``'s op slot ``key`` (a cell and an attribute name, or a dict and a key),
+    put there around the op if there is none yet."""
+    table = holder if isinstance(holder, dict) else vars(holder)
+    current = table[key] if key in table else getattr(holder, key)
+    if isinstance(current, OpSlot):
+        return current
+    slot = OpSlot(current)
+    if isinstance(holder, dict):
+        holder[key] = slot
+    else:
+        object.__setattr__(holder, key, slot)   # an instance attribute: the cell tree is unchanged
+    return slot
+
+
+def release(holder, key, slot):
+    """Put the plain op back in ``holder``'s slot ``key`` once ``slot`` has no role left (a slot someone
+    replaced since is left as they set it)."""
+    table = holder if isinstance(holder, dict) else vars(holder)
+    if slot.in_use() or table.get(key) is not slot:
+        return
+    if isinstance(holder, dict):
+        holder[key] = slot.mac_inner
+    else:
+        object.__setattr__(holder, key, slot.mac_inner)
+
+
+def install_dropout_slots(root):
+    """The dropout role on the kernel slot of every ``nn.Dropout`` under ``root``; returns an undo callable.
+
+    The light path intercepts no op, so it can't see a Dropout kernel run; yet a Dropout must never be run
+    again in a recompute (it would draw another mask). Its kernel call is handed to the innermost running
+    region: the light region keeps the mask as bits in forward and rebuilds the output in the recompute;
+    the intercepting region runs the kernel through its dispatch as usual and notes that this Dropout
+    belongs to an ``nn.Dropout`` cell (which the path check requires before going light). A cell whose
+    ``dropout`` is not the plain ``Dropout`` primitive (replaced by the user or another tool) is left
+    alone: its kernel then goes through the dispatch only, and the region stays intercepted.
+    """
+    slots = []
+    for _, cell in root.cells_and_names():
+        if not isinstance(cell, nn.Dropout):
+            continue
+        current = cell.__dict__.get("dropout")
+        inner = current.mac_inner if isinstance(current, OpSlot) else current
+        if not (isinstance(inner, Primitive) and inner.name == "Dropout"):
+            continue
+        slot = slot_at(cell, "dropout")
+        slot.mac_dropout += 1
+        slots.append((cell, slot))
+
+    def remove():
+        for cell, slot in slots:
+            slot.mac_dropout -= 1
+            release(cell, "dropout", slot)
+        slots.clear()
+    return remove

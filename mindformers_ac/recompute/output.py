@@ -54,13 +54,12 @@ from ..precision import cell_precision, no_casts, under_precision
 from ..tensors import detached, is_tracked, output_tensors, param_ptrs, storage_info, tensor_leaves
 from . import messages
 from .dispatch import op_name_of
-from .op_slot import OpSlotProxy
+from .op_slot import OpSlot, release, slot_at
 from .random_ops import is_random_op_name, is_unreplayable_random_op
 from .rerun import SavedInput, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
-from .tracking import AttrProxy
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -518,26 +517,12 @@ class _Target:
         return out
 
 
-class _FunctionProxy(OpSlotProxy):
-    """Stands in the attribute slot of a function or Primitive op (``mac_inner``: the op, ``target.op``).
-
-    An op proxy, so a checkpoint region's PathTracker may name it too.
-    """
-
-    def __init__(self, target):
-        self._mac_target, self.mac_inner = target, target.op
-
-    def __call__(self, *args, **kwargs):
-        t = self._mac_target
-        return t.observe(args, kwargs, lambda: t.op(*args, **kwargs))
-
-
 class OpOutputHandle:
     """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
 
-    def __init__(self, owner, attr, registry, original, target, patch, proxy=None):
+    def __init__(self, owner, attr, registry, original, target, patch, slot=None):
         self.owner, self.attr, self.registry = owner, attr, registry
-        self.original, self.target, self._patch, self.proxy = original, target, patch, proxy
+        self.original, self.target, self._patch, self.slot = original, target, patch, slot
         self.removed = False
 
     @property
@@ -551,14 +536,9 @@ class OpOutputHandle:
         if self._patch is not None:
             self._patch.remove()
         else:
-            slots = self.owner.__dict__ if self.registry is None else getattr(self.owner, self.registry)
-            current = slots.get(self.attr)
-            if isinstance(current, AttrProxy) and current.mac_inner is self.proxy:
-                current.mac_inner = self.original   # a region's tracker wrapped our proxy: unwrap inside it
-            elif self.registry is None:
-                setattr(self.owner, self.attr, self.original)
-            else:
-                slots[self.attr] = self.original
+            self.slot.mac_output = None
+            release(self.owner if self.registry is None else getattr(self.owner, self.registry), self.attr,
+                    self.slot)
         self.target.scope.detach(self.target)
 
 
@@ -575,7 +555,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
 
     The op may be a Python function, a Primitive, or a Cell (e.g. a collective
     with a custom ``bprop``). A registry slot or a function/Primitive attribute
-    is replaced by a proxy; a Cell attribute keeps its object and gets an
+    gets the output role of its ``op_slot.OpSlot``; a Cell attribute keeps its object and gets an
     instance ``construct`` patch (the cell tree and parameter names stay).
     Neither what the op saves for backward nor its output as saved by
     consumers running inside ``scope`` (default: ``owner_cell``; pass the
@@ -596,10 +576,11 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         if not isinstance(slots, dict) or attr_name not in slots:
             raise AttributeError(f"{type(owner_cell).__name__}.{registry} has no op '{attr_name}'")
         op = slots[attr_name]
-    tracker_proxy = op if isinstance(op, AttrProxy) else None   # a checkpoint region names this attribute
-    if tracker_proxy is not None:
-        op = tracker_proxy.mac_inner
-    if isinstance(op, _FunctionProxy) or (isinstance(op, nn.Cell) and find_patch(op, _OUTPUT_KIND) is not None):
+    slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
+    if slot is not None:
+        op = slot.mac_inner
+    if (slot is not None and slot.mac_output is not None) or \
+            (isinstance(op, nn.Cell) and find_patch(op, _OUTPUT_KIND) is not None):
         raise ValueError(f"op '{attr_name}' of {type(owner_cell).__name__} is already output-recomputed; "
                          "remove() its handle first")
     if not callable(op):
@@ -619,11 +600,6 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
                                undo="remove() its OpOutputHandle")
         return OpOutputHandle(owner_cell, attr_name, registry, op, target, patch)
-    proxy = _FunctionProxy(target)
-    if tracker_proxy is not None:
-        tracker_proxy.mac_inner = proxy
-    elif registry is None:
-        setattr(owner_cell, attr_name, proxy)
-    else:
-        getattr(owner_cell, registry)[attr_name] = proxy
-    return OpOutputHandle(owner_cell, attr_name, registry, op, target, None, proxy)
+    slot = slot_at(owner_cell if registry is None else getattr(owner_cell, registry), attr_name)
+    slot.mac_output = target
+    return OpOutputHandle(owner_cell, attr_name, registry, op, target, None, slot)

@@ -33,7 +33,7 @@ sets the mark today, i.e. what going light requires:
   it makes after all is undone and the signature is checked again; no
   nested region;
 * no kept op: no unreplayable random op except the Dropout kernel of an
-  ``nn.Dropout`` cell called through its ``DropoutProxy`` and functional
+  ``nn.Dropout`` cell called through its op slot and functional
   random ops (``ops.dropout``, ``ops.rand_like`` ..., MindFormers' Dropout
   cell) that the checking call's re-run measured drawing again bitwise from
   the forward's random state (``Region.check_replay``; a light re-run starts
@@ -95,7 +95,7 @@ class PathCheck:
         self.params = ()              # the root's Parameters, whose rebinding in forward is watched
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
         self.probe_index = {}         # output shape -> the coordinates light._OutputProbe samples
-        self.keep_proxies = frozenset()   # keep_sites.KeepProxy objects whose calls a light run keeps
+        self.keep_proxies = frozenset()   # the OpSlots whose calls a light run keeps (keep_sites)
         self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
         self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
         self.checks = None            # the PathChecks holding this check (its installed keep sites)
@@ -116,10 +116,10 @@ class PathCheck:
     def validate(self, region):
         """After the checking call's recompute: may this signature take the light path?"""
         decisions = region.decisions
-        # nn.Dropout kernels the light path's DropoutProxy handles (mask bits): not re-run ops.
+        # nn.Dropout kernels the light path's dropout slots handle (mask bits): not re-run ops.
         cell_dropouts = {i for i in region.cell_dropouts if decisions.get(i) == REBUILD}
         kept = region.policy_saves
-        if kept:   # a kept op's saves are numbered apart by a light run (its KeepProxy's call)
+        if kept:   # a kept op's saves are numbered apart by a light run (its slot's call)
             self.fwd = [m for m, key in zip(self.fwd, self.keys) if key is None or key[0] not in kept]
             self.keys = [key for key in self.keys if key is None or key[0] not in kept]
         if self.fwd != self.rec:
@@ -199,7 +199,7 @@ class PathChecks:
 
     def __init__(self):
         self._checks = {}
-        self.installed = {}   # keep site key -> (KeepProxy, undo), shared by the signatures (keep_sites)
+        self.installed = {}   # keep site key -> (OpSlot, undo), shared by the signatures (keep_sites)
 
     @staticmethod
     def key(root, args, kwargs):
@@ -231,7 +231,7 @@ class PathChecks:
         self._checks.pop(key, None)
 
     def remove_sites(self):
-        """Take every installed ``KeepProxy`` out (``unwrap``); the signatures are checked again."""
+        """Take the keep role off every installed slot (``unwrap``); the signatures are checked again."""
         for _, undo in reversed(list(self.installed.values())):
             if undo is not None:
                 undo()

@@ -19,6 +19,7 @@ import mindspore as ms
 from mindspore import Tensor, ops
 from mindspore.ops import Primitive
 
+from ..checkpoint_policy import CheckpointPolicy
 from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
@@ -26,7 +27,6 @@ from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, te
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, is_comm_op, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
-from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
 from .saved import SwappedTensor, Token, drop_saved, keep_saved, unpack_saved
@@ -110,7 +110,7 @@ class Region(RegionBase):
         elif self.intercept:   # never checked: say why once per call (a per-call policy, swapped inputs)
             stats.note_intercepted(self.intercept.values())
         self.may_write_seen = False   # an op that may write tensors ran in forward
-        self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
+        self.cell_dropouts = set()    # op indices of Dropouts run by an nn.Dropout's slot (dropout role)
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
 
@@ -135,7 +135,7 @@ class Region(RegionBase):
     # -- decisions --------------------------------------------------------------
     def ask_policy(self, run, idx, name, func, args, kwargs):
         ctx = OpContext(name, run.cell_path(), run.mode != FORWARD, idx, run.cell(),
-                        run.attrs[-1].mac_path if run.attrs else None)
+                        run.attrs[-1][1] if run.attrs else None)
         run.in_hook = True   # a policy that runs ops must not shift the numbering
         try:
             policy = self.policy_fn(ctx, func, *args, **kwargs)
@@ -172,7 +172,7 @@ class Region(RegionBase):
         self.op_sites[idx] = find_site(run, name, args, *self._cells, resolve=kept)
 
     def settle_sites(self, installed):
-        """After the checking call's recompute: install a ``KeepProxy`` at the site of every kept op whose
+        """After the checking call's recompute: give the keep role to the slot of every kept op whose
         site ran kept ops only; a kept op without one keeps the signature intercepted (its reason says
         why). Returns the proxies the light path is to hand to the region, and the ops they keep."""
         by_site = {}
@@ -481,7 +481,8 @@ class Region(RegionBase):
             self.dropouts[idx] = record
 
     def dropout_call(self, run, prim, x):
-        """A ``DropoutProxy`` call (an ``nn.Dropout`` cell's kernel): run it, note it for the path check.
+        """An ``nn.Dropout`` cell's kernel call through its slot's dropout role: run it, note it for the path
+        check.
 
         The Dropout op itself goes through the dispatch as usual; a Dropout
         the region rebuilds from its mask and that was the only op of this
@@ -497,7 +498,7 @@ class Region(RegionBase):
             run.in_cell_dropout = False
         if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD:
             self.cell_dropouts.add(run.op_idx)
-            self.light_reproduces(("op", run.op_idx))   # the light path's DropoutProxy keeps its mask bits
+            self.light_reproduces(("op", run.op_idx))   # the light path's dropout slot keeps its mask bits
         return out
 
     def check_replay(self, run, idx, func, args, kwargs, out):

@@ -66,7 +66,7 @@ class RegionRun:
     """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry.
 
     ``tracker``: the region's ``PathTracker`` (a policy's cell and attribute
-    paths), or None; path hooks and ``AttrProxy`` act only for runs of their
+    paths), or None; path hooks and op slots' track role act only for runs of their
     own tracker. The op-numbering fields are used by the intercepting path
     (``dispatch``), ``dropout_idx`` by the light path.
     """
@@ -82,21 +82,21 @@ class RegionRun:
         self.last = None       # index of the op that returned last (pyboost ops pack after)
         self.npacks = {}       # op index -> packs so far
         self.path = []         # [(name, cell)] of sub-cells entered, maintained by PathTracker
-        self.attrs = []        # AttrProxy objects of the op attributes being called (innermost last)
+        self.attrs = []        # (OpSlot, its path) of the op attributes being called (innermost last)
         self.child_idx = 0     # nested regions met so far
         self.in_hook = False   # our own code running ops (swap offload, Dropout rebuild): not the region's
         self.pending = []      # (token, tensor) packed inside a Dropout call, settled when it returns
         self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
         self.dropout_idx = 0   # nn.Dropout calls so far (light path)
-        self.in_cell_dropout = False   # an nn.Dropout's kernel call through its DropoutProxy is running
+        self.in_cell_dropout = False   # an nn.Dropout's kernel call through its slot is running
         self.noting_replay = False     # Region.check_replay's run of a random op: note its saves
         self.asked_marker = False      # a re-run whose code asked is_in_recompute(): may skip side effects
-        self.keeps = None      # light path: the KeepProxy objects whose calls this run keeps (keep_sites)
+        self.keeps = None      # light path: the OpSlots whose calls this run keeps (keep_sites)
         self.keep_idx = 0      # light recompute: kept calls handed back so far
         self.metadata_read = {}   # re-run or replay: key -> replay metadata values read so far (markers)
 
     def dropout_call(self, prim, x):
-        """An ``nn.Dropout`` kernel call through its ``DropoutProxy``: the region decides."""
+        """An ``nn.Dropout`` kernel call through its slot's dropout role: the region decides."""
         return self.region.dropout_call(self, prim, x)
 
     @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Where an op runs inside a region: the cell path and op attribute a ``policy_fn`` sees.
 
 ``PathTracker`` keeps ``cell_path`` (forward pre/post hooks on the root's
-sub-cells) and ``attr_path`` (op attributes replaced by ``AttrProxy``) of the
-innermost running region on this thread; ``OpContext`` is what the policy is
+sub-cells) and ``attr_path`` (the track role of each op attribute's
+``op_slot.OpSlot``) of the innermost running region on this thread; ``OpContext`` is what the policy is
 handed per op.
 """
 import contextlib
@@ -13,7 +13,7 @@ import mindspore as ms
 from mindspore.ops import Primitive
 
 from ..construct_patch import drop_on_copy, hold_copy_hook, release_copy_hook
-from .op_slot import OpSlotProxy
+from .op_slot import release, slot_at
 from .state import ENGINE
 
 
@@ -81,33 +81,13 @@ def is_op_attribute(value):
     return callable(value) and not isinstance(value, (ms.nn.Cell, type, ms.Tensor))
 
 
-class AttrProxy(OpSlotProxy):
-    """Instance-attribute stand-in that names the attribute for the policy while its op runs.
-
-    ``mac_inner`` is the wrapped callable (a later ``wrap_op_output`` may swap it).
-    """
-
-    def __init__(self, tracker, path, inner):
-        self.mac_tracker, self.mac_path, self.mac_inner = tracker, path, inner
-
-    def __call__(self, *args, **kwargs):
-        run = ENGINE.top()
-        if run is None or run.tracker is not self.mac_tracker:
-            return self.mac_inner(*args, **kwargs)
-        run.attrs.append(self)
-        try:
-            return self.mac_inner(*args, **kwargs)
-        finally:
-            run.attrs.pop()
-
-
 class PathTracker:
     """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy.
 
     Forward pre/post hooks on the root's sub-cells push and pop the cell path;
     op attributes of the cells (Primitives and functions such as
-    ``core_attention.bmm_qk`` or ``mlp.activation_func``) are replaced, on the
-    instance, by ``AttrProxy`` objects that name the attribute while it runs.
+    ``core_attention.bmm_qk`` or ``mlp.activation_func``) get the track role of
+    their ``OpSlot``, which names the attribute while it runs.
     Both act only when the innermost running region on this thread was created
     with this tracker, so nested regions and calls outside regions are left
     alone. ``remove()`` restores every attribute and hook.
@@ -117,7 +97,7 @@ class PathTracker:
         self.root = root
         self._handles = []
         self._hooked = []       # cells carrying our hooks (and a copy hook that leaves them out of a copy)
-        self._attrs = []        # (cell, attr name, proxy)
+        self._attrs = []        # (cell, attr name, OpSlot)
         self.installed = False
 
     def install(self):
@@ -134,18 +114,18 @@ class PathTracker:
             for attr, value in list(vars(cell).items()):
                 if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
                     continue
-                proxy = AttrProxy(self, f"{name}.{attr}" if name else attr, value)
-                object.__setattr__(cell, attr, proxy)   # an instance attribute: the cell tree is unchanged
-                self._attrs.append((cell, attr, proxy))
+                slot = slot_at(cell, attr)
+                slot.mac_paths[self] = f"{name}.{attr}" if name else attr
+                self._attrs.append((cell, attr, slot))
 
     def remove(self):
         for h in self._handles:
             h.remove()
         for cell in self._hooked:
             release_copy_hook(cell)
-        for cell, attr, proxy in reversed(self._attrs):
-            if cell.__dict__.get(attr) is proxy:   # someone may have replaced it since: leave theirs
-                object.__setattr__(cell, attr, proxy.mac_inner)
+        for cell, attr, slot in reversed(self._attrs):
+            slot.mac_paths.pop(self, None)
+            release(cell, attr, slot)   # someone may have replaced it since: leave theirs
         self._handles, self._hooked, self._attrs = [], [], []
         self.installed = False
 
