@@ -61,16 +61,28 @@ def _untracked(t):
 
 
 class _Kept:
-    """Packed form of a tensor left on the device; its death releases the resident count."""
+    """Packed form of a tensor left on the device; its unpack (or its death, unpacked never) releases the
+    resident count.
+
+    The unpack hands the tensor to autograd and keeps nothing: a graph kept alive past its step (a tracker
+    holding an attached loss) keeps this object, not the tensor, the group or the report.
+    """
 
     __slots__ = ("tensor", "group", "_report", "_sptr")
 
     def __init__(self, tensor, group, report, sptr):
         self.tensor, self.group, self._report, self._sptr = tensor, group, report, sptr
 
+    def take(self):
+        tensor, report = self.tensor, self._report
+        self.tensor = self.group = self._report = None
+        report.drop_resident(self._sptr)
+        return tensor
+
     def __del__(self):
         # Cheaper than a weakref.finalize per kept tensor; autograd drops it in backward.
-        self._report.drop_resident(self._sptr)
+        if self._report is not None:
+            self._report.drop_resident(self._sptr)
 
 
 class _Group:
@@ -203,6 +215,7 @@ class SwapScheduler:
         """Close the innermost group; returns it. Raises the first copy error unless ``failed``."""
         g = self._stack.pop()
         g.hooks.__exit__(None, None, None)
+        g.hooks = None   # the hooks hold the scheduler: a graph kept past its step keeps the group, not them
         error = None
         try:
             self.executor.finish_offloads(g.pending)
@@ -331,9 +344,13 @@ class SwapScheduler:
                 packed.drop_loaded()   # autograd holds it now
             return tensor
         if isinstance(packed, _Kept):
-            if not packed.group.unpacked:
-                self._first_unpack(packed.group)
-            return packed.tensor
+            g = packed.group
+            if g is None:
+                raise RuntimeError("a tensor a swap group kept on the device was unpacked twice (a saved tensor "
+                                   "read by a second backward over one graph); this is a bug in the caller")
+            if not g.unpacked:
+                self._first_unpack(g)
+            return packed.take()
         return packed
 
     def _first_unpack(self, g):
