@@ -262,9 +262,10 @@ class SwapHandle:
         # Everything of the step goes with the buffer: a graph kept alive past its step (a tracker holding
         # an attached loss) keeps this handle, and must not keep the buffer, the group or its scheduler.
         buf, self._buf = self._buf, None
+        give_back, self._give_back = self._give_back, None
         self._ticket = self._probe = self._load = self.owner = None
         if buf is not None:
-            self._give_back(buf, self.nbytes)
+            give_back(buf, self.nbytes)
 
     def __del__(self):
         # Cheaper than a weakref.finalize per handle; a handle is freed by reference counting
