@@ -6,7 +6,7 @@
   dropped without ``reset()`` is freed, and its weights leave the scheduler;
 * nothing of a step stays reachable or reusable after it (issue 41): a graph
   something keeps alive (a logging window of attached aux losses) keeps no
-  host buffer, group or scheduler, and a loaded tensor that outlives its step
+  host buffer, group, scheduler or executor, and a loaded tensor that outlives its step
   (a class-level scaler keeps what its backward saved) keeps its host buffer,
   which the pool never hands to a later offload. Over 103 steps and with a
   plain model after it: ``test_three_runs.py``.

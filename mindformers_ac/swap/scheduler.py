@@ -61,11 +61,11 @@ def _untracked(t):
 
 
 class _Kept:
-    """Packed form of a tensor left on the device; its unpack (or its death, unpacked never) releases the
-    resident count.
+    """Packed form of a tensor left on the device; its death releases the resident count.
 
-    The unpack hands the tensor to autograd and keeps nothing: a graph kept alive past its step (a tracker
-    holding an attached loss) keeps this object, not the tensor, the group or the report.
+    Its unpack forgets the group (a graph kept alive past its step, by a tracker holding an attached loss,
+    keeps this object and the device tensor, as it would keep the tensor without AC, not the group); the
+    tensor stays, for a second backward over the same graph (a grad of a grad reads it again).
     """
 
     __slots__ = ("tensor", "group", "_report", "_sptr")
@@ -73,16 +73,9 @@ class _Kept:
     def __init__(self, tensor, group, report, sptr):
         self.tensor, self.group, self._report, self._sptr = tensor, group, report, sptr
 
-    def take(self):
-        tensor, report = self.tensor, self._report
-        self.tensor = self.group = self._report = None
-        report.drop_resident(self._sptr)
-        return tensor
-
     def __del__(self):
         # Cheaper than a weakref.finalize per kept tensor; autograd drops it in backward.
-        if self._report is not None:
-            self._report.drop_resident(self._sptr)
+        self._report.drop_resident(self._sptr)
 
 
 class _Group:
@@ -345,12 +338,11 @@ class SwapScheduler:
             return tensor
         if isinstance(packed, _Kept):
             g = packed.group
-            if g is None:
-                raise RuntimeError("a tensor a swap group kept on the device was unpacked twice (a saved tensor "
-                                   "read by a second backward over one graph); this is a bug in the caller")
-            if not g.unpacked:
-                self._first_unpack(g)
-            return packed.take()
+            if g is not None:
+                packed.group = None
+                if not g.unpacked:
+                    self._first_unpack(g)
+            return packed.tensor
         return packed
 
     def _first_unpack(self, g):
