@@ -13,12 +13,16 @@ attribute for output recompute, a collective stand-in in ``_comm_ops`` for
 Every model routes its layer calls through ``model.run_layer(layer, *args,
 **kwargs)``: the ``checkpoint``/``swap`` API modes replace it on the instance.
 """
+import collections
 import zlib
 from dataclasses import dataclass, field
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore.common._grad_function import _Function
+
+import mindformers_ac as mac
 
 H, S, B, FFN, N_LAYERS, MAX_POS = 32, 8, 2, 64, 3, 16
 
@@ -553,6 +557,116 @@ def build_moe(microbatches=1):
     return model
 
 
+# a graph kept past its step (issue 41) --------------------------------------------------------------
+
+AUX_LOG_WINDOW = 100
+# A user's logging window of the layers' aux losses, kept attached to their graphs (MindSpore 2.10's Tensor
+# has no ``detach``, and MindFormers' tracker adds the loss as it comes): every step's router graph stays
+# alive for AUX_LOG_WINDOW steps, and the oldest is dropped from the step AUX_LOG_WINDOW on.
+AUX_LOG = collections.deque(maxlen=AUX_LOG_WINDOW)
+
+
+class KeepingAuxScaler(_Function):
+    """MindFormers' ``_MoEAuxLossAutoScaler`` (the aux loss's gradient enters backward here, through a
+    class-level scale created on first use) that also keeps, in class state, the tensor it saved, and reads
+    the one kept by the previous backward: a tensor a backward received outlives its step."""
+
+    main_loss_backward_scale = None   # process-wide, as MindFormers': created on first use, never reset
+    previous = None                   # the tensor the last backward saved: per training run (``reset``)
+
+    @staticmethod
+    def forward(ctx, output, aux_loss):
+        ctx.save_for_backward(output)
+        ctx.aux_loss_dtype = aux_loss.dtype
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (saved,) = ctx.saved_tensors
+        cls = KeepingAuxScaler
+        if cls.main_loss_backward_scale is None:
+            cls.main_loss_backward_scale = Tensor(1.0, ctx.aux_loss_dtype)
+        previous, cls.previous = cls.previous, saved
+        if previous is None:
+            return grad_output, cls.main_loss_backward_scale
+        return grad_output, cls.main_loss_backward_scale + 0.01 * previous.mean()
+
+    @staticmethod
+    def reset():
+        KeepingAuxScaler.previous = None
+
+
+class KeepingAuxScalerCell(nn.Cell):
+    """MindFormers' ``MoEAuxLossAutoScaler`` cell around the function."""
+
+    @staticmethod
+    def construct(output, aux_loss):
+        return KeepingAuxScaler.apply(output, aux_loss)
+
+
+class HostRoutedMoE(nn.Cell):
+    """Top-2 of 4 experts, token lists per expert built on the host from the routing (as an
+    expert-parallel dispatcher's counts are), the aux loss logged attached and injected by the scaler."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = mint.nn.Linear(H, N_EXPERTS_KEPT, bias=False)
+        self.experts = nn.CellList([MLP() for _ in range(N_EXPERTS_KEPT)])
+        self.aux_scaler = KeepingAuxScalerCell()
+
+    def construct(self, h):
+        x = h.reshape(-1, H)
+        probs = mint.nn.functional.softmax(self.router(x), dim=-1)
+        weights, indices = ops.topk(probs, 2)
+        counts = ops.one_hot(indices, N_EXPERTS_KEPT, Tensor(1.0), Tensor(0.0)).sum((0, 1))
+        aux = (probs.sum(0) * counts).sum() * (0.01 * N_EXPERTS_KEPT / (2 * x.shape[0] ** 2))
+        if not mac.is_in_recompute():
+            AUX_LOG.append(aux)
+        x = self.aux_scaler(x, aux)
+        host = indices.asnumpy()
+        out = ops.zeros_like(x)
+        for e in range(N_EXPERTS_KEPT):
+            rows = np.nonzero((host == e).any(-1))[0].astype(np.int32)
+            if rows.size:
+                idx = Tensor(rows)
+                w = (weights[idx] * ops.cast(indices[idx] == e, ms.float32)).sum(-1, keepdims=True)
+                out = ops.index_add(out, idx, self.experts[e](x[idx]) * w, 0)
+        return out.reshape(h.shape)
+
+
+N_EXPERTS_KEPT = 4
+
+
+class KeptGraphLayer(nn.Cell):
+    """A norm and the MoE (no attention: the three-run check trains 103 steps, kept cheap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm((H,))
+        self.mlp = HostRoutedMoE()
+
+    def construct(self, x, pos, mask, scale):
+        return x + self.mlp(self.norm(x)) * scale
+
+
+class KeptGraphModel(PatternModel):
+    """Token ids in, cross-entropy out (the embedding tied to the output projection)."""
+
+    def __init__(self):
+        super().__init__([KeptGraphLayer() for _ in range(N_LAYERS)])
+        self.embed = nn.Embedding(VOCAB, H)
+        self.ce = nn.CrossEntropyLoss()
+
+    construct = TiedModel.construct
+
+
+def build_kept_graph_moe():
+    """A fresh model; a training run's own class state starts empty (``KeepingAuxScaler.reset``), the
+    process-wide scale and the logging window stay as they are."""
+    KeepingAuxScaler.reset()
+    return init_weights(KeptGraphModel())
+
+
 # the blind spots of issue 29: state and paths that change between calls ------------------------------
 
 LARGE = 2.5
@@ -747,6 +861,8 @@ PATTERNS = {p.name: p for p in [
             comm=r"feed_forward\.all_gather", op_swap="feed_forward", layers="model.layers"),
     Pattern("moe", build_moe, token_batch(MOE_VOCAB), cell=r"mlp\.experts", op=r"mlp\.shared_experts\.activation_func",
             comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers"),
+    Pattern("kept_graph_moe", build_kept_graph_moe, token_batch(VOCAB), cell=r"mlp\.router", op_swap="mlp",
+            modes=("full", "select_cell", "layer_swap", "op_swap", "mixed", "swap_api")),
     Pattern("mindformers_moe", _build_mindformers_moe, token_batch(24), cell=r"mlp\.experts",
             op=r"mlp\.shared_experts\.activation_func", comm=r"mlp\.shared_experts\.all_gather", op_swap="mlp",
             layers="decoder.layers"),

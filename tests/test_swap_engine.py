@@ -753,9 +753,9 @@ def test_handle_state_transitions():
     loaded = ex.load(h)
     assert h.state is HandleState.LOADED and ex.load(h) is loaded   # the host backend's buffer stays with it
     h.drop_loaded()
-    with pytest.raises(RuntimeError, match="loaded in state loaded"):
+    with pytest.raises(RuntimeError, match="loaded in state released"):
         ex.load(h)                                              # unpacked more often than packed
-    with pytest.raises(RuntimeError, match="cannot start an offload in state loaded"):
+    with pytest.raises(RuntimeError, match="cannot start an offload in state released"):
         h.start_offload(None, t, None, None)
     over = SwapExecutor(max_pool_bytes=0).offload(t, key="k")    # the pool refuses it: never leaves the device
     assert over.state is HandleState.KEPT and over.on_device

@@ -3,7 +3,13 @@
 * prefetch fires whatever structure the trigger layer's output has; an
   output the engine can't hook is reported once in the log, and stays exact;
 * ``SwapManager().set_forward_prefetch_layer`` holds layers weakly: a model
-  dropped without ``reset()`` is freed, and its weights leave the scheduler.
+  dropped without ``reset()`` is freed, and its weights leave the scheduler;
+* nothing of a step stays reachable or reusable after it (issue 41): a graph
+  something keeps alive (a logging window of attached aux losses) keeps no
+  host buffer, group, scheduler or executor, and a loaded tensor that outlives its step
+  (a class-level scaler keeps what its backward saved) keeps its host buffer,
+  which the pool never hands to a later offload. Over 103 steps and with a
+  plain model after it: ``test_three_runs.py``.
 """
 import gc
 import logging
@@ -16,7 +22,10 @@ from mindspore import Tensor, mint, nn, ops
 
 import mindformers_ac as mac
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.swap.backends import HostBufferPool, HostCopyBackend
+from mindformers_ac.swap.executor import SwapExecutor
 
+from model_patterns import AUX_LOG, PATTERNS, KeepingAuxScaler
 from steps import first_difference, run_steps
 
 H, B, S, N = 32, 2, 8, 3
@@ -133,3 +142,69 @@ def test_prefetch_layer_links_do_not_keep_dropped_models():
         assert len(mgr.scheduler.param_ptrs) < weights    # the dropped models' weights left the set
     finally:
         mgr.reset()
+
+
+# -- issue 41: nothing of a step after it -------------------------------------------------------------
+
+def test_the_pool_gives_up_a_buffer_a_tensor_still_aliases_instead_of_reusing_it():
+    aliased = set()
+    pool = HostBufferPool(lambda n: bytearray(n), aliased=lambda buf: id(buf) in aliased)
+    a = pool.acquire(64)
+    aliased.add(id(a))
+    pool.release_later(a, 64)
+    b = pool.acquire(64)
+    assert b is not a                                   # still read by a tensor: never handed out again
+    stats = pool.stats()
+    assert (stats["pool_disowned"], stats["pool_disowned_bytes"], stats["pool_bytes"]) == (1, 64, 64)
+    pool.release_later(b, 64)
+    assert pool.acquire(64) is b                        # nothing aliases this one: reused
+    assert pool.stats()["pool_disowned"] == 1
+
+
+def test_host_backend_sees_a_loaded_tensor_alias_its_buffer():
+    buf = HostCopyBackend.alloc_host(1024)
+    assert not HostCopyBackend.aliased(buf)
+    loaded = Tensor.from_numpy(buf[0].view(np.float32).reshape(16, 16))   # what a load returns
+    assert HostCopyBackend.aliased(buf)
+    del loaded
+    assert not HostCopyBackend.aliased(buf)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_loaded_tensor_kept_past_its_step_keeps_its_values(keep):
+    ex = SwapExecutor()
+    t = Tensor(np.arange(256, dtype=np.float32))
+    h = ex.offload(t, key="k")
+    loaded = ex.load(h)
+    buffer = h._buf
+    h.drop_loaded()                                     # the last unpack: the buffer goes back now
+    assert h._buf is None and h.ticket is None and h.owner is None
+    if not keep:
+        del loaded
+    again = ex.start_offload(Tensor(np.full(256, -1.0, np.float32)), key="k")   # the next step's offload
+    assert (again._buf is buffer) is not keep
+    ex.finish_offload(again)
+    if keep:
+        assert np.array_equal(loaded.asnumpy(), np.arange(256, dtype=np.float32))
+        assert ex.pool.stats()["pool_disowned"] == 1
+    ex.close()
+
+
+@pytest.mark.usefixtures("fresh_swap_manager")
+def test_a_graph_kept_past_its_step_keeps_no_swap_state_and_stays_exact():
+    pattern = PATTERNS["kept_graph_moe"]
+    AUX_LOG.clear()
+    baseline = run_steps(pattern.build(), pattern.batch, steps=3)
+    model = pattern.build()
+    mac.apply_ac(model, config={"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}})
+    executor, report = weakref.ref(mac.ac_state(model).swap_executor), mac.ac_state(model).swap_report
+    history = run_steps(model, pattern.batch, steps=3)
+    assert first_difference(baseline, history) is None
+    stats = report.as_dict()
+    assert stats["pool_disowned"] > 0                   # the scaler kept a loaded tensor: its buffer went with it
+    assert stats["pool_in_use_bytes"] == 0              # every handle gave its buffer back at its unpack
+    assert len(AUX_LOG) == 18 and KeepingAuxScaler.previous is not None   # the graphs are still alive
+    mac.remove_ac(model)
+    del model, history
+    gc.collect()
+    assert executor() is None                           # the kept graphs hold no executor, scheduler or pool

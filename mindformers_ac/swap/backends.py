@@ -7,6 +7,7 @@ every member exists with the Protocol's signature:
 ``name``, ``loads_alias_host``   what it is; True: a load returns a tensor that aliases the host buffer
 ``alloc_host(nbytes)``            a host buffer the pool keeps and reuses
 ``fence()``                       wait until no queued kernel can still read a buffer a load aliased
+``aliased(buffer)``               True while a tensor a load returned still reads the buffer (it must not be reused)
 ``start_d2h(tensor, buffer, nbytes)``  start copying a device tensor into the buffer; returns a ticket
 ``wait_d2h(ticket)``              after it returns the caller may drop the device tensor; True when
                                   the copy was taken by this call (it holds the tensor as it is now)
@@ -24,8 +25,11 @@ every member exists with the Protocol's signature:
   one worker thread. A load is
   ``Tensor.from_numpy`` of that buffer: on CPU host memory is the device's, so
   copying back would only cost time. The buffer goes back to the pool when its
-  handle dies and is reused only after a fence (the PyNative executor's sync),
-  so no queued backward kernel can still read it.
+  handle's last unpack and is reused only after a fence (the PyNative executor's sync),
+  so no queued backward kernel can still read it, and only if no loaded tensor
+  still aliases it: a loaded tensor that outlives its step (held by class-level
+  state, a tracker's retained graph, a gradient the caller keeps) keeps its
+  buffer, which the pool then gives up (``disowned``) instead of overwriting.
 * ``DeviceCopyBackend`` (Ascend/GPU): a dedicated copy stream per direction,
   events ordering copies against the compute stream both ways, pinned host
   buffers, non-blocking copies. It has NOT yet run on a device (the CPU build
@@ -37,6 +41,7 @@ every member exists with the Protocol's signature:
 import ctypes
 import ctypes.util
 import logging
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ContextManager, Optional, Protocol, runtime_checkable
@@ -86,6 +91,8 @@ class SwapBackend(Protocol):
     def alloc_host(self, nbytes: int, /) -> Any: ...
 
     def fence(self) -> None: ...
+
+    def aliased(self, buffer: Any, /) -> bool: ...
 
     def start_d2h(self, tensor: Tensor, buffer: Any, nbytes: int, /) -> Any: ...
 
@@ -147,9 +154,16 @@ class HostBufferPool:
     length that changes every step would leave a buffer of every size ever seen:
     given-back buffers beyond it are freed, least recently given back sizes
     first. The first time the bound frees buffers it is logged, once per pool.
+
+    ``aliased(buffer) -> bool`` (the backend's): a buffer given back with
+    ``release_later`` that a tensor still aliases when it would be recycled
+    (something kept a loaded tensor past its step) is never reused: the pool
+    gives it up (``disowned``; it stops counting it, and the tensor that aliases
+    it keeps its memory alive), so nothing after the step that owned a buffer
+    can see it change. Logged once per pool.
     """
 
-    def __init__(self, allocator, max_bytes=None, fence=None, max_idle_bytes=None):
+    def __init__(self, allocator, max_bytes=None, fence=None, max_idle_bytes=None, aliased=None):
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None (unbounded), got {max_bytes}")
         if max_idle_bytes is not None and max_idle_bytes < 0:
@@ -158,6 +172,7 @@ class HostBufferPool:
         self.max_bytes = max_bytes
         self.max_idle_bytes = max_idle_bytes
         self._fence = fence        # waits until no queued kernel can still read a deferred buffer
+        self._aliased = aliased    # buffer -> True while a loaded tensor still reads it
         self._deferred = []        # (buffer, nbytes) given back while kernels may still read them
         self._free = {}            # nbytes -> [buffer, ...], least recently given back size first
         self._lock = threading.Lock()
@@ -170,7 +185,9 @@ class HostBufferPool:
         self.reuses = 0
         self.refusals = 0
         self.idle_frees = 0        # buffers freed by the idle bound
-        self._logged_idle_bound = False
+        self.disowned = 0          # deferred buffers given up because a tensor still aliased them
+        self.disowned_bytes = 0
+        self._logged_idle_bound = self._logged_disowned = False
 
     @property
     def idle_bound(self):
@@ -265,11 +282,23 @@ class HostBufferPool:
             return
         if self._fence is not None:
             self._fence()
+        kept = [] if self._aliased is None else [(b, n) for b, n in deferred if self._aliased(b)]
         with self._lock:
             for buf, nbytes in deferred:
                 self.deferred_bytes -= nbytes
-                self._put_free(buf, nbytes)
+                if kept and any(buf is b for b, _ in kept):
+                    # A loaded tensor outlived its step: the memory is that tensor's now.
+                    self.total_bytes -= nbytes
+                    self.disowned += 1
+                    self.disowned_bytes += nbytes
+                else:
+                    self._put_free(buf, nbytes)
             self._trim_idle()
+        if kept and not self._logged_disowned:
+            self._logged_disowned = True
+            logger.info("swap host pool: %d host buffer(s) (%d bytes) still read by a loaded tensor after their "
+                        "step (kept by class-level state, a retained graph or a kept gradient): given up to that "
+                        "tensor instead of reused", len(kept), sum(n for _, n in kept))
 
     def release(self, buf, nbytes):
         """Give a buffer back; it must not be read or written by the caller afterwards."""
@@ -286,7 +315,8 @@ class HostBufferPool:
                     "pool_max_bytes": self.max_bytes, "pool_allocations": self.allocations,
                     "pool_reuses": self.reuses, "pool_refusals": self.refusals,
                     "pool_idle_bytes": self.total_bytes - self.in_use_bytes,
-                    "pool_idle_bound_bytes": self.idle_bound, "pool_idle_frees": self.idle_frees}
+                    "pool_idle_bound_bytes": self.idle_bound, "pool_idle_frees": self.idle_frees,
+                    "pool_disowned": self.disowned, "pool_disowned_bytes": self.disowned_bytes}
 
 
 def _libc_memcmp():
@@ -341,6 +371,8 @@ def _same_bytes(a, b):
 
 
 _WORDS = ((np.uint64, 8), (np.uint32, 4), (np.uint16, 2))
+# sys.getrefcount of an array held by one tuple only: the tuple's reference and getrefcount's argument.
+_UNSHARED_REFS = 2
 
 
 class HostCopyBackend:
@@ -387,6 +419,13 @@ class HostCopyBackend:
         The PyNative executor's sync: ``ms.runtime.synchronize()`` is refused on CPU.
         """
         pynative_executor.sync()
+
+    @staticmethod
+    def aliased(buffer):
+        """True while a tensor a load returned (``Tensor.from_numpy`` of a view, which holds the view, which
+        holds the buffer) or a ticket still references the buffer's array: its only other reference is the
+        ``(array, address)`` pair itself."""
+        return sys.getrefcount(buffer[0]) > _UNSHARED_REFS
 
     @staticmethod
     def alloc_host(nbytes):
@@ -556,6 +595,12 @@ class DeviceCopyBackend:
     @staticmethod
     def fence():
         """Nothing to wait for: no load aliases a pinned buffer (``reusable`` orders each H2D read)."""
+
+    @staticmethod
+    def aliased(buffer):
+        """Never: a load is a device copy, the pinned buffer is given back with ``release``."""
+        del buffer
+        return False
 
     def start_d2h(self, tensor, buffer, nbytes):
         produced = self._rt.Event()

@@ -129,8 +129,13 @@ class HandleState(enum.Enum):
         COPYING -> OFFLOADED -> LOADING -> LOADED -> RELEASED (host buffer given back)
                    OFFLOADED ------------> LOADED    (an on-demand load)
 
-    A backend whose loads alias the host buffer gives it back when the handle
-    dies (``loads_alias_host``), so such a handle stays LOADED until then.
+    A backend whose loads alias the host buffer (``loads_alias_host``) gives it
+    back at the handle's last unpack (``drop_loaded``), or when the handle dies
+    unloaded; until then such a handle stays LOADED. A RELEASED handle holds
+    nothing of its step (no buffer, ticket, device tensor or group), however long
+    something else (a tracker holding an attached loss, a retained graph) keeps
+    the handle itself alive; the pool reuses a given-back buffer only once no
+    loaded tensor aliases it (``HostBufferPool``).
     """
 
     KEPT = "kept"
@@ -245,14 +250,22 @@ class SwapHandle:
         return self._probe() if self._probe is not None else None
 
     def drop_loaded(self):
-        """Forget the loaded tensor (autograd holds it now); a later ``load`` raises instead of returning it."""
+        """Forget the loaded tensor (autograd holds it now) and give the host buffer back: a later ``load``
+        raises instead of returning it."""
         self._loaded = None
+        if self.state is HandleState.LOADED:
+            self._release()
+            self.state = HandleState.RELEASED
 
     def _release(self):
-        # Once: after the load, or when the handle dies (always, when loads alias the buffer).
+        # Once: after the load (at the last unpack, when loads alias the buffer), or when the handle dies.
+        # Everything of the step goes with the buffer: a graph kept alive past its step (a tracker holding
+        # an attached loss) keeps this handle, and must not keep the buffer, the group or its scheduler.
         buf, self._buf = self._buf, None
+        give_back, self._give_back = self._give_back, None
+        self._ticket = self._probe = self._load = self.owner = None
         if buf is not None:
-            self._give_back(buf, self.nbytes)
+            give_back(buf, self.nbytes)
 
     def __del__(self):
         # Cheaper than a weakref.finalize per handle; a handle is freed by reference counting
@@ -285,7 +298,7 @@ class SwapExecutor:
                             "(see mindformers_ac.swap.backends.SwapBackend)")
         self._aliased = self.backend.loads_alias_host
         self.pool = HostBufferPool(self.backend.alloc_host, max_pool_bytes, fence=self.backend.fence,
-                                   max_idle_bytes=max_idle_bytes)
+                                   max_idle_bytes=max_idle_bytes, aliased=self.backend.aliased)
         self.verify = verify
         self.report = report if report is not None else SwapReport()
         self.report.pool_stats = self.pool.stats

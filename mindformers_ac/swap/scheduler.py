@@ -61,7 +61,12 @@ def _untracked(t):
 
 
 class _Kept:
-    """Packed form of a tensor left on the device; its death releases the resident count."""
+    """Packed form of a tensor left on the device; its death releases the resident count.
+
+    Its unpack forgets the group (a graph kept alive past its step, by a tracker holding an attached loss,
+    keeps this object and the device tensor, as it would keep the tensor without AC, not the group); the
+    tensor stays, for a second backward over the same graph (a grad of a grad reads it again).
+    """
 
     __slots__ = ("tensor", "group", "_report", "_sptr")
 
@@ -203,6 +208,7 @@ class SwapScheduler:
         """Close the innermost group; returns it. Raises the first copy error unless ``failed``."""
         g = self._stack.pop()
         g.hooks.__exit__(None, None, None)
+        g.hooks = None   # the hooks hold the scheduler: a graph kept past its step keeps the group, not them
         error = None
         try:
             self.executor.finish_offloads(g.pending)
@@ -331,8 +337,11 @@ class SwapScheduler:
                 packed.drop_loaded()   # autograd holds it now
             return tensor
         if isinstance(packed, _Kept):
-            if not packed.group.unpacked:
-                self._first_unpack(packed.group)
+            g = packed.group
+            if g is not None:
+                packed.group = None
+                if not g.unpacked:
+                    self._first_unpack(g)
             return packed.tensor
         return packed
 
