@@ -16,6 +16,13 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
+* ``grad_forward_running``: whether a grad call's forward is on the Python
+  stack (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
+  forward half of ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` /
+  ``vjp``): what tells a higher-order backward from a first-order one;
+* ``dispatch_mode_depth``: ``_DispatchGuardStack.depth()`` from
+  ``mindspore._c_expression``, how many ``MsDispatchMode`` are entered (the
+  failure-path tests check that none is left);
 * ``RandomState``: MindSpore's two sources of seeds for random ops, the
   per-kernel seed table of ``mindspore.common.seed`` (``_KERNEL_SEED``, which
   ``ops.dropout``, ``ops.rand_like``, ``ops.uniform`` ... advance on every
@@ -26,9 +33,13 @@ this one file:
 PyNative execution.
 """
 import importlib
+import sys
 
 import mindspore
-from mindspore._c_expression import MixedPrecisionType  # noqa: F401  (re-exported: the door)
+from mindspore._c_expression import (
+    MixedPrecisionType,  # noqa: F401  (re-exported: the door)
+    _DispatchGuardStack,
+)
 
 try:   # a too-old MindSpore lacks it: require_mindspore() says so before any engine uses it
     from mindspore.graph.api import _pynative_executor as pynative_executor
@@ -42,6 +53,42 @@ MIN_MINDSPORE = "2.9.0"
 # ``mindspore.common.seed`` is shadowed by the function ``seed`` in ``mindspore.common``'s namespace.
 _seed_module = importlib.import_module("mindspore.common.seed")
 _generator_module = importlib.import_module("mindspore.common.generator")
+
+
+try:   # the forward half of every PyNative grad call (ms.grad, value_and_grad, GradOperation, vjp)
+    _GRAD_FORWARD_CODE = importlib.import_module(
+        "mindspore.ops.composite.base")._pynative_func_grad_forward.__code__   # pylint: disable=protected-access
+except AttributeError:   # another release: grad_forward_running() then answers from the executor's flag alone
+    _GRAD_FORWARD_CODE = None
+
+
+def grad_forward_running():
+    """True while a MindSpore grad call is running its forward on this thread (it is recording a graph).
+
+    A backward that runs while a grad's forward is in progress below it on
+    the Python stack is being recorded for that grad: a higher-order
+    gradient. The executor's ``requires_grad()`` alone can't tell: a grad
+    call whose function raised leaves MindSpore's grad flag set (2.10's
+    ``_pynative_func_grad_forward`` has no ``finally``), so every later
+    first-order backward would look recorded. Walks the frames up to the
+    thread's bottom (a few dozen in a training step: microseconds); called
+    once per recompute, not per op. On a release without that function it
+    falls back to ``requires_grad()``.
+    """
+    code = _GRAD_FORWARD_CODE
+    if code is None:
+        return pynative_executor.requires_grad()
+    frame = sys._getframe(1)   # pylint: disable=protected-access
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def dispatch_mode_depth():
+    """How many ``MsDispatchMode`` contexts are entered on this thread (0 when no region is running)."""
+    return _DispatchGuardStack.depth()
 
 
 class RandomState:

@@ -43,7 +43,7 @@ import contextlib
 
 from mindspore import Parameter, Tensor, ops
 
-from ..mindspore_compat import RandomState, no_grad
+from ..mindspore_compat import RandomState, grad_forward_running, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked
@@ -221,9 +221,12 @@ def refuse_higher_order():
     saved tensor a second time; a recomputed tensor is handed out once, and an
     output re-run under ``no_grad`` would silently cut the second-order path.
     Inside a recompute the engine records a throw-away graph on purpose, so
-    only the outermost re-run checks.
+    only the outermost re-run checks. "Recorded" is decided from what is
+    running now (a grad call's forward below this backward on the stack,
+    ``grad_forward_running``), not from the executor's grad flag alone, which
+    a grad call that raised leaves set: the next first-order step must train.
     """
-    if not ENGINE.in_recompute() and _executor.requires_grad():
+    if not ENGINE.in_recompute() and _executor.requires_grad() and grad_forward_running():
         raise messages.higher_order()
 
 
