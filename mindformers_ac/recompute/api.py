@@ -44,7 +44,6 @@ hook (e.g. ``SavedTensorMeter``) does not see what a region saves, so each
 region reports its own bytes in ``RecomputeStats``.
 """
 import functools
-import re
 
 from mindspore import nn
 
@@ -53,6 +52,7 @@ from ..tensors import root_cell_of
 from .dropout_proxy import install_dropout_proxies
 from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
+from .options import CheckpointOptions, check_exclude_args, check_policy_fn, take_options
 from .path_choice import PathChecks, run_checkpoint
 from .policy import CheckpointPolicy
 from .region import run_region
@@ -88,11 +88,20 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     or returns anything but such a pair, is a TypeError naming it. ``stats``: a ``RecomputeStats`` to
     count into (a private one otherwise).
 
+    PyTorch's and HyperParallel's keywords ``use_reentrant`` (False),
+    ``preserve_rng_state``, ``determinism_check`` (``"default"`` /
+    ``"none"``), ``debug`` and ``early_stop`` are taken here, not passed to
+    ``fn`` (see ``options``; a bad value is a ValueError naming it); every
+    other keyword argument is passed to ``fn``. A ``policy_fn`` that is not
+    callable is a TypeError naming it, raised here.
+
     Without gradient recording (no ``value_and_grad`` around) ``fn`` just runs.
     Nested calls are fine: a region inside a region is replayed, not redrawn.
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
+    take_options("checkpoint", kwargs)
+    check_policy_fn("checkpoint", policy_fn)
     check_context_fn(context_fn)
     root = root_cell_of(fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
@@ -140,7 +149,8 @@ def get_checkpoint_stats(cell_or_fn):
 
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
-                       swap_executor=None, light_path=True, chain=None):
+                       swap_executor=None, light_path=True, chain=None, use_reentrant=None, preserve_rng_state=True,
+                       determinism_check="default", debug=False, early_stop=True):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
@@ -168,7 +178,14 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     ``chain``: ``(LayerChain, index)`` when the cell is member ``index`` of a
     layer group (``recompute.group_layers``, see ``chain``): its first argument
     is then rebuilt from the previous member instead of kept.
+
+    ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
+    ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
+    ``checkpoint`` (see ``options``), checked here.
     """
+    CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
+                      early_stop)
+    check_policy_fn("checkpoint_wrapper", policy_fn)
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
                          "unwrap() it first to change its options")
@@ -255,10 +272,8 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
     ``checkpoint_wrapper`` then keeps a region on the light path when every
     op it keeps is reached through a keep site (``keep_sites``).
     """
-    if isinstance(names, str) or isinstance(path_patterns, str):
-        raise TypeError("exclude_policy(names=..., path_patterns=...) takes lists of strings, not a string")
+    names, compiled = check_exclude_args(names, path_patterns, base_policy)
     lowered = tuple(n.lower() for n in names)
-    compiled = tuple(re.compile(p) for p in path_patterns)
 
     def policy(ctx, op, *args, **kwargs):
         name = ctx.op_name.lower()

@@ -18,6 +18,7 @@ import weakref
 
 from mindspore import Parameter, Tensor, nn
 
+from ..checkpoint_policy import check_policy_fn
 from ..construct_patch import ConstructPatch, find_patch
 from ..errors import quote
 from ..logs import OnceLogger
@@ -28,6 +29,7 @@ from .scheduler import SwapScheduler
 __all__ = ["SwapManager", "swap", "swap_wrapper", "remove_swap_wrapper", "swap_tensor_wrapper", "async_save_on_cpu"]
 
 _KIND = "swap_wrapper"
+_SWAP_POLICY = "(tensor) -> CheckpointPolicy"
 
 
 class _Link:
@@ -164,6 +166,7 @@ def swap(fn, *args, policy_fn=None, **kwargs):
     linked Cell), so ``SwapManager().set_forward_prefetch_layer`` prefetches it; otherwise
     its tensors are loaded on demand in backward.
     """
+    check_policy_fn("swap", policy_fn, _SWAP_POLICY)
     name = getattr(fn, "__name__", type(fn).__name__)
     return _run_swapped(lambda: fn(*args, **kwargs), root_cell_of(fn), name, args, kwargs, policy_fn)
 
@@ -177,6 +180,7 @@ def swap_wrapper(cell_or_fn, policy_fn=None):
     ``checkpoint_wrapper`` wraps (in either order: recompute or swap a cell,
     not both).
     """
+    check_policy_fn("swap_wrapper", policy_fn, _SWAP_POLICY)
     if isinstance(cell_or_fn, nn.Cell):
         cell = cell_or_fn
         name = type(cell).__name__
