@@ -47,7 +47,13 @@ import functools
 
 from mindspore import nn
 
-from ..construct_patch import ConstructPatch, find_patch
+from ..construct_patch import (
+    ConstructPatch,
+    find_patch,
+    mark_wrapped_function,
+    refuse_wrapped_function,
+    wrapped_function_info,
+)
 from ..tensors import root_cell_of
 from .dropout_proxy import install_dropout_proxies
 from .keep_sites import decides_by_site
@@ -125,14 +131,11 @@ class _WrapInfo:
         self.path_checks, self.remove_proxies = path_checks, remove_proxies
 
 
-_WRAP_ATTR = "__mac_checkpoint__"
-
-
 def _wrap_info(obj):
     if isinstance(obj, nn.Cell):
         patch = find_patch(obj, _KIND)
         return patch.info if patch is not None else None
-    return getattr(obj, _WRAP_ATTR, None)
+    return wrapped_function_info(obj, _KIND)
 
 
 def is_checkpoint_wrapped(cell_or_fn):
@@ -197,6 +200,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+        refuse_wrapped_function(cell_or_fn, _KIND)
         root = root_cell_of(cell_or_fn)
         tracker = _tracker_for(root, policy_fn)
         checks = PathChecks() if light else None
@@ -205,7 +209,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
         def wrapped_fn(*args, **kwargs):
             fn = checks.construct_for(root, cell_or_fn) if checks is not None and checks.redirects else cell_or_fn
             return run_checkpoint(fn, args, kwargs, checks, root, tracker=tracker, **options)
-        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
+        mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
         return wrapped_fn
     return _wrap_cell(cell_or_fn, options, light)
 

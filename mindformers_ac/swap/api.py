@@ -19,7 +19,7 @@ import weakref
 from mindspore import Parameter, Tensor, nn
 
 from ..checkpoint_policy import check_policy_fn
-from ..construct_patch import ConstructPatch, find_patch
+from ..construct_patch import ConstructPatch, find_patch, mark_wrapped_function, refuse_wrapped_function
 from ..errors import quote
 from ..logs import OnceLogger
 from ..tensors import root_cell_of, tensor_storage_ptrs
@@ -192,11 +192,13 @@ def swap_wrapper(cell_or_fn, policy_fn=None):
         return cell
 
     fn = cell_or_fn
+    refuse_wrapped_function(fn, _KIND)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         return swap(fn, *args, policy_fn=policy_fn, **kwargs)
 
+    mark_wrapped_function(wrapped, _KIND, fn)
     return wrapped
 
 
