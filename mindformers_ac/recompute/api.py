@@ -54,6 +54,7 @@ from ..construct_patch import (
     refuse_wrapped_function,
     wrapped_function_info,
 )
+from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .dropout_proxy import install_dropout_proxies
 from .keep_sites import decides_by_site
@@ -84,7 +85,8 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     would not repeat are kept whatever the policy says (a primitive marked
     ``mac_replayable`` is recomputed like any other op). MUST_SWAP hands the op's saved tensors and output
     to ``swap_executor`` (``offload(tensor) -> handle``, ``load(handle) ->
-    Tensor``); without one it acts as MUST_SAVE (warned once).
+    Tensor``); without one, to ``SwapManager``'s (``swap.api.ManagerSwapExecutor``,
+    counted in ``SwapManager().report``), as HyperParallel's recipe implies.
 
     ``swap_inputs=True`` offloads the region's saved inputs the same way.
     ``context_fn() -> (forward_ctx, recompute_ctx)``: called once per region
@@ -111,9 +113,14 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     check_context_fn(context_fn)
     root = root_cell_of(fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
-                   swap_executor=swap_executor, swap_inputs=swap_inputs, context_fn=context_fn,
+                   swap_executor=_executor_or_managers(swap_executor), swap_inputs=swap_inputs, context_fn=context_fn,
                    tracker=_tracker_for(root, policy_fn))
     return run_region(fn, args, kwargs, **options)
+
+
+def _executor_or_managers(swap_executor):
+    # Stateless: one per call is as cheap as a shared one, and no module state.
+    return swap_executor if swap_executor is not None else ManagerSwapExecutor()
 
 
 def _tracker_for(root, policy_fn):
@@ -194,7 +201,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
                          "unwrap() it first to change its options")
     check_context_fn(context_fn)
     stats = stats if stats is not None else RecomputeStats()
-    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
+    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=_executor_or_managers(swap_executor),
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
     light = light_path and not swap_inputs and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):

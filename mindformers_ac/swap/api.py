@@ -139,6 +139,35 @@ class SwapManager:
 
 
 
+class ManagerSwapExecutor:
+    """The swap executor ``checkpoint`` / ``checkpoint_wrapper`` use when given none: ``SwapManager``'s.
+
+    HyperParallel's recipe (``checkpoint(..., policy_fn=..., swap_inputs=True)``
+    with layers linked by ``SwapManager``) names no executor: a MUST_SWAP op's
+    saved tensors and output, and swapped region inputs, go to the process-wide
+    scheduler's executor, counted in ``SwapManager().report`` under the key of
+    the linked layer the region runs in (``"checkpoint"`` outside one).
+    ``offload(tensor) -> handle`` copies synchronously; ``load(handle)`` loads
+    on demand (the region's recompute asks for them: no prefetch). Stateless:
+    a handle carries the executor that made it, so a ``SwapManager().reset()``
+    between forward and backward still loads it.
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def offload(tensor):
+        sched = SwapManager().scheduler
+        group = sched.current_group()
+        executor = sched.executor
+        return executor, executor.offload(tensor, group.key if group is not None else "checkpoint")
+
+    @staticmethod
+    def load(handle):
+        executor, h = handle
+        return executor.load(h)
+
+
 def _run_swapped(call, cell, name, args, kwargs, policy_fn):
     mgr = SwapManager()
     sched = mgr.scheduler
@@ -255,7 +284,8 @@ def async_save_on_cpu(h2d_stream=None, d2h_stream=None, block_idx=0, depth=1, cu
 
     ``with async_save_on_cpu(block_idx=i, depth=n, custom_check_fn=fn): out = block(x)``
 
-    * ``custom_check_fn(tensor) -> bool``: True offloads; default: tensors >= ``min_bytes``.
+    * ``custom_check_fn(tensor) -> bool``: True offloads, whatever its size (as PyTorch's ``save_on_cpu``
+      moves every saved tensor); default: tensors >= ``min_bytes``.
     * ``depth``: number of blocks (an int >= 1); ``block_idx`` an int in ``[0, depth - 1]``,
       checked when called (TypeError / ValueError naming the argument). The last block
       (``block_idx == depth - 1``) keeps its tensors on the device because its backward

@@ -325,9 +325,10 @@ class SwapScheduler:
         if g.mode == "marked":
             return None if sptr in g.marked or (g.marked and g.follow(t, sptr) is not None) else "unmarked"
         if g.mode == "check":
-            if not g.check_fn(t):
-                return "check_fn"
-        elif g.policy_fn is not None:
+            # the user's rule decides whatever the size (async_save_on_cpu's custom_check_fn: True offloads;
+            # its default rule is the size threshold)
+            return None if g.check_fn(t) else "check_fn"
+        if g.policy_fn is not None:
             decision = g.policy_fn(t)
             if not isinstance(decision, CheckpointPolicy):
                 raise TypeError(f"swap policy_fn must return a CheckpointPolicy, got {decision!r}")
