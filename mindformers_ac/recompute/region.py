@@ -19,6 +19,7 @@ import mindspore as ms
 from mindspore import Tensor
 from mindspore.ops import Primitive
 
+from ..mindspore_compat import grad_call_inside
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
@@ -439,6 +440,8 @@ class Region(RegionBase):
         if run.in_hook:
             return t
         key = run.next_key()   # first: the recompute numbers every pack, weights included
+        if grad_call_inside(_RUN_CODES):
+            return self.inner_grad_save(t)
         decision = self.decisions.get(key[0]) if key is not None else SAVE
         if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout) \
                 and (key is None or key[0] not in self.policy_saves):
@@ -473,6 +476,8 @@ class Region(RegionBase):
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
             self.realign(run, idx)
         key = run.next_key()
+        if grad_call_inside(_RUN_CODES):
+            return t   # as in forward (inner_grad_save)
         if self.path_check is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
                                                             and key[0] not in self.policy_saves)):
             # as in forward: a light run numbers Dropout packs apart and runs no kept op (a legacy op handed
@@ -481,6 +486,14 @@ class Region(RegionBase):
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
         return None
+
+    def inner_grad_save(self, t):
+        """A save made inside a grad call that the region's function makes (gradients computed inside a
+        forward, PyTorch's nested-checkpoint ``g``): it belongs to that call's graph, whose backward runs
+        before this forward ends, so it is kept as it is (the graph frees it with itself); the re-run's
+        inner grad call saves its own (``pack_recompute``). Such a region stays on this path."""
+        self.keep_intercepted("inner_grad", "its function computes gradients inside its forward")
+        return t
 
     # -- the light path's one mark (see path_choice) ------------------------------
     def keep_intercepted(self, key, reason):
@@ -546,7 +559,8 @@ class Region(RegionBase):
             return r.region.pack_recompute(r, t) if r is not None else None
 
         args, kwargs = self.load_inputs()
-        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state), \
+        outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
+        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             run.in_hook = True   # the inputs' views are ours, not ops of the region
@@ -555,11 +569,18 @@ class Region(RegionBase):
             finally:
                 run.in_hook = False
             out = self.fn(*args, **kwargs)
+            if outputs is not None:
+                outputs.append(out)
         self.check_recompute(run)
         self.keep_rerun_output(out)
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None
             check.validate(self)
+
+
+# The frames a region's pack hooks look up to (grad_call_inside): a grad call below them is the region's own.
+_RUN_CODES = frozenset((Region.run_forward.__code__, Region._recompute.__code__,   # pylint: disable=protected-access
+                        Region.replay.__code__))
 
 
 def run_region(fn, args, kwargs, **options):
