@@ -108,13 +108,15 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
-    take_options("checkpoint", kwargs)
+    torch_options = take_options("checkpoint", kwargs)
     check_policy_fn("checkpoint", policy_fn)
     check_context_fn(context_fn)
     root = root_cell_of(fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
                    swap_executor=_executor_or_managers(swap_executor), swap_inputs=swap_inputs, context_fn=context_fn,
                    tracker=_tracker_for(root, policy_fn))
+    if torch_options.debug:
+        options["debug"] = True
     return run_region(fn, args, kwargs, **options)
 
 
@@ -194,7 +196,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     ``checkpoint`` (see ``options``), checked here.
     """
     CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
-                      early_stop)
+                      early_stop)   # checks them
     check_policy_fn("checkpoint_wrapper", policy_fn)
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
@@ -203,7 +205,9 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     stats = stats if stats is not None else RecomputeStats()
     options = dict(policy_fn=policy_fn, stats=stats, swap_executor=_executor_or_managers(swap_executor),
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
-    light = light_path and not swap_inputs and (policy_fn is None or decides_by_site(policy_fn))
+    if debug:   # the op logs come from the intercepting path
+        options["debug"] = True
+    light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")

@@ -98,6 +98,8 @@ class RegionDispatch(MsDispatchMode):
         region = run.region
         name = op_name_of(func, args)
         region.op_names.append(name)
+        if region.debug_log is not None:
+            region.debug_log.forward(idx, name, run.cell_path())
         region.stats.ops_forward += 1
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
@@ -118,6 +120,8 @@ class RegionDispatch(MsDispatchMode):
     def _recompute_op(self, run, idx, func, args, kwargs):
         region = run.region
         name = op_name_of(func, args)
+        if region.debug_log is not None:
+            region.debug_log.rerun(idx, name, run.cell_path())
         idx = run.op_idx = region.align(run, idx, name, args)
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run

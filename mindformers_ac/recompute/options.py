@@ -17,8 +17,10 @@ keyword of ``checkpoint`` is). What each means here:
   saves what the forward saved, shapes and dtypes, and takes the same code
   path) or ``"none"``. The checks can't be turned off: a re-run that diverged
   would hand backward wrong tensors, so ``"none"`` keeps them.
-* ``debug``: accepted (True or False); a diverging re-run's error names the
-  first op that differs and its cell path either way.
+* ``debug``: True records both runs' ops (name, cell path, the Python line
+  that ran it) and a diverging re-run's error shows them side by side
+  (``debug_log``); the region then takes the intercepting path. For finding
+  a bug: it costs a frame walk per op.
 * ``early_stop``: accepted (True, PyTorch's default, or False); the re-run
   always runs the whole function.
 

@@ -19,11 +19,13 @@ import mindspore as ms
 from mindspore import Tensor
 from mindspore.ops import Primitive
 
+from ..errors import RecomputeError
 from ..mindspore_compat import grad_call_inside
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
+from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
@@ -44,7 +46,7 @@ class Region(RegionBase):
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None):
+                 path_check=None, chain=None, debug=False):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []
@@ -92,6 +94,7 @@ class Region(RegionBase):
         self.cell_dropouts = set()    # op indices of Dropouts run by a DropoutProxy of an nn.Dropout
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
+        self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -551,6 +554,14 @@ class Region(RegionBase):
             ENGINE.pop(run)
 
     def _recompute(self):
+        if self.debug_log is None:
+            return self._rerun()
+        try:
+            return self._rerun()
+        except RecomputeError as exc:
+            raise RecomputeError(f"{exc}\n{self.debug_log.side_by_side()}") from exc
+
+    def _rerun(self):
         run = RegionRun(self, RECOMPUTE, self.tracker)
         wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
 
@@ -579,7 +590,7 @@ class Region(RegionBase):
 
 
 # The frames a region's pack hooks look up to (grad_call_inside): a grad call below them is the region's own.
-_RUN_CODES = frozenset((Region.run_forward.__code__, Region._recompute.__code__,   # pylint: disable=protected-access
+_RUN_CODES = frozenset((Region.run_forward.__code__, Region._rerun.__code__,   # pylint: disable=protected-access
                         Region.replay.__code__))
 
 
