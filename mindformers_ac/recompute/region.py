@@ -590,8 +590,8 @@ class Region(RegionBase):
 
 
 # The frames a region's pack hooks look up to (grad_call_inside): a grad call below them is the region's own.
-_RUN_CODES = frozenset((Region.run_forward.__code__, Region._rerun.__code__,   # pylint: disable=protected-access
-                        Region.replay.__code__))
+_RUN_CODES = (Region.run_forward.__code__, Region._rerun.__code__,   # pylint: disable=protected-access
+              Region.replay.__code__)
 
 
 def run_region(fn, args, kwargs, **options):
