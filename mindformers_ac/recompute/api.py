@@ -117,6 +117,8 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
                    tracker=_tracker_for(root, policy_fn))
     if torch_options.debug:
         options["debug"] = True
+    if not torch_options.early_stop:
+        options["early_stop"] = False
     return run_region(fn, args, kwargs, **options)
 
 
@@ -207,6 +209,8 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
     if debug:   # the op logs come from the intercepting path
         options["debug"] = True
+    if not early_stop:
+        options["early_stop"] = False
     light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):

@@ -65,6 +65,11 @@ def arg_meta(args):
     return tuple((tuple(t.shape), t.dtype) for t in tensor_args(args))
 
 
+class StopRerun(BaseException):
+    """Ends a re-run early (``early_stop``): every tensor the backward needs from it is rebuilt. A
+    BaseException, so a model's ``except Exception`` does not swallow it."""
+
+
 class RegionDispatch(MsDispatchMode):
     """Numbers ops of one run and applies the region's keep/recompute decisions."""
 
@@ -123,6 +128,8 @@ class RegionDispatch(MsDispatchMode):
         if region.debug_log is not None:
             region.debug_log.rerun(idx, name, run.cell_path())
         idx = run.op_idx = region.align(run, idx, name, args)
+        if region.stop_after is not None and idx > region.stop_after:
+            raise StopRerun()   # no later op left a tensor for backward (early_stop)
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
         decision = region.decisions.get(idx)

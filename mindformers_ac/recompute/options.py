@@ -21,8 +21,13 @@ keyword of ``checkpoint`` is). What each means here:
   that ran it) and a diverging re-run's error shows them side by side
   (``debug_log``); the region then takes the intercepting path. For finding
   a bug: it costs a frame walk per op.
-* ``early_stop``: accepted (True, PyTorch's default, or False); the re-run
-  always runs the whole function.
+* ``early_stop``: True (PyTorch's default): a re-run on the intercepting
+  path stops once the last op that left a dropped tensor has run (its
+  trailing ops and code are not run again; ``RecomputeStats.early_stops``
+  counts it); False runs the whole function. The light path always runs the
+  whole function (its output probe checks the re-run's output), and so does a
+  call that checks its signature for it, a layer group member, a region with
+  nested regions or inner gradients.
 
 A value of the wrong type or outside these is a ValueError naming the option
 (HyperParallel's tests expect ValueError for ``use_reentrant=True``,

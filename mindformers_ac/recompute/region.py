@@ -26,7 +26,7 @@ from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
 from . import messages
 from .debug_log import DebugLog
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, tensor_args
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .policy import CheckpointPolicy
 from .random_ops import dropout_input, is_unreplayable_random_op
@@ -46,7 +46,7 @@ class Region(RegionBase):
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None, debug=False):
+                 path_check=None, chain=None, debug=False, early_stop=True):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []
@@ -95,6 +95,9 @@ class Region(RegionBase):
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
+        self.early_stop = early_stop
+        self.stop_after = None    # during a re-run that may stop early: the last op it must run
+        self.n_needed = 0         # ... and how many dropped tensors it must rebuild
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -317,7 +320,17 @@ class Region(RegionBase):
         """``Name (in 'cell.path')`` of forward op ``idx``, for messages."""
         return messages.describe_op(self.op_names, self.op_paths, idx)
 
-    def check_recompute(self, run):
+    def stop_point(self):
+        """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
+        None when the re-run must run whole: a first call checking its signature for the light path (it
+        compares whole runs), a group member whose re-run output the next member needs, nested regions,
+        gradients computed inside the forward."""
+        if (not self.early_stop or self.path_check is not None or self.feeds_next or self.children
+                or "inner_grad" in self.intercept or not self.token_meta):
+            return None
+        return max(idx for idx, _ in self.token_meta)
+
+    def check_recompute(self, run, stopped=False):
         """After a recompute: raise ``RecomputeError`` unless it ran every op and re-saved what was dropped.
 
         Each re-run op that left tokens must save as many tensors as in forward,
@@ -326,7 +339,8 @@ class Region(RegionBase):
         the op and what differed, instead of failing later or silently.
         """
         n = len(self.op_names)
-        missing = next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)), None)
+        missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)),
+                                            None)
         if missing is not None:
             raise messages.missing_ops(missing, n, self.describe_op(missing))
         for key, meta in self.token_meta.items():
@@ -488,6 +502,8 @@ class Region(RegionBase):
             self.path_check.note_recompute(t)
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
+            if self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed:
+                raise StopRerun()   # the last dropped tensor is rebuilt, after its op returned (early_stop)
         return None
 
     def inner_grad_save(self, t):
@@ -579,11 +595,22 @@ class Region(RegionBase):
                 args, kwargs = rerun_inputs(args, kwargs)
             finally:
                 run.in_hook = False
-            out = self.fn(*args, **kwargs)
+            self.stop_after = self.stop_point()
+            self.n_needed = len(self.token_meta)
+            stopped = False
+            try:
+                out = self.fn(*args, **kwargs)
+            except StopRerun:
+                out, stopped = None, True
+            finally:
+                self.stop_after = None
             if outputs is not None:
                 outputs.append(out)
-        self.check_recompute(run)
-        self.keep_rerun_output(out)
+        self.check_recompute(run, stopped)
+        if stopped:
+            self.stats.early_stops += 1
+        else:
+            self.keep_rerun_output(out)
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None
             check.validate(self)
