@@ -502,8 +502,10 @@ class Region(RegionBase):
             self.path_check.note_recompute(t)
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
-            if self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed:
-                raise StopRerun()   # the last dropped tensor is rebuilt, after its op returned (early_stop)
+            if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
+                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0])):
+                # the last dropped tensor is rebuilt, after its op returned and made all its saves (early_stop)
+                raise StopRerun()
         return None
 
     def inner_grad_save(self, t):
