@@ -94,3 +94,46 @@ def test_checkpoint_wrapper_passes_early_stop_to_its_regions():
             ms.grad(lambda v, layer=layer: layer(v).sum())(x)
         counts[early_stop] = stats.early_stops
     assert counts == {True: 2, False: 0}
+
+
+class ExpLayer(nn.Cell):
+    """``exp`` as a Tensor method: an excluded op no keep site can hold keeps its region intercepted."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = mint.nn.Linear(16, 16)
+
+    def construct(self, x):
+        h = ops.sin(self.fc(x).exp() * 0.1)
+        return x + h * 0.5   # trailing ops that save nothing (the re-run may stop before them)
+
+
+class ExpModel(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([ExpLayer() for _ in range(2)])
+        for i, p in enumerate(self.trainable_params()):
+            p.set_data(Tensor(np.random.RandomState(i).uniform(-0.3, 0.3, p.shape).astype(np.float32)))
+
+    def construct(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return (x * x).mean()
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_the_config_field_reaches_apply_acs_regions(early_stop):
+    x = Tensor(np.random.RandomState(5).randn(4, 16).astype(np.float32))
+    base = ExpModel()
+    expected = ms.value_and_grad(base, None, base.trainable_params())(x)
+    model = ExpModel()
+    mac.apply_ac(model, config=mac.AcConfig.from_dict({"recompute": {
+        "mode": "full", "full_recompute_layer": ["0-1"], "exclude_op": ["Exp"], "early_stop": early_stop}}))
+    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+    for _ in range(3):
+        loss, grads = grad_fn(x)
+        assert loss.asnumpy().tobytes() == expected[0].asnumpy().tobytes()
+        assert all(a.asnumpy().tobytes() == b.asnumpy().tobytes() for a, b in zip(grads, expected[1]))
+    stats = list(mac.ac_state(model).recompute_stats.values())
+    assert sum(s.light_calls for s in stats) == 0 and sum(s.recompute_calls for s in stats) == 6
+    assert sum(s.early_stops for s in stats) == (4 if early_stop else 0)   # the first call checks, whole
