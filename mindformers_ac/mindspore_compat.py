@@ -113,6 +113,27 @@ def grad_call_inside(stop_codes):
     return False
 
 
+def unwinding_leaves_cell_state(stop_code):
+    """True when an exception raised here would unwind a ``Cell.__call__`` that leaves executor state behind.
+
+    MindSpore 2.10's ``Cell.__call__`` pushes a cell's mixed-precision type
+    (``to_float``, amp O2/O3), starts a top cell's graph (``requires_grad``) or
+    sets the dynamic-shape flag before ``construct`` and undoes it only when
+    ``construct`` returns (``_call_post_process``, no ``finally``): a raise
+    through such a call leaves the type pushed and later ops cast. Walks the
+    frames up to the one running ``stop_code``; asked once per early stop.
+    """
+    frame = sys._getframe(1)   # pylint: disable=protected-access
+    while frame is not None and frame.f_code is not stop_code:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, mindspore.nn.Cell) and (
+                owner.mixed_precision_type is not None or owner.requires_grad
+                or getattr(owner, "_dynamic_shape_inputs", None) is not None):   # pylint: disable=protected-access
+            return True
+        frame = frame.f_back
+    return False
+
+
 def dispatch_mode_depth():
     """How many ``MsDispatchMode`` contexts are entered on this thread (0 when no region is running)."""
     return _DispatchGuardStack.depth()

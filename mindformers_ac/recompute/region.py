@@ -20,7 +20,7 @@ from mindspore import Tensor
 from mindspore.ops import Primitive
 
 from ..errors import RecomputeError
-from ..mindspore_compat import grad_call_inside
+from ..mindspore_compat import grad_call_inside, unwinding_leaves_cell_state
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, tensors_equal
@@ -330,6 +330,15 @@ class Region(RegionBase):
             return None
         return max(idx for idx, _ in self.token_meta)
 
+    def may_stop(self):
+        """Whether the re-run may stop here (``early_stop``): not through a cell call that would leave
+        executor state behind (a mixed-precision type pushed, ``unwinding_leaves_cell_state``); when it
+        would, the re-run runs whole."""
+        if unwinding_leaves_cell_state(Region._rerun.__code__):
+            self.stop_after = None
+            return False
+        return True
+
     def check_recompute(self, run, stopped=False):
         """After a recompute: raise ``RecomputeError`` unless it ran every op and re-saved what was dropped.
 
@@ -503,7 +512,7 @@ class Region(RegionBase):
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
             if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
-                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0])):
+                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0]) and self.may_stop()):
                 # the last dropped tensor is rebuilt, after its op returned and made all its saves (early_stop)
                 raise StopRerun()
         return None
