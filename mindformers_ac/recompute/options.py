@@ -27,7 +27,8 @@ keyword of ``checkpoint`` is). What each means here:
   counts it); False runs the whole function. The light path always runs the
   whole function (its output probe checks the re-run's output), and so does a
   call that checks its signature for it, a layer group member, a region with
-  nested regions or inner gradients.
+  nested regions or inner gradients, and a re-run whose stop would unwind a
+  mixed-precision cell call (``Region.may_stop``).
 
 A value of the wrong type or outside these is a ValueError naming the option
 (HyperParallel's tests expect ValueError for ``use_reentrant=True``,
