@@ -2,9 +2,12 @@
 
 A module of its own at the package's top: the recompute engine returns it
 from a ``policy_fn`` and the swap engine reads it from a swap ``policy_fn``
-(MUST_SWAP), and neither engine imports the other for it.
+(MUST_SWAP), and neither engine imports the other for it; both check a
+``policy_fn`` argument with ``check_policy_fn`` when it is given.
 """
 import enum
+
+from .errors import quote
 
 
 class CheckpointPolicy(enum.Enum):
@@ -27,3 +30,14 @@ class CheckpointPolicy(enum.Enum):
     @property
     def recomputes(self):
         return self in (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+POLICY_SIGNATURE = "(ctx, op, *args, **kwargs) -> CheckpointPolicy"
+
+
+def check_policy_fn(where, policy_fn, signature=POLICY_SIGNATURE, arg="policy_fn"):
+    """TypeError naming ``arg`` unless ``policy_fn`` is None or callable (checked when given, not at the
+    first op)."""
+    if policy_fn is not None and not callable(policy_fn):
+        raise TypeError(f"{where}: {arg} must be a callable {signature} or None, "
+                        f"got {type(policy_fn).__name__} {quote(policy_fn)}")

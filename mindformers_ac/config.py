@@ -216,6 +216,9 @@ class RecomputeConfig(_Section):
         --recompute-num-layers N``): the fully recomputed layers, in order, in
         runs of N consecutive ids, each run one region that keeps only its
         first layer's inputs. 1: every layer its own region.
+    early_stop: True (PyTorch's default): a region's re-run on the intercepting
+        path stops after the last op that left a dropped tensor; False: it always
+        runs the whole layer (``checkpoint_wrapper(early_stop=...)``).
     """
 
     FIELD = "recompute"
@@ -224,6 +227,7 @@ class RecomputeConfig(_Section):
     select_module: Optional[dict] = None
     exclude_op: Optional[Union[list, tuple, dict]] = None
     group_layers: int = 1
+    early_stop: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -243,6 +247,7 @@ class RecomputeConfig(_Section):
         if self.exclude_op is not None:
             self._check_exclude_op()
         check_int(self.group_layers, "recompute.group_layers", 1, MAX_LAYERS, " (layers per recompute group)")
+        check_bool(self.early_stop, "recompute.early_stop")
         if self.mode == RecomputeMode.FULL and self.full_recompute_layer is None:
             raise ConfigError("recompute.full_recompute_layer",
                               "required when mode is full: list the layers to recompute, e.g. [0-3]")

@@ -21,7 +21,14 @@ give a copied model its own AC.
 Two kinds can't share a cell: a region that recomputes a cell and a swap
 group around the same cell would each see the other's saves (the innermost
 saved-tensor hook wins), so ``checkpoint_wrapper`` and ``swap_wrapper`` on one
-cell are refused in either order with the same message.
+cell are refused in either order with the same message, and so are the two
+on one function (``refuse_wrapped_function``). One inside the other's cell
+tree (a ``swap_wrapper`` on a layer whose attention is checkpoint-wrapped, or
+the reverse) composes exactly, but each does the other's work twice (a swap
+inside a recompute region offloads in the forward and again in the re-run),
+so it is warned, once per pair, as HyperParallel warns: when the outer cell
+is wrapped after the inner one, or else at the outer wrapper's first call
+(``check_nesting``).
 """
 
 import copy
@@ -34,6 +41,50 @@ logger = logging.getLogger("mindformers_ac")
 _PATCH_ATTR = "mac_construct_patch"
 
 _EXCLUSIVE_KINDS = ("checkpoint_wrapper", "swap_wrapper")
+# what each exclusive kind sets on the function it returns for a wrapped function
+_FN_ATTRS = {"checkpoint_wrapper": "__mac_checkpoint__", "swap_wrapper": "__mac_swap__"}
+
+
+def refuse_wrapped_function(fn, kind):
+    """ValueError when ``fn`` is a function the other exclusive wrapper returned (recompute it or swap it)."""
+    for other, attr in _FN_ATTRS.items():
+        if other != kind and getattr(fn, attr, None) is not None:
+            raise ValueError(f"{getattr(fn, '__name__', type(fn).__name__)} is already wrapped by {other}: "
+                             f"{kind} and {other} can't wrap the same function (recompute it or swap it, not "
+                             "both); wrap the original function with one of them")
+
+
+def mark_wrapped_function(wrapped, kind, info):
+    """Set ``kind``'s mark (``info``) on the function it returned."""
+    setattr(wrapped, _FN_ATTRS[kind], info)
+
+
+def wrapped_function_info(fn, kind):
+    """The mark ``mark_wrapped_function`` set on ``fn`` for ``kind``, or None."""
+    return getattr(fn, _FN_ATTRS[kind], None)
+
+
+def nesting_message(outer, outer_kind, path, inner, inner_kind):
+    what = ("a swap inside a recompute region offloads in the forward and again in the re-run"
+            if outer_kind == "checkpoint_wrapper" else
+            "the recompute region inside a swap group offloads what its forward keeps and rebuilds the rest")
+    return (f"{type(outer).__name__} is wrapped by {outer_kind} and its sub-cell {path!r} "
+            f"({type(inner).__name__}) by {inner_kind}: both apply and gradients stay exact, but {what}. "
+            "Recompute or swap a cell tree, not both (HyperParallel: don't nest wrappers)")
+
+
+def check_nesting(cell, kind, warned):
+    """Warn once per pair when a sub-cell of ``cell`` (wrapped by ``kind``) is wrapped by the other exclusive
+    kind; ``warned``: the ids of sub-cells already warned about (updated)."""
+    if kind not in _EXCLUSIVE_KINDS:
+        return
+    for path, sub in cell.cells_and_names():
+        if sub is cell or id(sub) in warned:
+            continue
+        other = next((p.kind for p in patches(sub) if p.kind in _EXCLUSIVE_KINDS and p.kind != kind), None)
+        if other is not None:
+            warned.add(id(sub))
+            logger.warning("mindformers_ac: %s", nesting_message(cell, kind, path, sub, other))
 
 
 class _Dropped:
@@ -211,6 +262,9 @@ class ConstructPatch:
                                  "(recompute it or swap it, not both); undo the other with unwrap() or "
                                  "remove_swap_wrapper() first")
         self.cell, self.kind, self.info, self.outer = cell, kind, info, outer
+        warned = set()          # sub-cells warned about as wrapped by the other exclusive kind
+        check_nesting(cell, kind, warned)
+        first = [kind in _EXCLUSIVE_KINDS]   # check again at the first call: a sub-cell wrapped since
 
         def construct(*args, **kwargs):
             # Cell.__call__ calls self.construct: a caller holding this very function that is not our cell
@@ -218,6 +272,9 @@ class ConstructPatch:
             caller = sys._getframe(1).f_locals.get("self")   # pylint: disable=protected-access
             if caller is not cell and getattr(caller, "__dict__", {}).get("construct") is construct:
                 raise RuntimeError("mindformers_ac: " + copied_patch_message("", caller, self))
+            if first[0]:
+                first[0] = False
+                check_nesting(cell, kind, warned)
             return around(self.inner, *args, **kwargs)
 
         setattr(construct, _PATCH_ATTR, self)

@@ -16,6 +16,13 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
+* ``grad_forward_running``: whether a grad call's forward is on the Python
+  stack (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
+  forward half of ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` /
+  ``vjp``): what tells a higher-order backward from a first-order one;
+* ``dispatch_mode_depth``: ``_DispatchGuardStack.depth()`` from
+  ``mindspore._c_expression``, how many ``MsDispatchMode`` are entered (the
+  failure-path tests check that none is left);
 * ``RandomState``: MindSpore's two sources of seeds for random ops, the
   per-kernel seed table of ``mindspore.common.seed`` (``_KERNEL_SEED``, which
   ``ops.dropout``, ``ops.rand_like``, ``ops.uniform`` ... advance on every
@@ -30,9 +37,13 @@ this one file:
 PyNative execution.
 """
 import importlib
+import sys
 
 import mindspore
-from mindspore._c_expression import MixedPrecisionType  # noqa: F401  (re-exported: the door)
+from mindspore._c_expression import (
+    MixedPrecisionType,  # noqa: F401  (re-exported: the door)
+    _DispatchGuardStack,
+)
 
 try:   # a too-old MindSpore lacks it: require_mindspore() says so before any engine uses it
     from mindspore.graph.api import _pynative_executor as pynative_executor
@@ -55,6 +66,90 @@ def tensor_stamp(t):
     the tensor the model holds. Legacy side-effect ops (``AssignAdd`` ...) do not advance it (rule W7 of
     docs/exactness.md)."""
     return t.data_ptr(), t._version   # pylint: disable=protected-access
+
+
+_grad_module = importlib.import_module("mindspore.ops.composite.base")
+try:   # the forward and backward halves of every PyNative grad call (ms.grad, value_and_grad, GradOperation, vjp)
+    _GRAD_FORWARD_CODE = _grad_module._pynative_func_grad_forward.__code__   # pylint: disable=protected-access
+    _GRAD_CODES = (_GRAD_FORWARD_CODE, _grad_module._pynative_func_grad_backward.__code__)   # pylint: disable=protected-access
+except AttributeError:   # another release: grad_forward_running() then answers from the executor's flag alone
+    _GRAD_FORWARD_CODE, _GRAD_CODES = None, ()
+
+
+def grad_forward_running():
+    """True while a MindSpore grad call is running its forward on this thread (it is recording a graph).
+
+    A backward that runs while a grad's forward is in progress below it on
+    the Python stack is being recorded for that grad: a higher-order
+    gradient. The executor's ``requires_grad()`` alone can't tell: a grad
+    call whose function raised leaves MindSpore's grad flag set (2.10's
+    ``_pynative_func_grad_forward`` has no ``finally``), so every later
+    first-order backward would look recorded. Walks the frames up to the
+    thread's bottom (a few dozen in a training step: microseconds); called
+    once per recompute, not per op. On a release without that function it
+    falls back to ``requires_grad()``.
+    """
+    code = _GRAD_FORWARD_CODE
+    if code is None:
+        return pynative_executor.requires_grad()
+    frame = sys._getframe(1)   # pylint: disable=protected-access
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def grad_call_inside(stop_codes):
+    """True when a MindSpore grad call (its forward or its backward half) runs between the caller and the
+    nearest frame running one of ``stop_codes`` (a tuple of code objects) on this thread's Python stack.
+
+    A region's pack hook asks it with the region's run methods as ``stop_codes``: a tensor saved inside a
+    grad call that the region's own function makes (PyTorch's nested-checkpoint ``g``: gradients computed
+    inside a forward) belongs to that call's graph, whose backward runs before the region's run ends.
+    Walks the frames up to the region's run, comparing code objects by identity (``in`` on a set would
+    hash each code object: tens of microseconds per call); about 1 us at a model's usual depth. False on
+    a release without those functions.
+    """
+    if not _GRAD_CODES:
+        return False
+    forward, backward = _GRAD_CODES
+    frame = sys._getframe(1)   # pylint: disable=protected-access
+    while frame is not None:
+        code = frame.f_code
+        if code is forward or code is backward:
+            return True
+        for stop in stop_codes:
+            if code is stop:
+                return False
+        frame = frame.f_back
+    return False
+
+
+def unwinding_leaves_cell_state(stop_code):
+    """True when an exception raised here would unwind a ``Cell.__call__`` that leaves executor state behind.
+
+    MindSpore 2.10's ``Cell.__call__`` pushes a cell's mixed-precision type
+    (``to_float``, amp O2/O3), starts a top cell's graph (``requires_grad``) or
+    sets the dynamic-shape flag before ``construct`` and undoes it only when
+    ``construct`` returns (``_call_post_process``, no ``finally``): a raise
+    through such a call leaves the type pushed and later ops cast. Walks the
+    frames up to the one running ``stop_code``; asked once per early stop.
+    """
+    frame = sys._getframe(1)   # pylint: disable=protected-access
+    while frame is not None and frame.f_code is not stop_code:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, mindspore.nn.Cell) and (
+                owner.mixed_precision_type is not None or owner.requires_grad
+                or getattr(owner, "_dynamic_shape_inputs", None) is not None):   # pylint: disable=protected-access
+            return True
+        frame = frame.f_back
+    return False
+
+
+def dispatch_mode_depth():
+    """How many ``MsDispatchMode`` contexts are entered on this thread (0 when no region is running)."""
+    return _DispatchGuardStack.depth()
 
 
 class RandomState:

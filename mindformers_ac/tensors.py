@@ -51,12 +51,13 @@ def tensors_equal(a, b):
             if x is not y and x != y:
                 return False
             continue
-        if x.shape != y.shape or x.dtype != y.dtype or _bytes(x) != _bytes(y):
+        if x.shape != y.shape or x.dtype != y.dtype or tensor_bytes(x) != tensor_bytes(y):
             return False
     return True
 
 
-def _bytes(t):
+def tensor_bytes(t):
+    """The bytes of ``t``'s values, row-major (bfloat16 widened to float32 exactly, so equal bits compare alike)."""
     if t.dtype == mstype.bfloat16:   # numpy has no bfloat16; the widening cast is exact, so bits compare alike
         with no_grad():
             t = ops.cast(t, mstype.float32)

@@ -237,7 +237,8 @@ def test_plan_writers_share_the_section_dicts(gpt8):
     sections = option_sections({0: Option("layer swap", OptionKind.SWAP), 1: Option("full", OptionKind.FULL)}, prefetch=2)
     assert sections["swap"] == {"enable": True, "default_prefetch": 2, "layer_swap": [{"layers": [0]}],
                                 "min_bytes": 1024, "backend": "auto"}
-    assert sections["recompute"] == {"mode": "full", "full_recompute_layer": [1], "group_layers": 1}
+    assert sections["recompute"] == {"mode": "full", "full_recompute_layer": [1], "group_layers": 1,
+                                     "early_stop": True}
 
 
 # -- every setting round-trips through the plan's YAML, found from the dataclasses ------------------------

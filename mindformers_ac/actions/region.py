@@ -55,7 +55,8 @@ class RegionAction(Action):
 
 def install_region(state, cell, policy_fn, stats, chain=None):
     """``cell``'s construct becomes a recompute region; its undo goes to ``state``."""
-    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn, chain=chain)
+    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn, chain=chain,
+                       early_stop=state.config.recompute.early_stop)
     state.add_undo(lambda: unwrap(cell))
 
 

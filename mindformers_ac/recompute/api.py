@@ -44,16 +44,23 @@ hook (e.g. ``SavedTensorMeter``) does not see what a region saves, so each
 region reports its own bytes in ``RecomputeStats``.
 """
 import functools
-import re
 
 from mindspore import nn
 
 from ..checkpoint_policy import CheckpointPolicy
-from ..construct_patch import ConstructPatch, find_patch
+from ..construct_patch import (
+    ConstructPatch,
+    find_patch,
+    mark_wrapped_function,
+    refuse_wrapped_function,
+    wrapped_function_info,
+)
+from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
 from .op_slot import install_dropout_slots
+from .options import CheckpointOptions, check_exclude_args, check_policy_fn, take_options
 from .path_choice import PathChecks, run_checkpoint
 from .region import run_region
 from .stats import RecomputeStats
@@ -78,7 +85,8 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     would not repeat are kept whatever the policy says (a primitive marked
     ``mac_replayable`` is recomputed like any other op). MUST_SWAP hands the op's saved tensors and output
     to ``swap_executor`` (``offload(tensor) -> handle``, ``load(handle) ->
-    Tensor``); without one it acts as MUST_SAVE (warned once).
+    Tensor``); without one, to ``SwapManager``'s (``swap.api.ManagerSwapExecutor``,
+    counted in ``SwapManager().report``), as HyperParallel's recipe implies.
 
     ``swap_inputs=True`` offloads the region's saved inputs the same way.
     ``context_fn() -> (forward_ctx, recompute_ctx)``: called once per region
@@ -88,17 +96,35 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     or returns anything but such a pair, is a TypeError naming it. ``stats``: a ``RecomputeStats`` to
     count into (a private one otherwise).
 
+    PyTorch's and HyperParallel's keywords ``use_reentrant`` (False),
+    ``preserve_rng_state``, ``determinism_check`` (``"default"`` /
+    ``"none"``), ``debug`` and ``early_stop`` are taken here, not passed to
+    ``fn`` (see ``options``; a bad value is a ValueError naming it); every
+    other keyword argument is passed to ``fn``. A ``policy_fn`` that is not
+    callable is a TypeError naming it, raised here.
+
     Without gradient recording (no ``value_and_grad`` around) ``fn`` just runs.
     Nested calls are fine: a region inside a region is replayed, not redrawn.
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
+    torch_options = take_options("checkpoint", kwargs)
+    check_policy_fn("checkpoint", policy_fn)
     check_context_fn(context_fn)
     root = root_cell_of(fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
-                   swap_executor=swap_executor, swap_inputs=swap_inputs, context_fn=context_fn,
+                   swap_executor=_executor_or_managers(swap_executor), swap_inputs=swap_inputs, context_fn=context_fn,
                    tracker=_tracker_for(root, policy_fn))
+    if torch_options.debug:
+        options["debug"] = True
+    if not torch_options.early_stop:
+        options["early_stop"] = False
     return run_region(fn, args, kwargs, **options)
+
+
+def _executor_or_managers(swap_executor):
+    # Stateless: one per call is as cheap as a shared one, and no module state.
+    return swap_executor if swap_executor is not None else ManagerSwapExecutor()
 
 
 def _tracker_for(root, policy_fn):
@@ -116,14 +142,11 @@ class _WrapInfo:
         self.path_checks, self.remove_proxies = path_checks, remove_proxies
 
 
-_WRAP_ATTR = "__mac_checkpoint__"
-
-
 def _wrap_info(obj):
     if isinstance(obj, nn.Cell):
         patch = find_patch(obj, _KIND)
         return patch.info if patch is not None else None
-    return getattr(obj, _WRAP_ATTR, None)
+    return wrapped_function_info(obj, _KIND)
 
 
 def is_checkpoint_wrapped(cell_or_fn):
@@ -140,7 +163,8 @@ def get_checkpoint_stats(cell_or_fn):
 
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
-                       swap_executor=None, light_path=True, chain=None):
+                       swap_executor=None, light_path=True, chain=None, use_reentrant=None, preserve_rng_state=True,
+                       determinism_check="default", debug=False, early_stop=True):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
@@ -168,18 +192,30 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     ``chain``: ``(LayerChain, index)`` when the cell is member ``index`` of a
     layer group (``recompute.group_layers``, see ``chain``): its first argument
     is then rebuilt from the previous member instead of kept.
+
+    ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
+    ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
+    ``checkpoint`` (see ``options``), checked here.
     """
+    CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
+                      early_stop)   # checks them
+    check_policy_fn("checkpoint_wrapper", policy_fn)
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
                          "unwrap() it first to change its options")
     check_context_fn(context_fn)
     stats = stats if stats is not None else RecomputeStats()
-    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=swap_executor,
+    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=_executor_or_managers(swap_executor),
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
-    light = light_path and not swap_inputs and (policy_fn is None or decides_by_site(policy_fn))
+    if debug:   # the op logs come from the intercepting path
+        options["debug"] = True
+    if not early_stop:
+        options["early_stop"] = False
+    light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
             raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+        refuse_wrapped_function(cell_or_fn, _KIND)
         root = root_cell_of(cell_or_fn)
         tracker = _tracker_for(root, policy_fn)
         checks = PathChecks() if light else None
@@ -187,7 +223,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
             return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
-        setattr(wrapped_fn, _WRAP_ATTR, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
+        mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
         return wrapped_fn
     return _wrap_cell(cell_or_fn, options, light)
 
@@ -252,10 +288,8 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
     ``checkpoint_wrapper`` then keeps a region on the light path when every
     op it keeps is reached through a keep site (``keep_sites``).
     """
-    if isinstance(names, str) or isinstance(path_patterns, str):
-        raise TypeError("exclude_policy(names=..., path_patterns=...) takes lists of strings, not a string")
+    names, compiled = check_exclude_args(names, path_patterns, base_policy)
     lowered = tuple(n.lower() for n in names)
-    compiled = tuple(re.compile(p) for p in path_patterns)
 
     def policy(ctx, op, *args, **kwargs):
         name = ctx.op_name.lower()

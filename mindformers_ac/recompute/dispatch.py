@@ -77,6 +77,11 @@ def arg_meta(args):
     return tuple((tuple(t.shape), t.dtype) for t in tensor_args(args))
 
 
+class StopRerun(BaseException):
+    """Ends a re-run early (``early_stop``): every tensor the backward needs from it is rebuilt. A
+    BaseException, so a model's ``except Exception`` does not swallow it."""
+
+
 class RegionDispatch(MsDispatchMode):
     """Numbers ops of one run and applies the region's keep/recompute decisions."""
 
@@ -110,6 +115,8 @@ class RegionDispatch(MsDispatchMode):
         region = run.region
         name = op_name_of(func, args)
         region.op_names.append(name)
+        if region.debug_log is not None:
+            region.debug_log.forward(idx, name, run.cell_path())
         region.stats.ops_forward += 1
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
@@ -132,7 +139,11 @@ class RegionDispatch(MsDispatchMode):
     def _recompute_op(self, run, idx, func, args, kwargs):
         region = run.region
         name = op_name_of(func, args)
+        if region.debug_log is not None:
+            region.debug_log.rerun(idx, name, run.cell_path())
         idx = run.op_idx = region.align(run, idx, name, args)
+        if region.stop_after is not None and idx > region.stop_after and region.may_stop():
+            raise StopRerun()   # no later op left a tensor for backward (early_stop)
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
         decision = region.decisions.get(idx)

@@ -8,7 +8,7 @@ a *keep site*, one of the op slots the engine already tracks:
 
 * ``attr``: an op attribute of a cell of the region (``self.bmm_qk``,
   ``self.softmax = mint.nn.functional.softmax``, a callable object or a
-  bound method), which the policy's path tracker holds as an ``AttrProxy``
+  bound method), whose ``OpSlot`` the policy's path tracker gives its track role
   (``tracking``): the innermost one running when the op is dispatched is its
   site;
 * ``item``: a Primitive a cell holds in a dict attribute (the lazily built
@@ -129,7 +129,7 @@ def find_site(run, name, args, cells, paths, resolve):
     ops, never from the Python stack.
 
     The innermost op attribute slot running (``run.attrs``, kept by the path
-    tracker's ``AttrProxy``), else a Primitive held in a dict attribute of a
+    tracker's ``OpSlot``), else a Primitive held in a dict attribute of a
     region cell or by a dict-held cell (``_held_site``; ``cells``: ``id`` ->
     cell; ``paths``: ``id`` -> its path, for descriptions). Without
     ``resolve`` only the key is sure: enough to tell which site a recomputed

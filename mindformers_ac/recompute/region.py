@@ -20,12 +20,14 @@ from mindspore import Tensor, ops
 from mindspore.ops import Primitive
 
 from ..checkpoint_policy import CheckpointPolicy
-from ..mindspore_compat import no_grad
+from ..errors import RecomputeError
+from ..mindspore_compat import grad_call_inside, no_grad, unwinding_leaves_cell_state
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
 from . import messages
-from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, arg_meta, is_comm_op, tensor_args
+from .debug_log import DebugLog
+from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
@@ -55,7 +57,7 @@ class Region(RegionBase):
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None):
+                 path_check=None, chain=None, debug=False, early_stop=True):
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []
@@ -113,6 +115,10 @@ class Region(RegionBase):
         self.cell_dropouts = set()    # op indices of Dropouts run by an nn.Dropout's slot (dropout role)
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
+        self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
+        self.early_stop = early_stop
+        self.stop_after = None    # during a re-run that may stop early: the last op it must run
+        self.n_needed = 0         # ... and how many dropped tensors it must rebuild
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -356,7 +362,26 @@ class Region(RegionBase):
         """``Name (in 'cell.path')`` of forward op ``idx``, for messages."""
         return messages.describe_op(self.op_names, self.op_paths, idx)
 
-    def check_recompute(self, run):
+    def stop_point(self):
+        """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
+        None when the re-run must run whole: a first call checking its signature for the light path (it
+        compares whole runs), a group member whose re-run output the next member needs, nested regions,
+        gradients computed inside the forward."""
+        if (not self.early_stop or self.path_check is not None or self.feeds_next or self.children
+                or "inner_grad" in self.intercept or not self.token_meta):
+            return None
+        return max(idx for idx, _ in self.token_meta)
+
+    def may_stop(self):
+        """Whether the re-run may stop here (``early_stop``): not through a cell call that would leave
+        executor state behind (a mixed-precision type pushed, ``unwinding_leaves_cell_state``); when it
+        would, the re-run runs whole."""
+        if unwinding_leaves_cell_state(Region._rerun.__code__):
+            self.stop_after = None
+            return False
+        return True
+
+    def check_recompute(self, run, stopped=False):
         """After a recompute: raise ``RecomputeError`` unless it ran every op and re-saved what was dropped.
 
         Each re-run op that left tokens must save as many tensors as in forward,
@@ -365,7 +390,8 @@ class Region(RegionBase):
         the op and what differed, instead of failing later or silently.
         """
         n = len(self.op_names)
-        missing = next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)), None)
+        missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)),
+                                            None)
         if missing is not None:
             raise messages.missing_ops(missing, n, self.describe_op(missing))
         self.skipped.update(range(run.op_idx + 1, n))
@@ -541,6 +567,8 @@ class Region(RegionBase):
         if run.in_hook:
             return t
         key = run.next_key()   # first: the recompute numbers every pack, weights included
+        if grad_call_inside(_RUN_CODES):
+            return self.inner_grad_save(t)
         decision = self.decisions.get(key[0]) if key is not None else SAVE
         if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
             # as a light run numbers them: an nn.Dropout's apart, a functional dropout's as any op's (a kept
@@ -581,6 +609,8 @@ class Region(RegionBase):
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
             self.realign(run, idx)
         key = run.next_key()
+        if grad_call_inside(_RUN_CODES):
+            return t   # as in forward (inner_grad_save)
         if self.path_check is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
                                                             and key[0] not in self.policy_saves)):
             # as in forward: a light run numbers Dropout packs apart and runs no kept op (a legacy op handed
@@ -588,7 +618,19 @@ class Region(RegionBase):
             self.path_check.note_recompute(t)
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
+            if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
+                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0]) and self.may_stop()):
+                # the last dropped tensor is rebuilt, after its op returned and made all its saves (early_stop)
+                raise StopRerun()
         return None
+
+    def inner_grad_save(self, t):
+        """A save made inside a grad call that the region's function makes (gradients computed inside a
+        forward, PyTorch's nested-checkpoint ``g``): it belongs to that call's graph, whose backward runs
+        before this forward ends, so it is kept as it is (the graph frees it with itself); the re-run's
+        inner grad call saves its own (``pack_recompute``). Such a region stays on this path."""
+        self.keep_intercepted("inner_grad", "its function computes gradients inside its forward")
+        return t
 
     # -- the light path's one mark (see path_choice) ------------------------------
     def keep_intercepted(self, key, reason):
@@ -652,6 +694,14 @@ class Region(RegionBase):
             ENGINE.pop(run)
 
     def _recompute(self):
+        if self.debug_log is None:
+            return self._rerun()
+        try:
+            return self._rerun()
+        except RecomputeError as exc:
+            raise RecomputeError(f"{exc}\n{self.debug_log.side_by_side()}") from exc
+
+    def _rerun(self):
         run = RegionRun(self, RECOMPUTE, self.tracker)
         wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
 
@@ -660,7 +710,8 @@ class Region(RegionBase):
             return r.region.pack_recompute(r, t) if r is not None else None
 
         args, kwargs = self.load_inputs()
-        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state), \
+        outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
+        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             run.in_hook = True   # the inputs' views are ours, not ops of the region
@@ -668,12 +719,30 @@ class Region(RegionBase):
                 args, kwargs = rerun_inputs(args, kwargs)
             finally:
                 run.in_hook = False
-            out = self.fn(*args, **kwargs)
-        self.check_recompute(run)
-        self.keep_rerun_output(out)
+            self.stop_after = self.stop_point()
+            self.n_needed = len(self.token_meta)
+            stopped = False
+            try:
+                out = self.fn(*args, **kwargs)
+            except StopRerun:
+                out, stopped = None, True
+            finally:
+                self.stop_after = None
+            if outputs is not None:
+                outputs.append(out)
+        self.check_recompute(run, stopped)
+        if stopped:
+            self.stats.early_stops += 1
+        else:
+            self.keep_rerun_output(out)
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None
             check.validate(self)
+
+
+# The frames a region's pack hooks look up to (grad_call_inside): a grad call below them is the region's own.
+_RUN_CODES = (Region.run_forward.__code__, Region._rerun.__code__,   # pylint: disable=protected-access
+              Region.replay.__code__)
 
 
 def run_region(fn, args, kwargs, **options):

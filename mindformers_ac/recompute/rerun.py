@@ -45,7 +45,7 @@ import weakref
 
 from mindspore import Parameter, Tensor, ops
 
-from ..mindspore_compat import RandomState, no_grad, tensor_stamp
+from ..mindspore_compat import RandomState, grad_forward_running, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked, tensor_leaves
@@ -241,18 +241,32 @@ def refuse_higher_order():
     saved tensor a second time; a recomputed tensor is handed out once, and an
     output re-run under ``no_grad`` would silently cut the second-order path.
     Inside a recompute the engine records a throw-away graph on purpose, so
-    only the outermost re-run checks.
+    only the outermost re-run checks. "Recorded" is decided from what is
+    running now (a grad call's forward below this backward on the stack,
+    ``grad_forward_running``), not from the executor's grad flag alone, which
+    a grad call that raised leaves set: the next first-order step must train.
     """
-    if not ENGINE.in_recompute() and _executor.requires_grad():
+    if not ENGINE.in_recompute() and _executor.requires_grad() and grad_forward_running():
         raise messages.higher_order()
 
 
+def _rerun_top_cell():
+    """What names the top cell a re-run records in when its function makes grad calls of its own."""
+
+
 @contextlib.contextmanager
-def recompute_graph(run, precision=None, random_state=None):
+def recompute_graph(run, precision=None, random_state=None, outputs=None):
     """Run a region's function again as ``run``: recording on, in a new graph, under the forward's
     mixed-precision type ``precision`` and from the forward's ``random_state``; everything restored
     on every exit path (the random state to what it was before the re-run). ``run`` None: nothing
-    on the engine stack (an op output's re-run, whose forward had no run either)."""
+    on the engine stack (an op output's re-run, whose forward had no run either).
+
+    ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that
+    makes grad calls of its own (gradients computed inside its forward): MindSpore 2.10 loses the
+    empty graph's top cell at the first such call made inside a backward (the second fails: "The
+    pointer[top_cell_] is null"), so the re-run records in a top cell of its own (``new_graph``),
+    ended with the output the caller appends to ``outputs``.
+    """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
     if random_state is not None:
@@ -264,12 +278,18 @@ def recompute_graph(run, precision=None, random_state=None):
     try:
         _executor.set_grad_flag(True)
         _executor.set_enable_grad(True)
-        _executor.new_empty_graph()
+        if outputs is None:
+            _executor.new_empty_graph()
+        else:
+            _executor.new_graph(_rerun_top_cell)
         try:
             with under_precision(precision):
                 yield
+            if outputs:
+                _executor.end_graph(_rerun_top_cell, outputs[0])
         finally:
-            _executor.end_empty_graph()
+            if outputs is None:
+                _executor.end_empty_graph()
     finally:
         _executor.set_grad_flag(grad_flag)
         _executor.set_enable_grad(enable_grad)

@@ -114,11 +114,13 @@ class RecomputeStats:
     checked call signature, once per call of a region that is never checked,
     such as one with a per-call policy), e.g. an excluded op called as a
     Tensor method, where no keep site can hold it (``keep_sites``).
+    ``early_stops``: re-runs that stopped after the last op that left a
+    dropped tensor (``early_stop``, the intercepting path).
     """
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
-                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "chained_calls", "unread_kept",
-                 "live_bytes", "live_regions")
+                 "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "chained_calls",
+                 "unread_kept", "live_bytes", "live_regions", "early_stops")
 
     def __init__(self):
         self._generation = 0

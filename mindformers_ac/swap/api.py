@@ -18,7 +18,8 @@ import weakref
 
 from mindspore import Parameter, Tensor, nn
 
-from ..construct_patch import ConstructPatch, find_patch
+from ..checkpoint_policy import check_policy_fn
+from ..construct_patch import ConstructPatch, find_patch, mark_wrapped_function, refuse_wrapped_function
 from ..errors import quote
 from ..logs import OnceLogger
 from ..tensors import root_cell_of, tensor_storage_ptrs
@@ -28,6 +29,7 @@ from .scheduler import SwapScheduler
 __all__ = ["SwapManager", "swap", "swap_wrapper", "remove_swap_wrapper", "swap_tensor_wrapper", "async_save_on_cpu"]
 
 _KIND = "swap_wrapper"
+_SWAP_POLICY = "(tensor) -> CheckpointPolicy"
 
 
 class _Link:
@@ -137,6 +139,35 @@ class SwapManager:
 
 
 
+class ManagerSwapExecutor:
+    """The swap executor ``checkpoint`` / ``checkpoint_wrapper`` use when given none: ``SwapManager``'s.
+
+    HyperParallel's recipe (``checkpoint(..., policy_fn=..., swap_inputs=True)``
+    with layers linked by ``SwapManager``) names no executor: a MUST_SWAP op's
+    saved tensors and output, and swapped region inputs, go to the process-wide
+    scheduler's executor, counted in ``SwapManager().report`` under the key of
+    the linked layer the region runs in (``"checkpoint"`` outside one).
+    ``offload(tensor) -> handle`` copies synchronously; ``load(handle)`` loads
+    on demand (the region's recompute asks for them: no prefetch). Stateless:
+    a handle carries the executor that made it, so a ``SwapManager().reset()``
+    between forward and backward still loads it.
+    """
+
+    __slots__ = ()
+
+    @staticmethod
+    def offload(tensor):
+        sched = SwapManager().scheduler
+        group = sched.current_group()
+        executor = sched.executor
+        return executor, executor.offload(tensor, group.key if group is not None else "checkpoint")
+
+    @staticmethod
+    def load(handle):
+        executor, h = handle
+        return executor.load(h)
+
+
 def _run_swapped(call, cell, name, args, kwargs, policy_fn):
     mgr = SwapManager()
     sched = mgr.scheduler
@@ -164,6 +195,7 @@ def swap(fn, *args, policy_fn=None, **kwargs):
     linked Cell), so ``SwapManager().set_forward_prefetch_layer`` prefetches it; otherwise
     its tensors are loaded on demand in backward.
     """
+    check_policy_fn("swap", policy_fn, _SWAP_POLICY)
     name = getattr(fn, "__name__", type(fn).__name__)
     return _run_swapped(lambda: fn(*args, **kwargs), root_cell_of(fn), name, args, kwargs, policy_fn)
 
@@ -177,6 +209,7 @@ def swap_wrapper(cell_or_fn, policy_fn=None):
     ``checkpoint_wrapper`` wraps (in either order: recompute or swap a cell,
     not both).
     """
+    check_policy_fn("swap_wrapper", policy_fn, _SWAP_POLICY)
     if isinstance(cell_or_fn, nn.Cell):
         cell = cell_or_fn
         name = type(cell).__name__
@@ -188,11 +221,13 @@ def swap_wrapper(cell_or_fn, policy_fn=None):
         return cell
 
     fn = cell_or_fn
+    refuse_wrapped_function(fn, _KIND)
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         return swap(fn, *args, policy_fn=policy_fn, **kwargs)
 
+    mark_wrapped_function(wrapped, _KIND, fn)
     return wrapped
 
 
@@ -249,7 +284,8 @@ def async_save_on_cpu(h2d_stream=None, d2h_stream=None, block_idx=0, depth=1, cu
 
     ``with async_save_on_cpu(block_idx=i, depth=n, custom_check_fn=fn): out = block(x)``
 
-    * ``custom_check_fn(tensor) -> bool``: True offloads; default: tensors >= ``min_bytes``.
+    * ``custom_check_fn(tensor) -> bool``: True offloads, whatever its size (as PyTorch's ``save_on_cpu``
+      moves every saved tensor); default: tensors >= ``min_bytes``.
     * ``depth``: number of blocks (an int >= 1); ``block_idx`` an int in ``[0, depth - 1]``,
       checked when called (TypeError / ValueError naming the argument). The last block
       (``block_idx == depth - 1``) keeps its tensors on the device because its backward

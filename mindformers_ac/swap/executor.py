@@ -35,18 +35,22 @@ class LayerSwapStats:
     resident_bytes      saved bytes left on the device for backward (storage bytes,
                         deduplicated; inputs, small tensors, over-budget, policy-kept)
     over_budget_bytes   part of resident_bytes kept because the host pool was full
+    unsaved_marks       tag -> how many ``swap_tensor_wrapper`` marks of that tag no op saved
+                        after the mark (nothing of theirs was offloaded; see ``SwapScheduler``)
     """
 
-    __slots__ = _STAT_FIELDS + ("kept_reasons",)
+    __slots__ = _STAT_FIELDS + ("kept_reasons", "unsaved_marks")
 
     def __init__(self):
         for f in _STAT_FIELDS:
             setattr(self, f, 0)
         self.kept_reasons = collections.Counter()
+        self.unsaved_marks = collections.Counter()
 
     def as_dict(self):
         d = {f: getattr(self, f) for f in _STAT_FIELDS}
         d["kept_reasons"] = dict(self.kept_reasons)
+        d["unsaved_marks"] = dict(self.unsaved_marks)
         return d
 
 

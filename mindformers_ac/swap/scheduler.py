@@ -21,7 +21,9 @@ Per saved tensor, in order:
 2. a view already offloaded in this group shares that handle (one copy per view);
 3. kept on device, with a reason counted in the report: ``input`` (storage of a
    tensor the group, layer or model received as input), ``unmarked`` (group
-   swaps only ``swap_tensor_wrapper`` tensors), ``check_fn`` / ``policy``
+   swaps only ``swap_tensor_wrapper`` tensors: those of a marked storage, and
+   those whose values are a marked tensor's, as a reshape or contiguous copy
+   of it: ``nn.Dense`` on a 3-D input saves such a copy), ``check_fn`` / ``policy``
    (user rule said keep), ``small`` (< ``min_bytes``), ``over_budget`` (host
    pool full). A kept tracked tensor is held as its untracked ``data`` (same
    storage, no graph node): held with its node, the packed object would tie the
@@ -31,7 +33,15 @@ Per saved tensor, in order:
    until the group closes (so its address cannot be reused by a new tensor
    while the dedup table is live), then copied (the host backend; a device
    backend copies from pack on, and is checked here) and dropped.
+
+A ``swap_tensor_wrapper`` mark that no save after it matched offloads
+nothing: when its group closes, the report counts it under
+``unsaved_marks[tag]`` and a warning (once per tag) names it and why (saved
+before the mark, by the op that made it; or never saved: its consumers save
+other tensors).
 """
+import hashlib
+import logging
 import weakref
 
 import mindspore as ms
@@ -39,8 +49,10 @@ import mindspore as ms
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import DEFAULT_MIN_BYTES
 from ..precision import no_casts
-from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr
+from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr, tensor_bytes
 from .executor import SwapExecutor, SwapHandle
+
+logger = logging.getLogger("mindformers_ac.swap")
 
 
 def _untracked(t):
@@ -80,7 +92,8 @@ class _Kept:
 
 class _Group:
     __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "kept", "pending",
-                 "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats", "pending_bytes", "plain")
+                 "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats", "pending_bytes", "plain",
+                 "saved_marks", "digests", "unfollowed")
 
     def __init__(self, key, gen, mode, policy_fn, check_fn, exclude, on_first_unpack):
         self.key, self.gen, self.mode = key, gen, mode
@@ -93,13 +106,60 @@ class _Group:
         # No rule but the size threshold: the pack hook decides without calling _keep_reason.
         self.plain = mode == "all" and policy_fn is None
         self.handles = []       # weakrefs to every handle of this group, for prefetch
-        self.marked = {}        # storage ptr -> (tensor, tag) from swap_tensor_wrapper
+        # storage ptr -> (tensor, tag, the marked storage) from swap_tensor_wrapper, and the copies of a
+        # marked tensor's values met in pack (the last item names the mark they follow)
+        self.marked = {}
+        self.saved_marks = set()   # marked storages of which a save was offloaded
+        self.digests = {}          # marked storage -> digest of its bytes (computed on the first candidate)
+        self.unfollowed = set()    # storages compared with the marks and carrying none's values
         self.hooks = None
         self.stats = None       # the report's LayerSwapStats of this key, on the first pack
 
     def mark(self, tensor, tag):
         # The tensor is held until the group closes so its address stays unique meanwhile.
-        self.marked[storage_ptr(tensor)] = (tensor, tag)
+        sptr = storage_ptr(tensor)
+        self.marked[sptr] = (tensor, tag, sptr)
+
+    def follow(self, t, sptr):
+        """The mark entry whose values ``t`` carries (a reshape or contiguous copy of a marked tensor), or None.
+
+        Compared only with marks of the same element count and dtype not saved yet, by a digest of the bytes
+        (computed once per tensor); a tensor that merely holds equal values is offloaded as the mark would
+        have been, which is exact too.
+        """
+        if sptr in self.unfollowed:
+            return None
+        size, dtype = t.size, t.dtype
+        candidates = [(msptr, entry) for msptr, entry in self.marked.items()
+                      if entry[2] == msptr and msptr not in self.saved_marks
+                      and entry[0].size == size and entry[0].dtype == dtype]
+        if not candidates:
+            return None
+        digest = _digest(t)
+        for msptr, entry in candidates:
+            if msptr not in self.digests:
+                self.digests[msptr] = _digest(entry[0])
+            if self.digests[msptr] == digest:
+                followed = (t, entry[1], msptr)
+                self.marked[sptr] = followed
+                return followed
+        self.unfollowed.add(sptr)
+        return None
+
+    def unsaved(self):
+        """``(tag, why)`` of each mark of this group that no save after it matched."""
+        out = []
+        for msptr, (_, tag, origin) in self.marked.items():
+            if origin == msptr and msptr not in self.saved_marks:
+                why = ("saved before the mark, by the op that made it: mark it where it is made, or mark what "
+                       "its consumers save" if msptr in self.kept else
+                       "no op saved it, nor a copy of it: its consumers save other tensors (mark one of those)")
+                out.append((tag, why))
+        return out
+
+
+def _digest(t):
+    return hashlib.blake2b(tensor_bytes(t), digest_size=16).digest()
 
 
 class SwapScheduler:
@@ -127,6 +187,7 @@ class SwapScheduler:
         self._waiting = {}              # key -> closed groups awaiting prefetch
         # Outermost keys opened since the weights were last checked; None: check at the next outermost group.
         self._opened_since_check = None
+        self._warned_marks = set()      # tags of marks that offloaded nothing, warned once each
 
     def add_params(self, params):
         """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
@@ -218,7 +279,11 @@ class SwapScheduler:
         g.pending_bytes = 0
         g.pending.clear()
         g.seen.clear()
+        if g.marked and not failed:
+            self._note_unsaved(g)
         g.marked.clear()
+        g.digests.clear()
+        g.unfollowed.clear()
         if failed:
             return g
         if g.handles and g.key in self._prefetchable:
@@ -226,6 +291,18 @@ class SwapScheduler:
         if error is not None:
             raise error
         return g
+
+    def _note_unsaved(self, g):
+        unsaved = g.unsaved()
+        if not unsaved:
+            return
+        stats = self.report.layers[g.key]
+        for tag, why in unsaved:
+            stats.unsaved_marks[tag] += 1
+            if tag not in self._warned_marks:
+                self._warned_marks.add(tag)
+                logger.warning("mindformers_ac: swap_tensor_wrapper(tag=%r) in %s offloaded nothing: %s "
+                               "(report: unsaved_marks)", tag, g.key, why)
 
     def prefetch(self, key, trigger=None):
         """Start loading the latest call of ``key``; returns the number of loads issued (none once the executor
@@ -252,11 +329,12 @@ class SwapScheduler:
         if sptr in g.exclude:
             return "input"
         if g.mode == "marked":
-            return None if sptr in g.marked else "unmarked"
+            return None if sptr in g.marked or (g.marked and g.follow(t, sptr) is not None) else "unmarked"
         if g.mode == "check":
-            if not g.check_fn(t):
-                return "check_fn"
-        elif g.policy_fn is not None:
+            # the user's rule decides whatever the size (async_save_on_cpu's custom_check_fn: True offloads;
+            # its default rule is the size threshold)
+            return None if g.check_fn(t) else "check_fn"
+        if g.policy_fn is not None:
             decision = g.policy_fn(t)
             if not isinstance(decision, CheckpointPolicy):
                 raise TypeError(f"swap policy_fn must return a CheckpointPolicy, got {decision!r}")
@@ -302,6 +380,8 @@ class SwapScheduler:
             marked = g.marked.get(sptr) if g.marked else None
             h = self.executor.start_offload(t, g.key, marked[1] if marked is not None else None)
             if h is not None:
+                if marked is not None:
+                    g.saved_marks.add(marked[2])
                 h.owner = g
                 g.seen[view] = h
                 g.pending.append(h)

@@ -1,0 +1,64 @@
+"""``checkpoint(..., debug=True)``: the forward's and the re-run's op logs, side by side, in a divergence error.
+
+PyTorch's ``debug=True`` prints the operator traces of the original forward
+and of the recomputation when they differ. Here a region with ``debug``
+records, per op its intercepting path dispatches, ``#index name (cell path)``
+and the Python line of the model code that ran it (the nearest frame outside
+MindSpore and this package); when its re-run raises ``RecomputeError`` (other
+op, missing ops, other saves), the error carries both logs in two columns,
+the first differing row marked, so a user finds the branch that differs.
+Costs a frame walk per op: for finding a bug, not for training.
+"""
+import os
+import sys
+
+_SKIPPED = ("mindspore", "mindformers_ac", "contextlib", "functools")
+_WINDOW = 40   # rows shown around the first difference of a long log
+
+
+def _user_line():
+    frame = sys._getframe(1)   # pylint: disable=protected-access
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_SKIPPED):
+            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+class DebugLog:
+    """The op logs of one region call: its forward's and its re-run's."""
+
+    __slots__ = ("forward_ops", "rerun_ops")
+
+    def __init__(self):
+        self.forward_ops, self.rerun_ops = [], []
+
+    def forward(self, idx, name, path):
+        self.forward_ops.append(f"#{idx} {name}{f' ({path})' if path else ''} {_user_line()}")
+
+    def rerun(self, idx, name, path):
+        self.rerun_ops.append(f"#{idx} {name}{f' ({path})' if path else ''} {_user_line()}")
+
+    def side_by_side(self):
+        """Both logs in two columns, ``<<`` on the first row where they differ (as ops, lines aside)."""
+        fwd, rer = self.forward_ops, self.rerun_ops
+        n = max(len(fwd), len(rer))
+        first = next((i for i in range(n) if i >= len(fwd) or i >= len(rer)
+                      or fwd[i].rsplit(" ", 1)[0] != rer[i].rsplit(" ", 1)[0]), None)
+        lo, hi = 0, n
+        if n > 2 * _WINDOW:
+            centre = first if first is not None else n - 1
+            lo, hi = max(0, centre - _WINDOW), min(n, centre + _WINDOW)
+        width = max([len("forward")] + [len(s) for s in fwd[lo:hi]])
+        rows = [f"  {'forward':<{width}} | re-run"]
+        if lo:
+            rows.append(f"  ... {lo} rows above")
+        for i in range(lo, hi):
+            left = fwd[i] if i < len(fwd) else ""
+            right = rer[i] if i < len(rer) else "(not run)"
+            rows.append(f"  {left:<{width}} | {right}{'   << first difference' if i == first else ''}")
+        if hi < n:
+            rows.append(f"  ... {n - hi} rows below")
+        return "debug=True: the forward's and the re-run's ops (#index name (cell path) file:line)\n" + \
+            "\n".join(rows)
