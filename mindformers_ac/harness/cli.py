@@ -86,7 +86,9 @@ def cmd_train(args):
         raise ConfigError("CONFIG", "train --model needs the YAML config to apply (or --budget): the shipped "
                                     "default config targets the reference GPT's 8 layers")
     check_pipeline_flags(args)
-    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches)
+    check_data_parallel_flags(args)
+    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches,
+                          dp=args.dp)
     config = args.config or (None if args.budget is not None else default_config_path())
     loaded = AcConfig.from_yaml(config) if config else AcConfig()   # structural errors first, before any model
     with contextlib.ExitStack() as stack:
@@ -109,8 +111,8 @@ def budget_config(args, config):
 
     from ..budget.sizes import parse_budget
     parse_budget(args.budget, 1, "--budget")
-    for flag in ("tp", "ep", "pp"):
-        if getattr(args, flag) > 1:
+    for flag in ("tp", "ep", "pp", "dp"):
+        if getattr(args, flag, 1) > 1:
             raise ConfigError("--budget", f"plans the layers of one process; it can't be combined with --{flag}")
     settings = dataclasses.replace(config.memory_budget, activations=args.budget)   # CONFIG's profile_steps too
     if args.steps < settings.profile_steps + 2:
@@ -127,7 +129,10 @@ def budget_config(args, config):
 def _train(args, spec, config):
     from .report import layer_table, module_table, summary_text, write_report
     from .train import exit_status, train_and_compare
-    if spec.pp > 1:
+    if spec.dp > 1:
+        from .data_parallel import train_and_compare_dp
+        rank, result = train_and_compare_dp(spec, config)
+    elif spec.pp > 1:
         from .pipeline import train_and_compare_pp
         rank, result = train_and_compare_pp(spec, config)
     elif spec.tp > 1 or spec.ep > 1:
@@ -135,9 +140,11 @@ def _train(args, spec, config):
         rank, result = train_and_compare_tp(spec, config)
     else:
         rank, result = 0, train_and_compare(spec, config)
-    # under msrun every rank compares its own slice; one prints, or each stage its own
-    if rank == 0 or spec.pp > 1:
-        if spec.pp > 1:
+    # under msrun every rank compares its own slice; one prints, or each stage (each data-parallel rank) its own
+    if rank == 0 or spec.pp > 1 or spec.dp > 1:
+        if spec.dp > 1:
+            print(f"\n{result['summary']['data_parallel']['layout']}:")
+        elif spec.pp > 1:
             print(f"\npipeline stage {rank} (rank {rank} of {spec.pp}):")
         print()
         print(layer_table(result))
@@ -146,8 +153,9 @@ def _train(args, spec, config):
         print()
         print(summary_text(result))
         if args.report:
-            for path in write_report(result, args.report if spec.pp == 1 else os.path.join(args.report,
-                                                                                          f"stage{rank}")):
+            directory = args.report if spec.pp == 1 and spec.dp == 1 else \
+                os.path.join(args.report, f"rank{rank}" if spec.dp > 1 else f"stage{rank}")
+            for path in write_report(result, directory):
                 print(f"wrote {path}")
     return exit_status(result)
 
@@ -171,6 +179,19 @@ def check_pipeline_flags(args):
     if args.layers is not None and args.layers < 2:
         raise ConfigError("--layers", f"--pp 2 cuts the reference GPT at half its layers: it needs at least 2, "
                                       f"got {args.layers}")
+
+
+def check_data_parallel_flags(args):
+    """``--dp N``: replicas of the reference GPT, alone, of a TP group (``--tp 2``) or of a pipeline (``--pp 2``)."""
+    if args.dp == 1:
+        return
+    for flag, given in (("--model", args.model is not None), ("--ep", args.ep > 1),
+                        ("--moe", bool(getattr(args, "moe", False))), ("--budget", args.budget is not None)):
+        if given:
+            raise ConfigError(flag, "can't be combined with --dp: data parallel trains replicas of the reference "
+                                    "GPT (alone, with --tp or with --pp)")
+    if args.tp > 1 and args.pp > 1:
+        raise ConfigError("--dp", "combines with --tp or with --pp, not both")
 
 
 def prepare_report_dir(path):
@@ -279,6 +300,10 @@ def build_parser():
     train.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
                        help="with --pp 2: microbatches per step, all forwarded before their backwards (GPipe "
                             "order; default 1)")
+    train.add_argument("--dp", type=positive_int, default=1,
+                       help="data-parallel replicas (default 1; MindFormers' data_parallel): each trains on its own "
+                            "batches, gradients averaged with nn.DistributedGradReducer; alone or with --tp / --pp, "
+                            "under msrun with dp x tp (or dp x pp) workers")
     train.add_argument("--ep", type=positive_int, default=1,
                        help="expert-parallel size (default 1; with --moe); > 1 must run under msrun with that "
                             "many workers")
