@@ -147,3 +147,12 @@ def test_dp_refuses_what_it_does_not_combine_with(capsys, flags, message):
     config = os.path.join(ROOT, "configs", "full_swap.yaml")
     assert cli.main(["train", config, *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_budget_dp_says_the_plan_is_per_rank(capsys):
+    assert cli.main(["plan", "--budget", "0.5x", "--dp", "2", "--layers", "2", *TINY[:-6], "--batch", "2",
+                     "--profile-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "data parallel 2 (MindFormers' data_parallel): this plan is per rank, the same on all 2 ranks" in out
+    assert "its own batch of 2 (a global batch of 2 x 2)" in out and "activations don't shrink" in out
+    assert "recompute:" in out or "swap:" in out   # the plan's YAML, as without --dp

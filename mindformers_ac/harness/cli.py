@@ -2,9 +2,10 @@
 
     mindformers-ac train [CONFIG] [--steps N] [--layers L --hidden H --seq S --batch B --dropout P] [--report DIR]
     mindformers-ac train CONFIG --model MODULE:FUNCTION [--layer-list PATH] [--steps N] [--report DIR]
+    mindformers-ac train CONFIG --dp N [--tp 2 | --pp 2]   (under msrun: python -m mindformers_ac.harness.launch)
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
     mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layer-list PATH] [--pp P]
-    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layer-list PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
+    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layer-list PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--dp N] [--out plan.yaml]
 
 ``--model MODULE:FUNCTION`` is the user's model: ``FUNCTION()`` returns
 ``(model, make_inputs)`` and ``model(*make_inputs(step))`` is the step's loss
@@ -268,6 +269,8 @@ def cmd_plan(args):
         plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak))
     print(f"profiled {profile.description}")
     print(plan.report())
+    if args.dp > 1:
+        print(data_parallel_note(args.dp, spec))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(plan.to_yaml())
@@ -275,6 +278,19 @@ def cmd_plan(args):
     else:
         print(plan.to_yaml())
     return 0
+
+
+def data_parallel_note(dp, spec):
+    """``plan --dp N``: what the plan is per rank, and what data parallel divides."""
+    batch = f"its own batch of {spec.batch} (a global batch of {dp} x {spec.batch})" if spec.factory is None \
+        else f"its own batch (make_inputs), a 1/{dp} share of the global batch"
+    return (f"data parallel {dp} (MindFormers' data_parallel): this plan is per rank, the same on all {dp} ranks. "
+            f"Each rank keeps the activations of {batch}, so activations don't shrink with data parallel and "
+            f"the budget is a budget per rank. What data parallel divides is the data (each rank computes 1/{dp} "
+            f"of the global batch); the weights, gradients and optimizer states are replicated on every rank "
+            f"(not part of this activation budget). To cut a rank's activations, shrink its batch (--batch) or "
+            f"split the model: --tp (model_parallel) divides a layer's activations, --pp (pipeline_stage) its "
+            f"layers.")
 
 
 def build_parser():
@@ -354,6 +370,9 @@ def build_parser():
     plan.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
                       help="with --pp > 1: microbatches per step; in GPipe order every stage holds all M at its "
                            "peak (default 1)")
+    plan.add_argument("--dp", type=positive_int, default=1,
+                      help="data-parallel ranks (MindFormers' data_parallel; default 1): the plan is per rank, each "
+                           "rank holding the activations of its own batch (--batch)")
     plan.add_argument("--profile-steps", type=positive_int, default=12,
                       help="timed steps per option (default 12)")
     plan.add_argument("--out", default=None, metavar="PATH", help="write the YAML here (default: print it)")
