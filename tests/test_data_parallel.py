@@ -25,9 +25,7 @@ ENV = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 TINY = ["--hidden", "16", "--heads", "2", "--seq", "8", "--vocab", "64", "--batch", "2", "--steps", "2",
         "--dropout", "0.1"]
 # a layer group of full recompute keeping the collectives' outputs, and a swapped layer (4 layers)
-COMPOSED = ("recompute:\n  mode: full\n  full_recompute_layer: [0-1]\n  group_layers: 2\n"
-            "  exclude_op: [AllGather, ReduceScatter, AllReduce]\n"
-            "swap:\n  enable: True\n  layer_swap: [{layers: [2]}]\n")
+COMPOSED = os.path.join(ROOT, "configs", "dp_composed.yaml")
 
 
 def _cli():
@@ -80,10 +78,8 @@ def test_train_dp2_full_swap_prints_bitwise_on_both_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("inner", ["tp", "pp"])
 def test_train_dp2_composed_with_tp2_or_pp2_is_bitwise_on_all_four_ranks(tmp_path, inner):
-    config = tmp_path / "composed.yaml"
-    config.write_text(COMPOSED)
     extra = ["--tp", "2"] if inner == "tp" else ["--pp", "2", "--microbatches", "2"]
-    res = launch_msrun([_cli(), "train", str(config), "--dp", "2", *extra, "--layers", "4", *TINY,
+    res = launch_msrun([_cli(), "train", COMPOSED, "--dp", "2", *extra, "--layers", "4", *TINY,
                         "--report", str(tmp_path / "report")],
                        nproc=4, timeout_s=400, log_dir=tmp_path / "logs", env=ENV)
     logs = _logs(res)
