@@ -521,7 +521,7 @@ class BudgetController:
         return {"activations": str(self.settings.activations), "budget_bytes": self.budget_bytes,
                 "phase": self.phase.value, "profiles": self.profiles, "first_step": self.chosen_at,
                 "chosen": summarize(c.options) if c else None,
-                "predicted_peak_bytes": c.backward_peak if c else None,
+                "predicted_peak_bytes": c.backward_peak if c else None, "tie": c.tie if c else None,
                 "predicted_kept_bytes": c.predicted_peak if c else None,
                 "measured_peak_bytes": self.measured_peak, "fits": self.fits, "replanned": self.replanned,
                 "predicted_step_s": c.predicted_step_s if c else None,

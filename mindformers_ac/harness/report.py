@@ -110,6 +110,7 @@ def _budget_lines(budget):
     verdict = "within" if measured is not None and measured <= budget["budget_bytes"] else "over"
     lines = [f"memory budget {budget['activations']} = {_mib(budget['budget_bytes'])} MiB: chosen "
              f"{budget['chosen']} (from step {budget['first_step']}; the figures above are from that step on)",
+             *([f"  a tie: {budget['tie']}"] if budget.get("tie") else []),
              f"  real peak (kept + largest rebuild + prefetched): predicted {_mib(budget['predicted_peak_bytes'])} "
              f"MiB, measured {_mib(measured) if measured is not None else '-'} MiB: {verdict} the budget"]
     if not budget["fits"]:
