@@ -69,7 +69,7 @@ LLAMA_MODES = tuple(m for m in MODES if not m.endswith("_api") and (LLAMA.modes 
 def test_every_mode_refuses_pickle_naming_remove_ac_and_trains_on(mode):
     plain, model = LLAMA.build(), LLAMA.build()
     _apply(mode, model, BUDGET if mode == "memory_budget" else mode_config(mode, LLAMA))
-    assert first_difference(run_steps(plain, LLAMA.batch, steps=2), run_steps(model, LLAMA.batch, steps=2)) is None
+    assert first_difference(run_steps(plain, LLAMA.batch, steps=1), run_steps(model, LLAMA.batch, steps=1)) is None
     _assert_refused(model)
     # the refusal changed nothing: training goes on with AC, bitwise
     assert first_difference(run_steps(plain, LLAMA.batch, steps=1), run_steps(model, LLAMA.batch, steps=1)) is None

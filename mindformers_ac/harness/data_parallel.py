@@ -24,7 +24,7 @@ group from which each stage takes its own pipeline's sender (``WorldGatherLink``
 Each rank trains its slice without and with AC (the same data-parallel run twice), compares the two bitwise
 (loss, every averaged gradient, every parameter, every step) and reports its own memory. It also checks
 what makes it data parallel: the averaged gradients differ from the rank's local ones, and at the end the
-replicas of every data-parallel group hold bitwise the same parameters.
+replicas of every data-parallel group (the same TP slice, or the same stage) hold bitwise the same parameters.
 """
 from dataclasses import dataclass
 
@@ -140,12 +140,19 @@ class WorldGatherLink:
 
 def replicas_identical(params, layout):
     """Whether every replica of this rank's data-parallel group holds bitwise the same ``params`` (a world
-    ``AllGather`` of them all, compared block by block)."""
+    ``AllGather`` of them all, compared block by block). Every rank calls it; the ranks' parameters may differ
+    in size (pipeline stages): each rank's count goes round first (an ``AllReduce`` of one-hot counts) and
+    every block is padded to the largest."""
+    import mindspore as ms
     from mindspore import ops
     flat = ops.cat([p.reshape(-1) for p in params])
-    gathered = ops.AllGather()(flat).asnumpy().reshape(layout.world, -1)
+    counts = ops.zeros((layout.world,), ms.float32)
+    counts[layout.rank] = float(flat.shape[0])
+    counts = ops.AllReduce()(counts).asnumpy().astype(int)
+    padded = ops.cat([flat, ops.zeros((int(counts.max()) - flat.shape[0],), flat.dtype)])
+    gathered = ops.AllGather()(padded).asnumpy().reshape(layout.world, -1)
     mine = gathered[layout.rank].tobytes()
-    return all(gathered[r].tobytes() == mine for r in layout.dp_ranks)
+    return all(counts[r] == counts[layout.rank] and gathered[r].tobytes() == mine for r in layout.dp_ranks)
 
 
 def dp_batches(spec, layout):
@@ -169,9 +176,10 @@ def _one_run(spec, config_path, label, layout):
     average = GradientAverage(layout)
     if spec.pp > 1:
         from .pipeline import run_stage
+        stages = []
         record = run_stage(spec, config_path, label, layout.inner_rank, WorldGatherLink(layout),
-                           make_inputs=dp_batches(spec, layout), reduce_grads=average)
-        params = None
+                           make_inputs=dp_batches(spec, layout), reduce_grads=average, on_stage=stages.append)
+        params = list(stages[0].get_parameters())
     else:
         from .variant import run_variant
         model = _dp_model(spec, layout)
@@ -205,9 +213,7 @@ def train_and_compare_dp(spec, config_path, comm=None):
           "inner_rank": layout.inner_rank, "inner_group_ranks": layout.inner_ranks,
           "layout": layout.describe(kind), "reducer": "nn.DistributedGradReducer(mean=True)",
           "averaged_grads_differ_from_local": bool(base_average.differs_from_local and ac_average.differs_from_local)}
-    if base_params is not None:
-        dp["replicas_identical"] = bool(replicas_identical(base_params, layout)
-                                        and replicas_identical(ac_params, layout))
+    dp["replicas_identical"] = bool(replicas_identical(base_params, layout) & replicas_identical(ac_params, layout))
     result["summary"]["data_parallel"] = dp
     if spec.pp > 1:
         peaks = {"baseline": max(m["kept_bytes"] for m in baseline["memory"]),

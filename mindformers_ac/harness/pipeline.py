@@ -140,14 +140,17 @@ class StageRun:
         return losses, grads, memory, time.perf_counter() - start
 
 
-def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_grads=None):
+def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_grads=None, on_stage=None):
     """Train this rank's stage for ``spec.steps`` steps; the record ``harness.train.compare`` reads.
 
-    ``rank`` is the stage; ``make_inputs`` (default: the spec's synthetic batches) and ``reduce_grads``
-    are data parallel's: this pipeline's batches and the gradient average before the update."""
+    ``rank`` is the stage; ``make_inputs`` (default: the spec's synthetic batches), ``reduce_grads`` and
+    ``on_stage(stage)`` (called with the stage cell as built) are data parallel's: this pipeline's batches,
+    the gradient average before the update, and the parameters the replicas compare."""
     from .process_memory import reset_hwm, vm_hwm
     gpt = build_gpt(spec.gpt, spec.seed)
     stage = split_gpt(gpt, own_process=True)[rank]
+    if on_stage is not None:
+        on_stage(stage)
     make_inputs = make_inputs or spec.synthetic_batches()
     hidden_shape = (spec.batch, spec.gpt.seq_length, spec.gpt.hidden_size)
     run = StageRun(stage, rank, link, config_path, spec.lr, hidden_shape, reduce_grads)
