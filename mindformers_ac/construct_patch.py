@@ -136,8 +136,13 @@ class PickleRefusal:
 
     def __init__(self, cell):
         self.name = type(cell).__name__
+        self._cell = weakref.ref(cell)
 
-    def __call__(self, _protocol=None):
+    def __call__(self, protocol=2):
+        # copy.copy asks the same method (a deep copy has CopyHook): a shallow copy stays what it was
+        if sys._getframe(1).f_globals.get("__name__") == "copy":   # pylint: disable=protected-access
+            cell = self._cell()
+            return type(cell).__reduce_ex__(cell, protocol)
         raise pickle.PicklingError(
             f"mindformers_ac: can't pickle {self.name}: activation checkpointing or swap installed by mindformers_ac "
             f"(apply_ac, checkpoint_wrapper, swap_wrapper) is part of it; call mindformers_ac.remove_ac(model) "

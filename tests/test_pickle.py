@@ -8,6 +8,7 @@ shows that the refusal comes first, with its message, in every mode of ``apply_a
 layers, are refused where pickling reaches them: on the functional model). The round trip after ``remove_ac`` runs
 on a model of parameters and functional ops only, which pickles.
 """
+import copy
 import pickle
 
 import numpy as np
@@ -71,6 +72,11 @@ def test_every_mode_refuses_pickle_naming_remove_ac_and_trains_on(mode):
     _apply(mode, model, BUDGET if mode == "memory_budget" else mode_config(mode, LLAMA))
     assert first_difference(run_steps(plain, LLAMA.batch, steps=1), run_steps(model, LLAMA.batch, steps=1)) is None
     _assert_refused(model)
+    for _, cell in model.cells_and_names():   # a shallow copy asks the same method: it is not refused
+        if "__reduce_ex__" in cell.__dict__:
+            dup = copy.copy(cell)
+            assert type(dup) is type(cell) and dup is not cell and dup.__dict__.get("construct") is \
+                cell.__dict__.get("construct")
     # the refusal changed nothing: training goes on with AC, bitwise
     assert first_difference(run_steps(plain, LLAMA.batch, steps=1), run_steps(model, LLAMA.batch, steps=1)) is None
     _remove(mode, model)
