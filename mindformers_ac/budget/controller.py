@@ -2,8 +2,9 @@
 cheapest plan that fits.
 
 ``apply_ac`` with a ``memory_budget`` section installs this controller on
-the model it was given: a forward pre-hook and a forward hook on that cell,
-nothing else. A *training forward* is one MindSpore records for a gradient
+the model it was given: one bracket around that cell's ``construct``
+(``construct_patch``; a forward that raises, Ctrl-C included, ends the
+measured step there and then), nothing else. A *training forward* is one MindSpore records for a gradient
 (``requires_grad``); an eval forward in between is left alone. Every AC
 option is bitwise exact, so the controller can run the user's own steps
 under any candidate plan without changing the training curve:
@@ -12,21 +13,25 @@ under any candidate plan without changing the training curve:
   AC (a warm-up: first calls are slow), the second without AC too (the
   baseline: its kept bytes are what ``0.5x`` is a fraction of), then one
   step per candidate option, applied to every layer where it is allowed
-  (``profile_schedule``: full recompute and layer swap first). Each step is
+  (``profile_schedule``: full recompute and layer swap first). The steps
+  may have other input shapes each (a new sequence length every step): each
+  is scaled by element count to the largest shapes among them, which the
+  plan is chosen for. Each step is
   measured as ``train`` measures (``accounting.StepMeter``: kept bytes per
   layer, the rebuild in backward, what swap offloaded) and timed as its
   forward plus its backward (``MeasuredStep``), not what the trainer does
   between steps.
 * **the choice**: ``budget.solver.plan_within`` on those figures, under the
   real peak (kept bytes, plus the largest rebuild, plus what prefetch
-  brings back ahead of time). The chosen plan is installed, and the next
+  brings back ahead of time); plans within the timing noise of the fastest
+  are a tie, settled by bytes (said in the log). The chosen plan is installed, and the next
   training step is measured. If its measured peak is over the budget, the
   profile takes the measured figures and the choice is made once more (said
   in the log); after that the plan stays. If nothing fits, the plan with the
   least peak is installed and one warning gives the figures.
 * **settled**: one log block says what was measured and chosen
   (``describe``); ``ac_state(model).plan`` is the chosen ``AcPlan`` and its
-  ``to_config()`` pins it without profiling. The hooks then only compare
+  ``to_config()`` pins it without profiling. The bracket then only compares
   input shapes: a forward with shapes not seen before is predicted (the
   measured peak, scaled by the inputs' element count) and profiled again
   only if the prediction is over the budget, at most ``MAX_PROFILES`` times
@@ -360,7 +365,7 @@ class BudgetController:
                                          f"{format_bytes(self.budget_bytes)}; training goes on with it "
                                          f"({self.choice.summary()})")
         if self.choice.tie:
-            logger.info("memory_budget: a tie: %s", self.choice.tie)
+            self._note(f"memory_budget: a tie: {self.choice.tie}")
         config = option_config(self.choice.options, self.base_config, self.prefetch)
         self.plans[self.profile_shape] = (config, self.choice.backward_peak)
         self._install(config)
