@@ -270,6 +270,11 @@ class OpenStep:
             self.meter.detach()
             raise
 
+    @property
+    def in_forward(self):
+        """The meter's hooks are in (``end_forward`` has not run)."""
+        return self._hooks is not None
+
     def end_forward(self):
         if self._hooks is None:
             return

@@ -33,6 +33,7 @@ is wrapped after the inner one, or else at the outer wrapper's first call
 
 import copy
 import logging
+import pickle
 import sys
 import weakref
 
@@ -100,6 +101,7 @@ class _Dropped:
 DROPPED = _Dropped()
 
 _COPY_ATTR = "__deepcopy__"
+_PICKLE_ATTR = "__reduce_ex__"
 _DROP_MARK = "mac_drop_on_copy"
 # Cell's lazily created hook dicts; an entry of ours is removed from the main dict and its extras.
 _HOOK_DICTS = ("_lazy_forward_pre_hook", "_lazy_forward_hook", "_lazy_backward_pre_hook", "_lazy_backward_hook")
@@ -164,7 +166,8 @@ class CopyHook:
 
     def __call__(self, memo):
         cell = self._cell()
-        dup = copy._reconstruct(cell, memo, *cell.__reduce_ex__(4))  # pylint: disable=protected-access  # what deepcopy does
+        # what deepcopy does, with the class's reduce (the instance's refuses pickling)
+        dup = copy._reconstruct(cell, memo, *type(cell).__reduce_ex__(cell, 4))  # pylint: disable=protected-access
         _scrub(cell, memo)
         for fn in list(self.after):
             fn(cell, dup, memo)
@@ -174,12 +177,40 @@ class CopyHook:
         return DROPPED
 
 
+class PickleRefusal:
+    """The instance ``__reduce_ex__`` of a cell the library changed: ``pickle`` refuses it, naming the way out.
+
+    A pickled patch would unpickle as closures over the original process's engines (and MindSpore's weak
+    references don't pickle at all); a model without AC pickles as before. ``remove_ac`` (or ``unwrap`` /
+    ``remove_swap_wrapper``) takes this out with the patches.
+    """
+
+    def __init__(self, cell):
+        self.name = type(cell).__name__
+        self._cell = weakref.ref(cell)
+
+    def __call__(self, protocol=2):
+        # copy.copy asks the same method (a deep copy has CopyHook): a shallow copy stays what it was
+        if sys._getframe(1).f_globals.get("__name__") == "copy":   # pylint: disable=protected-access
+            cell = self._cell()
+            return type(cell).__reduce_ex__(cell, protocol)
+        raise pickle.PicklingError(
+            f"mindformers_ac: can't pickle {self.name}: activation checkpointing or swap installed by mindformers_ac "
+            f"(apply_ac, checkpoint_wrapper, swap_wrapper) is part of it; call mindformers_ac.remove_ac(model) "
+            f"(or unwrap() / remove_swap_wrapper()) before pickling and apply_ac again after loading, or save the "
+            f"weights with mindspore.save_checkpoint")
+
+    def __deepcopy__(self, memo):
+        return DROPPED
+
+
 def hold_copy_hook(cell):
-    """The cell's ``CopyHook``, installed if missing; pair with ``release_copy_hook``."""
+    """The cell's ``CopyHook`` (and ``PickleRefusal``), installed if missing; pair with ``release_copy_hook``."""
     hook = cell.__dict__.get(_COPY_ATTR)
     if not isinstance(hook, CopyHook):
         hook = CopyHook(cell)
         object.__setattr__(cell, _COPY_ATTR, hook)   # an instance attribute: deepcopy looks it up with getattr
+        object.__setattr__(cell, _PICKLE_ATTR, PickleRefusal(cell))   # and so does pickle
     hook.users += 1
     return hook
 
@@ -190,6 +221,7 @@ def release_copy_hook(cell):
         hook.users -= 1
         if hook.users <= 0:
             del cell.__dict__[_COPY_ATTR]
+            cell.__dict__.pop(_PICKLE_ATTR, None)
 
 
 def patch_of(fn):

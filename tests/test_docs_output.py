@@ -68,3 +68,13 @@ def test_readme_quick_start_shows_what_train_prints_on_the_default_config(tmp_pa
     assert documented[0] == printed[0]   # bytes and percentages, exactly
     assert documented[-1] == printed[-1] == "losses, gradients and all parameters bitwise equal in every step: yes"
     assert regen.timing_masked("\n".join(documented)) == regen.timing_masked("\n".join(printed))
+
+
+def test_check_ignores_whether_a_budget_tie_was_said():
+    """memory_budget says "a tie:" when the fastest plan was another one within the noise: timing, not the choice."""
+    chosen = "memory budget 0.4x = 3.63 MiB: chosen 0-3: full (from step 8)\n"
+    peak = "  real peak (kept + largest rebuild + prefetched): predicted 2.78 MiB\n"
+    tie = "  a tie: 0-3: select mlp was predicted 8.5 ms faster, within the timing noise: chosen by bytes\n"
+    assert regen.timing_masked(chosen + tie + peak) == regen.timing_masked(chosen + peak)
+    assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen.replace("0-3: full", "0-3: select mlp")
+                                                                     + peak)

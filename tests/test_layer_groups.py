@@ -135,6 +135,48 @@ class _Reordered(PatternModel):
         return self.loss(x, y)
 
 
+class _KeywordCalled(PatternModel):
+    """Calls each layer by keyword (``layer(x=..., pos=...)``, as ``layer(hidden_states=x)`` in MindFormers)."""
+
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            x = self.run_layer(layer, mask=mask, pos=pos, scale=self.scale, x=x)
+        return self.loss(x, y)
+
+
+class _MaskFirst(Layer):
+    """Takes the hidden states second: ``layer(mask, x, pos, scale)``."""
+
+    def construct(self, mask, x, pos, scale):   # pylint: disable=arguments-differ
+        return super().construct(x, pos, mask, scale)
+
+
+class _SecondPosition(PatternModel):
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            x = self.run_layer(layer, mask, x, pos, self.scale)
+        return self.loss(x, y)
+
+
+@pytest.mark.parametrize("cls, layer_cls", [(_KeywordCalled, Layer), (_SecondPosition, _MaskFirst)],
+                         ids=["by_keyword", "second_position"])
+@pytest.mark.parametrize("light", [True, False], ids=["light", "intercepted"])
+def test_the_chained_argument_is_the_one_the_previous_output_went_into(cls, layer_cls, light):
+    """The group rebuilds whichever argument (position or keyword) received the previous layer's output."""
+    def build():
+        return init_weights(cls([layer_cls() for _ in range(3)]))
+    base = run_steps(build(), hidden_batch)
+    model = build()
+    extra = {} if light else {"exclude_op": ["Softmax"]}
+    mac.apply_ac(model, config=grouped(3, "0-2", **extra), layers="layers")
+    assert first_difference(base, run_steps(model, hidden_batch)) is None
+    stats = mac.ac_state(model).recompute_stats
+    assert [stats[i].chained_calls for i in range(3)] == [0, 3, 3]   # 3 steps, members 1 and 2 chained
+    assert all(stats[i].ops_rerun > 0 for i in range(3))
+    if not light:
+        assert stats[1].ops_reused > 0
+
+
 @pytest.mark.parametrize("cls, reason", [
     (_Unchained, "layer 1 of the group of layers 0, 1, 2 did not receive the previous layer's output"),
     (_Reordered, "layer 1 of the group of layers 0, 1, 2 ran without the group's previous layer right before"),

@@ -2,8 +2,9 @@
 cheapest plan that fits.
 
 ``apply_ac`` with a ``memory_budget`` section installs this controller on
-the model it was given: a forward pre-hook and a forward hook on that cell,
-nothing else. A *training forward* is one MindSpore records for a gradient
+the model it was given: one bracket around that cell's ``construct``
+(``construct_patch``; a forward that raises, Ctrl-C included, ends the
+measured step there and then), nothing else. A *training forward* is one MindSpore records for a gradient
 (``requires_grad``); an eval forward in between is left alone. Every AC
 option is bitwise exact, so the controller can run the user's own steps
 under any candidate plan without changing the training curve:
@@ -12,21 +13,25 @@ under any candidate plan without changing the training curve:
   AC (a warm-up: first calls are slow), the second without AC too (the
   baseline: its kept bytes are what ``0.5x`` is a fraction of), then one
   step per candidate option, applied to every layer where it is allowed
-  (``profile_schedule``: full recompute and layer swap first). Each step is
+  (``profile_schedule``: full recompute and layer swap first). The steps
+  may have other input shapes each (a new sequence length every step): each
+  is scaled by element count to the largest shapes among them, which the
+  plan is chosen for. Each step is
   measured as ``train`` measures (``accounting.StepMeter``: kept bytes per
   layer, the rebuild in backward, what swap offloaded) and timed as its
   forward plus its backward (``MeasuredStep``), not what the trainer does
   between steps.
 * **the choice**: ``budget.solver.plan_within`` on those figures, under the
   real peak (kept bytes, plus the largest rebuild, plus what prefetch
-  brings back ahead of time). The chosen plan is installed, and the next
+  brings back ahead of time); plans within the timing noise of the fastest
+  are a tie, settled by bytes (said in the log). The chosen plan is installed, and the next
   training step is measured. If its measured peak is over the budget, the
   profile takes the measured figures and the choice is made once more (said
   in the log); after that the plan stays. If nothing fits, the plan with the
   least peak is installed and one warning gives the figures.
 * **settled**: one log block says what was measured and chosen
   (``describe``); ``ac_state(model).plan`` is the chosen ``AcPlan`` and its
-  ``to_config()`` pins it without profiling. The hooks then only compare
+  ``to_config()`` pins it without profiling. The bracket then only compares
   input shapes: a forward with shapes not seen before is predicted (the
   measured peak, scaled by the inputs' element count) and profiled again
   only if the prediction is over the budget, at most ``MAX_PROFILES`` times
@@ -48,9 +53,9 @@ import time
 import weakref
 from enum import Enum
 
-from ..accounting import OTHER, StepMeter
+from ..accounting import OTHER, StepMemory, StepMeter
 from ..config import MemoryBudgetConfig
-from ..construct_patch import drop_on_copy
+from ..construct_patch import ConstructPatch
 from ..layer_specs import format_layer_specs, swappable_layers
 from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
@@ -97,6 +102,20 @@ def _elements(key):
     return sum(math.prod(shape) for shape, _ in key) or 1
 
 
+def scaled_memory(memory, factor):
+    """A ``StepMemory`` with every byte figure of ``memory`` times ``factor`` (the figures of a step at other
+    input shapes, by element count); ``memory`` itself when ``factor`` is 1."""
+    if factor == 1:
+        return memory
+    fields = ("kept_bytes", "recomputed_bytes", "offloaded_bytes", "prefetched_bytes", "on_demand_bytes")
+    layers = {}
+    for key, lm in memory.layers.items():
+        scaled = dataclasses.replace(lm, **{f: int(round(getattr(lm, f) * factor)) for f in fields})
+        scaled.kept_by_module = {k: int(round(v * factor)) for k, v in lm.kept_by_module.items()}
+        layers[key] = scaled
+    return StepMemory(layers)
+
+
 def measured_peak(memory, layer_ids, prefetch):
     """A step's real peak from its ``StepMemory``, the figure the solver bounds: kept bytes, plus the
     largest rebuild in backward, plus the ``prefetch`` largest offloads (back on the device ahead of use)."""
@@ -116,7 +135,22 @@ class MeasuredStep:
         self.memory_step, self.option, self.shape = memory_step, option, shape
         self.started = time.perf_counter()
         self.forward_s = self.backward_from = self.last_grad = None
-        self._grad_hooks = [p.register_hook(self._grad_seen) for p in params]
+        self._grad_hooks = []
+        # MindSpore holds a tensor hook where the garbage collector does not look: a hook holding this step
+        # (and so the controller and the model) would keep a model dropped between its forward and its
+        # backward alive for ever; it holds a weak reference
+        mine = weakref.ref(self)
+
+        def grad_seen(_grad):
+            step = mine()
+            if step is not None:
+                step.last_grad = time.perf_counter()
+        try:
+            for p in params:
+                self._grad_hooks.append(p.register_hook(grad_seen))
+        except BaseException:
+            self.close()
+            raise
 
     def end_forward(self):
         if self.forward_s is None:
@@ -126,9 +160,6 @@ class MeasuredStep:
     def backward_started(self):
         if self.backward_from is None:
             self.backward_from = time.perf_counter()
-
-    def _grad_seen(self, _grad):
-        self.last_grad = time.perf_counter()
 
     @property
     def complete(self):
@@ -169,7 +200,7 @@ class BudgetController:
         self.schedule = profile_schedule(options, self.settings.profile_steps, include_swap)
         self.meter = StepMeter(model, state.layers_arg, state.mtp_block)
         self.phase = Phase.PROFILING
-        self.samples, self.profile_shape, self.profiles = [], None, 1
+        self.samples, self.sample_shapes, self.profile_shape, self.profiles = [], [], None, 1
         self.profile = self.choice = self.budget_bytes = None
         self.measured_peak = self.measured_step_s = None
         self.fits, self.replanned = True, False
@@ -183,29 +214,39 @@ class BudgetController:
         self._awaiting = {}      # token -> weakref to a training forward's output its backward has not reached
         self._skipped = 0        # forwards in a row made while one was in flight
         self._warned = set()
-        self._handles = []
+        self._patch = None
 
     # -- hooks -------------------------------------------------------------------------------------------
 
     def install(self):
-        # closures marked drop_on_copy: a deep copy of the model leaves them out (it gets its own controller)
-        def before(cell, args):
-            return self._before_forward(cell, args)
-
-        def after(cell, args, output):
-            return self._after_forward(cell, args, output)
-        self._handles = [self.model.register_forward_pre_hook(drop_on_copy(before)),
-                         self.model.register_forward_hook(drop_on_copy(after))]
+        # one bracket around the model's construct (not a pair of forward hooks): a forward that raises,
+        # KeyboardInterrupt included, closes the step being measured there and then, so no meter hook
+        # outlives it (MindSpore's always_call forward hooks run on Exception only)
+        self._patch = ConstructPatch(self.model, "memory_budget", self._around_forward, outer=True)
 
     def uninstall(self):
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._open is not None:
-            self._open.close()
-            self._open = None
+        patch, self._patch = self._patch, None
+        if patch is not None:
+            patch.remove()
+        self._drop_open_step()
 
-    def _before_forward(self, _cell, args):
+    def _around_forward(self, inner, *args, **kwargs):
+        try:
+            self._before_forward(args)
+            output = inner(*args, **kwargs)
+        except BaseException:
+            self._drop_open_step()
+            raise
+        self._after_forward(output)
+        return output
+
+    def _drop_open_step(self):
+        """The step being measured ends here and is no sample (its forward raised, or AC is removed)."""
+        step, self._open = self._open, None
+        if step is not None:
+            step.close()
+
+    def _before_forward(self, args):
         if not pynative_executor.requires_grad():
             return   # eval, or a forward nobody takes a gradient of: not a training step
         if self._in_flight() and self._skipped < MAX_IN_FLIGHT:
@@ -222,15 +263,13 @@ class BudgetController:
         if self.phase == Phase.SETTLED:
             self._settled_forward(shape)
         if self.phase == Phase.PROFILING:
-            if self.profile_shape is None:
-                self.profile_shape = shape
             option = self.schedule[len(self.samples)]
             self._install(self._option_config(option))
             self._start(option, shape)
         elif self.phase == Phase.CHECKING:
             self._start(None, shape)
 
-    def _after_forward(self, _cell, _args, output):
+    def _after_forward(self, output):
         if not pynative_executor.requires_grad():
             return
         if self._open is not None:
@@ -241,11 +280,15 @@ class BudgetController:
         if tracked is not None:
             token = object()
             self._awaiting[token] = weakref.ref(tracked)
+            controller = weakref.ref(self)   # the output may outlive the model (see MeasuredStep)
 
             def reached(_grad):
-                self._awaiting.pop(token, None)
-                if self._open is not None:
-                    self._open.backward_started()
+                me = controller()
+                if me is None:
+                    return
+                me._awaiting.pop(token, None)   # pylint: disable=protected-access
+                if me._open is not None:   # pylint: disable=protected-access
+                    me._open.backward_started()   # pylint: disable=protected-access
             tracked.register_hook(reached)
 
     def _in_flight(self):
@@ -257,8 +300,12 @@ class BudgetController:
         return bool(self._awaiting)
 
     def _start(self, option, shape):
-        self._open = MeasuredStep(self.meter.begin(engines_at_forward_end=True), option, shape,
-                                  self.model.trainable_params())
+        memory_step = self.meter.begin(engines_at_forward_end=True)
+        try:
+            self._open = MeasuredStep(memory_step, option, shape, self.model.trainable_params())
+        except BaseException:
+            memory_step.end_forward()
+            raise
 
     # -- phases ------------------------------------------------------------------------------------------
 
@@ -270,24 +317,39 @@ class BudgetController:
             logger.debug("memory_budget: a measured step did not complete its forward and backward; not used")
             return
         if self.phase == Phase.PROFILING:
-            if shape != self.profile_shape:
-                logger.debug("memory_budget: a profiling step had other input shapes than the profile's; not used")
-                return
             applied = applied_layers(option, len(self.layer_ids), self.prefetch)
             self.samples.append(OptionSample(option, applied, seconds, memory))
+            self.sample_shapes.append(shape)
             if len(self.samples) == len(self.schedule):
                 self._choose()
         elif self.phase == Phase.CHECKING:
+            factor = _elements(self.profile_shape) / _elements(shape)   # the figures at the profile's shapes
+            memory = scaled_memory(memory, factor)
             self.measured_peak = measured_peak(memory, self.layer_ids, self.prefetch)
-            self.measured_step_s = seconds
+            self.measured_step_s = seconds * factor
             self._check(memory)
 
     def _choose(self):
-        samples = self.samples[_BASELINE:]
-        shape = ", ".join(f"{list(s)} {d}" for s, d in self.profile_shape)
-        profile = profile_from_samples(samples, len(self.layer_ids), self.prefetch,
-                                       description=f"{len(self.samples)} training steps, inputs {shape}")
-        base = self.samples[_BASELINE].memory
+        # steps of other input shapes (a new sequence length every step) count all the same: each is scaled
+        # by element count to the largest shapes the profile measured, as a settled plan is predicted for
+        # new shapes (a profile that waited for one shape to come back could wait for ever)
+        shapes = self.sample_shapes[_BASELINE:]
+        self.profile_shape = max(shapes, key=_elements)
+        target = _elements(self.profile_shape)
+        samples = [OptionSample(s.option, s.applied, s.seconds * target / _elements(shape),
+                                scaled_memory(s.memory, target / _elements(shape)))
+                   for s, shape in zip(self.samples[_BASELINE:], shapes)]
+        inputs = ", ".join(f"{list(s)} {d}" for s, d in self.profile_shape)
+        distinct = len(set(shapes))
+        description = f"{len(self.samples)} training steps, inputs {inputs}"
+        if distinct > 1:
+            description += (f" (the largest of {distinct} input shapes; the steps of the others scaled to it by "
+                            f"element count)")
+            self._note(f"memory_budget: the {len(shapes)} profiling steps after the warm-up had {distinct} input "
+                       f"shapes; each step's figures are "
+                       f"scaled by element count to the largest, {inputs}, and the plan is chosen for it")
+        profile = profile_from_samples(samples, len(self.layer_ids), self.prefetch, description=description)
+        base = samples[0].memory
         profile.other_bytes += self._unplanned_bytes(base)
         if self.budget_bytes is None:
             self.budget_bytes = self.settings.budget_bytes(base.kept_bytes) if self.settings.is_fraction \
@@ -302,6 +364,8 @@ class BudgetController:
                                          f"{format_bytes(self.choice.backward_peak)}, over the budget of "
                                          f"{format_bytes(self.budget_bytes)}; training goes on with it "
                                          f"({self.choice.summary()})")
+        if self.choice.tie:
+            self._note(f"memory_budget: a tie: {self.choice.tie}")
         config = option_config(self.choice.options, self.base_config, self.prefetch)
         self.plans[self.profile_shape] = (config, self.choice.backward_peak)
         self._install(config)
@@ -364,7 +428,7 @@ class BudgetController:
             self._note(f"memory_budget: new input shapes {shapes}: predicted peak {format_bytes(predicted)} is over "
                        f"the budget {format_bytes(self.budget_bytes)}; profiling again (profile {self.profiles} of "
                        f"at most {MAX_PROFILES})", logging.WARNING)
-            self.phase, self.samples, self.profile_shape, self.replanned = Phase.PROFILING, [], shape, False
+            self.phase, self.samples, self.sample_shapes, self.replanned = Phase.PROFILING, [], [], False
         else:
             self.plans[shape], self.active_shape = (config, predicted), shape
             self._warn_once("bound", f"memory_budget: new input shapes {shapes} predict a peak of "
@@ -448,6 +512,8 @@ class BudgetController:
             f", measured {self.measured_step_s * 1000:.1f} ms ({self.measured_step_s / p.baseline_step_s:.2f}x)"
         lines.append(f"  step time: {p.baseline_step_s * 1000:.1f} ms without AC, predicted "
                      f"{c.predicted_step_s * 1000:.1f} ms ({c.predicted_step_s / p.baseline_step_s:.2f}x){measured}")
+        if c.tie:
+            lines.append(f"  a tie: {c.tie}")
         if self.replanned:
             lines.append("  chosen a second time, with the first choice's measured figures")
         if not self.fits:
@@ -460,7 +526,7 @@ class BudgetController:
         return {"activations": str(self.settings.activations), "budget_bytes": self.budget_bytes,
                 "phase": self.phase.value, "profiles": self.profiles, "first_step": self.chosen_at,
                 "chosen": summarize(c.options) if c else None,
-                "predicted_peak_bytes": c.backward_peak if c else None,
+                "predicted_peak_bytes": c.backward_peak if c else None, "tie": c.tie if c else None,
                 "predicted_kept_bytes": c.predicted_peak if c else None,
                 "measured_peak_bytes": self.measured_peak, "fits": self.fits, "replanned": self.replanned,
                 "predicted_step_s": c.predicted_step_s if c else None,

@@ -40,6 +40,10 @@ from ..plan import LayerPlan
 from ..tensors import MiB
 from .sizes import format_bytes
 
+# Step-time differences below this fraction of the baseline step are noise to ``plan_within``: one measured
+# step per option on a shared CPU moves by that much between runs of the same command.
+TIME_NOISE = 0.10
+
 
 class OptionKind(str, enum.Enum):
     """What an ``Option`` does to a layer."""
@@ -192,6 +196,7 @@ class BudgetPlan:
     profile: Profile
     budget: int
     choice: list
+    tie: str = None   # plan_within: why a slightly faster plan was passed over for fewer bytes
 
     @property
     def options(self):
@@ -355,21 +360,33 @@ def plan_within(profile, budget):
     prefetch brings back ahead of time, which is not additive: every cap on
     the rebuild (each measured transient) and with or without swap is solved
     as its own knapsack, with what the cap reserves taken off the budget,
-    and the cheapest answer wins. Returns ``(plan, fits)``: when nothing fits,
+    and the cheapest answer wins. Step times are one measured step per option, so
+    plans whose predicted times are within ``TIME_NOISE`` of the baseline step of the fastest are a tie:
+    of those, the one with the least real peak is chosen (``BudgetPlan.tie`` says so), and a run of the
+    same command does not flip between them on timing noise. Returns ``(plan, fits)``: when nothing fits,
     the plan with the least real peak and ``fits=False``.
     """
-    best, least = None, None
+    fitting, least = [], None
     for ok, reserve in _backward_cases(profile):
         capacity = budget - profile.other_bytes - reserve
         choice = solve(profile.mem, profile.time, ok, capacity) if capacity >= 0 else None
         if choice is not None:
-            plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice])
-            if best is None or (plan.predicted_step_s, plan.backward_peak) < (best.predicted_step_s,
-                                                                              best.backward_peak):
-                best = plan
+            fitting.append(BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice]))
         floor = np.argmin(np.where(ok, profile.mem, np.inf), axis=1)
         plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in floor])
+        if plan.backward_peak <= budget:
+            fitting.append(plan)   # the least memory of this case: a candidate when times tie
         if least is None or plan.backward_peak < least.backward_peak:
             least = plan
-    return (best, True) if best is not None else (least, False)
-
+    if not fitting:
+        return least, False
+    fastest = min(fitting, key=lambda p: (p.predicted_step_s, p.backward_peak))
+    noise = TIME_NOISE * profile.baseline_step_s
+    tied = [p for p in fitting if p.predicted_step_s <= fastest.predicted_step_s + noise]
+    best = min(tied, key=lambda p: (p.backward_peak, p.predicted_step_s))
+    if best.choice != fastest.choice:
+        best.tie = (f"{fastest.summary()} was predicted {(best.predicted_step_s - fastest.predicted_step_s) * 1000:.1f} "
+                    f"ms faster, within the timing noise ({TIME_NOISE:.0%} of the "
+                    f"{profile.baseline_step_s * 1000:.1f} ms step without AC): chosen by bytes, "
+                    f"{format_bytes(best.backward_peak)} against {format_bytes(fastest.backward_peak)}")
+    return best, True

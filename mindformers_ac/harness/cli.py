@@ -2,9 +2,10 @@
 
     mindformers-ac train [CONFIG] [--steps N] [--layers L --hidden H --seq S --batch B --dropout P] [--report DIR]
     mindformers-ac train CONFIG --model MODULE:FUNCTION [--layer-list PATH] [--steps N] [--report DIR]
+    mindformers-ac train CONFIG --dp N [--tp 2 | --pp 2]   (under msrun: python -m mindformers_ac.harness.launch)
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
     mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layer-list PATH] [--pp P]
-    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layer-list PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--out plan.yaml]
+    mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layer-list PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--dp N] [--out plan.yaml]
 
 ``--model MODULE:FUNCTION`` is the user's model: ``FUNCTION()`` returns
 ``(model, make_inputs)`` and ``model(*make_inputs(step))`` is the step's loss
@@ -86,7 +87,9 @@ def cmd_train(args):
         raise ConfigError("CONFIG", "train --model needs the YAML config to apply (or --budget): the shipped "
                                     "default config targets the reference GPT's 8 layers")
     check_pipeline_flags(args)
-    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches)
+    check_data_parallel_flags(args)
+    spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches,
+                          dp=args.dp)
     config = args.config or (None if args.budget is not None else default_config_path())
     loaded = AcConfig.from_yaml(config) if config else AcConfig()   # structural errors first, before any model
     with contextlib.ExitStack() as stack:
@@ -109,8 +112,8 @@ def budget_config(args, config):
 
     from ..budget.sizes import parse_budget
     parse_budget(args.budget, 1, "--budget")
-    for flag in ("tp", "ep", "pp"):
-        if getattr(args, flag) > 1:
+    for flag in ("tp", "ep", "pp", "dp"):
+        if getattr(args, flag, 1) > 1:
             raise ConfigError("--budget", f"plans the layers of one process; it can't be combined with --{flag}")
     settings = dataclasses.replace(config.memory_budget, activations=args.budget)   # CONFIG's profile_steps too
     if args.steps < settings.profile_steps + 2:
@@ -127,7 +130,10 @@ def budget_config(args, config):
 def _train(args, spec, config):
     from .report import layer_table, module_table, summary_text, write_report
     from .train import exit_status, train_and_compare
-    if spec.pp > 1:
+    if spec.dp > 1:
+        from .data_parallel import train_and_compare_dp
+        rank, result = train_and_compare_dp(spec, config)
+    elif spec.pp > 1:
         from .pipeline import train_and_compare_pp
         rank, result = train_and_compare_pp(spec, config)
     elif spec.tp > 1 or spec.ep > 1:
@@ -135,9 +141,11 @@ def _train(args, spec, config):
         rank, result = train_and_compare_tp(spec, config)
     else:
         rank, result = 0, train_and_compare(spec, config)
-    # under msrun every rank compares its own slice; one prints, or each stage its own
-    if rank == 0 or spec.pp > 1:
-        if spec.pp > 1:
+    # under msrun every rank compares its own slice; one prints, or each stage (each data-parallel rank) its own
+    if rank == 0 or spec.pp > 1 or spec.dp > 1:
+        if spec.dp > 1:
+            print(f"\n{result['summary']['data_parallel']['layout']}:")
+        elif spec.pp > 1:
             print(f"\npipeline stage {rank} (rank {rank} of {spec.pp}):")
         print()
         print(layer_table(result))
@@ -146,8 +154,9 @@ def _train(args, spec, config):
         print()
         print(summary_text(result))
         if args.report:
-            for path in write_report(result, args.report if spec.pp == 1 else os.path.join(args.report,
-                                                                                          f"stage{rank}")):
+            directory = args.report if spec.pp == 1 and spec.dp == 1 else \
+                os.path.join(args.report, f"rank{rank}" if spec.dp > 1 else f"stage{rank}")
+            for path in write_report(result, directory):
                 print(f"wrote {path}")
     return exit_status(result)
 
@@ -171,6 +180,19 @@ def check_pipeline_flags(args):
     if args.layers is not None and args.layers < 2:
         raise ConfigError("--layers", f"--pp 2 cuts the reference GPT at half its layers: it needs at least 2, "
                                       f"got {args.layers}")
+
+
+def check_data_parallel_flags(args):
+    """``--dp N``: replicas of the reference GPT, alone, of a TP group (``--tp 2``) or of a pipeline (``--pp 2``)."""
+    if args.dp == 1:
+        return
+    for flag, given in (("--model", args.model is not None), ("--ep", args.ep > 1),
+                        ("--moe", bool(getattr(args, "moe", False))), ("--budget", args.budget is not None)):
+        if given:
+            raise ConfigError(flag, "can't be combined with --dp: data parallel trains replicas of the reference "
+                                    "GPT (alone, with --tp or with --pp)")
+    if args.tp > 1 and args.pp > 1:
+        raise ConfigError("--dp", "combines with --tp or with --pp, not both")
 
 
 def prepare_report_dir(path):
@@ -247,6 +269,8 @@ def cmd_plan(args):
         plan = plan_budget(profile, parse_budget(args.budget, profile.baseline_peak))
     print(f"profiled {profile.description}")
     print(plan.report())
+    if args.dp > 1:
+        print(data_parallel_note(args.dp, spec))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(plan.to_yaml())
@@ -254,6 +278,19 @@ def cmd_plan(args):
     else:
         print(plan.to_yaml())
     return 0
+
+
+def data_parallel_note(dp, spec):
+    """``plan --dp N``: what the plan is per rank, and what data parallel divides."""
+    batch = f"its own batch of {spec.batch} (a global batch of {dp} x {spec.batch})" if spec.factory is None \
+        else f"its own batch (make_inputs), a 1/{dp} share of the global batch"
+    return (f"data parallel {dp} (MindFormers' data_parallel): this plan is per rank, the same on all {dp} ranks. "
+            f"Each rank keeps the activations of {batch}, so activations don't shrink with data parallel and "
+            f"the budget is a budget per rank. What data parallel divides is the data (each rank computes 1/{dp} "
+            f"of the global batch); the weights, gradients and optimizer states are replicated on every rank "
+            f"(not part of this activation budget). To cut a rank's activations, shrink its batch (--batch) or "
+            f"split the model: --tp (model_parallel) divides a layer's activations, --pp (pipeline_stage) its "
+            f"layers.")
 
 
 def build_parser():
@@ -279,6 +316,10 @@ def build_parser():
     train.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
                        help="with --pp 2: microbatches per step, all forwarded before their backwards (GPipe "
                             "order; default 1)")
+    train.add_argument("--dp", type=positive_int, default=1,
+                       help="data-parallel replicas (default 1; MindFormers' data_parallel): each trains on its own "
+                            "batches, gradients averaged with nn.DistributedGradReducer; alone or with --tp / --pp, "
+                            "under msrun with dp x tp (or dp x pp) workers")
     train.add_argument("--ep", type=positive_int, default=1,
                        help="expert-parallel size (default 1; with --moe); > 1 must run under msrun with that "
                             "many workers")
@@ -329,6 +370,9 @@ def build_parser():
     plan.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
                       help="with --pp > 1: microbatches per step; in GPipe order every stage holds all M at its "
                            "peak (default 1)")
+    plan.add_argument("--dp", type=positive_int, default=1,
+                      help="data-parallel ranks (MindFormers' data_parallel; default 1): the plan is per rank, each "
+                           "rank holding the activations of its own batch (--batch)")
     plan.add_argument("--profile-steps", type=positive_int, default=12,
                       help="timed steps per option (default 12)")
     plan.add_argument("--out", default=None, metavar="PATH", help="write the YAML here (default: print it)")

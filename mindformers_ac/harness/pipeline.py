@@ -104,8 +104,9 @@ class StageRun:
     reverse order, exchanging with the other stage through ``link``; returns
     ``(losses, grads, StepMemory, seconds)`` (``losses``: the microbatches' losses, on both stages)."""
 
-    def __init__(self, stage, rank, link, config=None, lr=0.05, hidden_shape=None):
+    def __init__(self, stage, rank, link, config=None, lr=0.05, hidden_shape=None, reduce_grads=None):
         self.stage, self.rank, self.link, self.hidden_shape = stage, rank, link, hidden_shape
+        self.reduce_grads = reduce_grads   # (params, grads) -> grads before the update: data parallel's average
         self.plan = apply_ac(stage, config=config, pp=2) if config else None
         self.optimizer = nn.SGD(stage.trainable_params(), learning_rate=lr)
         self.meter = StepMeter(stage)
@@ -133,18 +134,26 @@ class StageRun:
             del in_flight
         mine = ops.stack(losses) if losses else ops.zeros((len(microbatches),), ms.float32)
         losses = self.link.exchange(mine, src=1)
+        if self.reduce_grads is not None:
+            grads = self.reduce_grads(params, grads)
         self.optimizer(grads)
         return losses, grads, memory, time.perf_counter() - start
 
 
-def run_stage(spec, config_path, label, rank, link):
-    """Train this rank's stage for ``spec.steps`` steps; the record ``harness.train.compare`` reads."""
+def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_grads=None, on_stage=None):
+    """Train this rank's stage for ``spec.steps`` steps; the record ``harness.train.compare`` reads.
+
+    ``rank`` is the stage; ``make_inputs`` (default: the spec's synthetic batches), ``reduce_grads`` and
+    ``on_stage(stage)`` (called with the stage cell as built) are data parallel's: this pipeline's batches,
+    the gradient average before the update, and the parameters the replicas compare."""
     from .process_memory import reset_hwm, vm_hwm
     gpt = build_gpt(spec.gpt, spec.seed)
     stage = split_gpt(gpt, own_process=True)[rank]
-    make_inputs = spec.synthetic_batches()
+    if on_stage is not None:
+        on_stage(stage)
+    make_inputs = make_inputs or spec.synthetic_batches()
     hidden_shape = (spec.batch, spec.gpt.seq_length, spec.gpt.hidden_size)
-    run = StageRun(stage, rank, link, config_path, spec.lr, hidden_shape)
+    run = StageRun(stage, rank, link, config_path, spec.lr, hidden_shape, reduce_grads)
     record = {"losses": [], "step_times": [], "memory": [], "collectives": []}
     record_initial_state(record, stage, [p.name for p in run.optimizer.parameters])
     reset_hwm()

@@ -5,6 +5,7 @@ import re
 from typing import NamedTuple
 
 from ..tensors import MiB
+from .data_parallel import data_parallel_lines
 
 
 def _mib(nbytes):
@@ -94,7 +95,8 @@ def summary_text(result):
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
         verdict_line(s),
-    ] + _budget_lines(s.get("memory_budget")) + _pipeline_lines(s.get("pipeline")) + _collectives_lines(s.get("collectives_per_step"),
+    ] + _budget_lines(s.get("memory_budget")) + _pipeline_lines(s.get("pipeline")) \
+        + data_parallel_lines(s.get("data_parallel")) + _collectives_lines(s.get("collectives_per_step"),
                            "expert parallel" if result["spec"].get("ep", 1) > 1 else "tensor parallel"))
 
 
@@ -108,6 +110,7 @@ def _budget_lines(budget):
     verdict = "within" if measured is not None and measured <= budget["budget_bytes"] else "over"
     lines = [f"memory budget {budget['activations']} = {_mib(budget['budget_bytes'])} MiB: chosen "
              f"{budget['chosen']} (from step {budget['first_step']}; the figures above are from that step on)",
+             *([f"  a tie: {budget['tie']}"] if budget.get("tie") else []),
              f"  real peak (kept + largest rebuild + prefetched): predicted {_mib(budget['predicted_peak_bytes'])} "
              f"MiB, measured {_mib(measured) if measured is not None else '-'} MiB: {verdict} the budget"]
     if not budget["fits"]:
@@ -123,6 +126,7 @@ def _pipeline_lines(pipeline):
     p, m = pipeline, pipeline["microbatches"]
     peak, per = p["peak_in_flight_bytes"], p["kept_per_microbatch_bytes"]
     unsplit = "bitwise equal in every step" if p["unsplit_matches"] else \
+        "not compared (data parallel)" if p["unsplit_matches"] is None else \
         f"differs from step {p['unsplit_first_difference']['step']} ({p['unsplit_first_difference']['what']})"
     return [f"pipeline stage {p['stage']} of {p['stages']} (layers {p['layers'][0]}-{p['layers'][1]}), {m} "
             f"microbatches in flight ({p['schedule']}): peak activation memory {_mib(peak['baseline'])} MiB "

@@ -49,6 +49,7 @@ class TrainSpec:
     ep: int = 1                    # expert-parallel size (MoE model only)
     pp: int = 1                    # pipeline stages (reference GPT only: 2, one per rank)
     microbatches: int = 1          # microbatches in flight per step with pp > 1 (GPipe order)
+    dp: int = 1                    # data-parallel replicas (harness.data_parallel), of the TP group or pipeline
     moe: Optional[dict] = None     # MoEConfig fields beyond ``gpt``: the reference MoE GPT instead of the dense one
     factory: Optional[str] = None
     layer_list: Optional[str] = None
@@ -103,7 +104,8 @@ class TrainSpec:
                     f"{m.capacity_factor}, seq {g.seq_length}, batch {self.batch}"
                     + (f", ep {self.ep}" if self.ep > 1 else ""))
         return (f"reference GPT: {g.num_layers} layers, hidden {g.hidden_size}, heads {g.num_heads}, "
-                f"seq {g.seq_length}, batch {self.batch}"
+                f"seq {g.seq_length}, batch {self.batch}" + (f" per data-parallel rank, dp {self.dp}"
+                                                             if self.dp > 1 else "")
                 + (f", {self.pp} pipeline stages, {self.microbatches} microbatches in flight (GPipe)"
                    if self.pp > 1 else ""))
 

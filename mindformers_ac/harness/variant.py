@@ -14,18 +14,20 @@ class RunFailed(RuntimeError):
     """A training run (a worker process) failed after the config and model were checked."""
 
 
-def run_variant(spec, config_path, label, rank=0, show_progress=True):
+def run_variant(spec, config_path, label, rank=0, show_progress=True, built=None, reduce_grads=None):
     """Train ``spec`` (with ``config_path`` applied, unless None) and return every figure as a dict.
 
     Besides the figures, the record holds the digests ``exactness.judge``
     compares: loss, every gradient and every parameter (trainable or not) after
-    each step, and the parameters as built.
+    each step, and the parameters as built. ``built``: ``(model, make_inputs)`` instead of
+    ``spec.build(rank)`` (data parallel: this rank's slice and batches); ``reduce_grads(params, grads)
+    -> grads`` runs after the tensor-parallel sync, before the update (data parallel: the average).
     """
     from ..apply import ac_state
     from .exactness import record_initial_state, record_step
     from .process_memory import reset_hwm, vm_hwm
 
-    model, make_inputs = spec.build(rank)
+    model, make_inputs = built if built is not None else spec.build(rank)
     run = TrainingRun(model, config_path, spec.lr, layers=spec.layer_list)
     progress = Progress(label, spec.steps) if show_progress else None
     record = {"losses": [], "step_times": [], "memory": [], "collectives": []}
@@ -37,6 +39,8 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
         from .tp import reset_comm_counters, sync_sequence_parallel_grads
         sync = sync_expert_parallel_grads if spec.ep > 1 else sync_sequence_parallel_grads
         sync_grads = functools.partial(sync, model)
+    if reduce_grads is not None:
+        sync_grads = _then(sync_grads, reduce_grads)
     reset_hwm()
     for step in range(spec.steps):
         inputs = make_inputs(step)
@@ -58,6 +62,13 @@ def run_variant(spec, config_path, label, rank=0, show_progress=True):
     if state is not None and state.budget is not None:
         record["budget"] = state.budget.as_record()
     return record
+
+
+def _then(first, second):
+    """``sync_grads`` that runs ``first`` (may be None), then ``second``."""
+    def both(params, grads):
+        return second(params, first(params, grads) if first is not None else grads)
+    return both
 
 
 def _collectives(model, state):

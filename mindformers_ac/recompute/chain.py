@@ -1,9 +1,10 @@
 """Layer groups (``recompute.group_layers``): consecutive layers recomputed together, keeping only the
 first one's inputs.
 
-A group is layers the model calls in a row, each on the previous one's output (``x = layer(x, ...)``:
-MindSpeed's ``--recompute-method uniform``). Each member stays its own checkpointed call, with its own
-region, stats and light path, but a member after the first does not keep its first argument: it holds
+A group is layers the model calls in a row, each on the previous one's output (``x = layer(x, ...)``, or by
+keyword, ``x = layer(hidden_states=x)``: MindSpeed's ``--recompute-method uniform``). Each member stays its own
+checkpointed call, with its own region, stats and light path, but a member after the first does not keep the
+argument the previous member's output went into (by position or keyword): it holds
 the previous member's region instead (``rerun.ChainedInput``), and its recompute starts by asking that
 region for the output the region's own re-run computed, which runs that re-run first, and so on back
 to the first member, whose inputs are kept. Backward reaches the last member first, so a group is
@@ -11,9 +12,9 @@ rebuilt at once: less is kept at the end of forward, more is alive inside backwa
 a member receives (masks, rotary tuples, keyword arguments) is kept as it received it.
 
 ``LayerChain`` is the forward's bookkeeping of one group: which member ran last and its output, held
-weakly (a failed forward leaves nothing alive), with the output's stamp (``tensor_stamp``). A member whose
-first argument is not the previous member's output, or that runs out of order, is refused with a
-``RecomputeError`` naming the layers. One whose first argument was written in place or rebound between
+weakly (a failed forward leaves nothing alive), with the output's stamp (``tensor_stamp``). A member none
+of whose arguments is the previous member's output, or that runs out of order, is refused with a
+``RecomputeError`` naming the layers. One whose chained argument was written in place or rebound between
 the two members (``x[:, 0] = 0`` in the model's loop) keeps that argument as an ungrouped layer does
 (rule W5 of docs/exactness.md): the previous member's re-run would not see the write.
 """
@@ -34,6 +35,17 @@ def first_output(out):
     return None
 
 
+def _argument_holding(output, args, kwargs):
+    """Where ``output`` went in a call: the first position or keyword holding that very tensor, or None."""
+    for i, a in enumerate(args):
+        if a is output:
+            return i
+    for key, value in kwargs.items():
+        if value is output:
+            return key
+    return None
+
+
 class LayerChain:
     """The members of one group (their global layer ids, in call order) and the forward in progress."""
 
@@ -46,9 +58,10 @@ class LayerChain:
     def _reset(self):
         self._next, self._region, self._output, self._stamp = 0, None, None, None
 
-    def link(self, index, args):
-        """Member ``index`` starts its forward on ``args``: the previous member's region (None for the first,
-        or when the previous member's output was written since it returned: then this member keeps it)."""
+    def link(self, index, args, kwargs=None):
+        """Member ``index`` starts its forward on ``args`` and ``kwargs``: ``(the previous member's region,
+        where its output went: a position or a keyword)``, None for the first member, or when the previous
+        member's output was written since it returned (then this member keeps it)."""
         if index == 0:
             self._reset()
             self._next = 1
@@ -59,13 +72,14 @@ class LayerChain:
                                                                     "right before it")
         region = self._region() if self._region is not None else None
         output = self._output() if self._output is not None else None
-        if region is None or output is None or not args or args[0] is not output:
+        where = _argument_holding(output, args, kwargs or {}) if output is not None else None
+        if region is None or where is None:
             self._reset()
             raise messages.group_not_chained(self.layer_ids, index, "did not receive the previous layer's output "
-                                                                    "as its first argument")
+                                                                    "as an argument")
         if tensor_stamp(output) != self._stamp:
             return None
-        return region
+        return region, where
 
     def done(self, index, region, out):
         """Member ``index`` returned ``out``: the next member must receive its first output."""

@@ -212,7 +212,7 @@ class LightRegion(RegionBase):
         ENGINE.push(run)
         try:
             self.start_forward()
-            self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args)))
+            self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.watch_buffers():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)

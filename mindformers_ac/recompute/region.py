@@ -662,7 +662,7 @@ class Region(RegionBase):
                 ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
             offload = (functools.partial(self._offload_input, run)
                        if self.swap_inputs and self.swap_executor is not None else None)
-            self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args)))
+            self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
                     self.watch_buffers(run.engine_ops):

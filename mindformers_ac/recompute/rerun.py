@@ -383,17 +383,18 @@ class RegionBase:
         return type(root).__name__ if root is not None else getattr(self.fn, "__qualname__", "function")
 
     # -- layer groups (see ``chain``) -----------------------------------------------------------------
-    def link_chain(self, args):
-        """As a group member's forward starts: the previous member's region (None: the first member, or no
-        group). ``RecomputeError`` when ``args[0]`` is not that member's output."""
+    def link_chain(self, args, kwargs=None):
+        """As a group member's forward starts: ``(the previous member's region, the position or keyword its
+        output went into)`` (None: the first member, or no group). ``RecomputeError`` when no argument is
+        that member's output."""
         if self.chain is None:
             return None
         chain, index = self.chain
-        prev = chain.link(index, args)
-        if prev is not None:
-            prev.feeds_next = True
+        link = chain.link(index, args, kwargs)
+        if link is not None:
+            link[0].feeds_next = True
             self.stats.chained_calls += 1
-        return prev
+        return link
 
     def finish_chain(self, out):
         if self.chain is not None:
@@ -426,14 +427,15 @@ class RegionBase:
         hands them to a swap executor instead of keeping them on the device;
         kept ones are counted in ``bytes``. Parameters and non-tensors are
         passed as they are (a Parameter is read at recompute time).
-        ``chained``: the previous member's region in a layer group; the first
-        argument is then not kept but rebuilt from it (``ChainedInput``).
+        ``chained``: ``(the previous member's region, a position or keyword)`` in a layer group
+        (``link_chain``); the argument there is then not kept but rebuilt from that region (``ChainedInput``).
         """
         ptrs = []
+        where = link = None
         if chained is not None:   # not among the returned pointers: what an op saves of it is dropped too
-            first = args[0]
-            head = ChainedInput(chained, is_tracked(first), first.data_ptr())
-            args = args[1:]
+            region, where = chained
+            value = args[where] if isinstance(where, int) else kwargs[where]
+            link = ChainedInput(region, is_tracked(value), value.data_ptr())
 
         def save(a):
             if not isinstance(a, Tensor) or isinstance(a, Parameter):
@@ -447,8 +449,8 @@ class RegionBase:
             return SavedInput(kept, is_tracked(a), ptr)
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
-            saved = tuple(save(a) for a in args)
-            self.inputs = ((head,) + saved if chained is not None else saved, {k: save(v) for k, v in kwargs.items()})
+            saved = tuple(link if i == where else save(a) for i, a in enumerate(args))
+            self.inputs = (saved, {k: link if k == where else save(v) for k, v in kwargs.items()})
         return ptrs
 
     def protect_input(self, ptr):
