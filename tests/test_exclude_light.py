@@ -396,3 +396,30 @@ def test_functions_sharing_one_code_object_are_kept_apart():
     grad_fn = ms.grad(cell, grad_position=0)
     assert all(np.array_equal(grad_fn(x).asnumpy(), want) for _ in range(3))
     assert stats.ops_reused > 0
+
+
+def test_a_layer_called_with_a_cell_argument_says_why_it_stays_intercepted():
+    """Issue 42: MindFormers' MTP layer gets ``embedding=self.embedding``; a Cell argument can't be part of a
+    call signature, so no call is checked and every one is intercepted: each counts that reason."""
+    class Embed(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = Parameter(Tensor(np.random.RandomState(7).randn(H, H).astype(np.float32) * 0.3), name="w")
+
+        def construct(self, x):
+            return ops.matmul(x, self.w)
+
+    class MtpLike(nn.Cell):
+        def construct(self, x, embedding):
+            return ops.sin(embedding(x)).sum()
+
+    x = Tensor(np.random.RandomState(9).randn(B, S, H).astype(np.float32))
+    embed = Embed()
+    want = ms.grad(lambda t: MtpLike()(t, embed), grad_position=0)(x).asnumpy()
+    cell, stats = MtpLike(), rc.RecomputeStats()
+    rc.checkpoint_wrapper(cell, stats=stats)
+    grad_fn = ms.grad(lambda t: cell(t, embed), grad_position=0)
+    assert all(np.array_equal(grad_fn(x).asnumpy(), want) for _ in range(3))
+    assert (stats.intercepted_calls, stats.light_calls) == (3, 0)
+    (reason,) = stats.intercept_reasons
+    assert "can't be part of a call signature" in reason and stats.intercept_reasons[reason] == 3
