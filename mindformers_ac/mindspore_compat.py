@@ -63,8 +63,8 @@ def tensor_stamp(t):
     """``(data_ptr, version)`` of ``t``: unchanged until something writes it in place or rebinds its storage.
 
     Views share their base's version counter; a detached alias (``stop_gradient``) does not, so stamp
-    the tensor the model holds. Legacy side-effect ops (``AssignAdd`` ...) do not advance it (rule W7 of
-    docs/exactness.md)."""
+    the tensor the model holds. Legacy side-effect ops (``AssignAdd`` ...) do not advance it (what rule
+    W1 of docs/exactness.md can't see)."""
     return t.data_ptr(), t._version   # pylint: disable=protected-access
 
 

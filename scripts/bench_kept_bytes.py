@@ -61,17 +61,20 @@ class Chain(nn.Cell):
         return ops.tanh(b)
 
 
-def _kept(build, policy):
+def run_block(build, policy):
+    """``(gradients of 3 steps, kept bytes, stats)`` of a fresh ``build()``: ``policy`` None is no AC (a meter
+    around each step), ``"full"`` full recompute, else a ``policy_fn`` for ``checkpoint_wrapper``."""
     x = Tensor(np.random.RandomState(2).randn(4, 32, H).astype(np.float32))
     cell, stats = build(), mac.RecomputeStats()
     meter = SavedTensorMeter(params=cell.trainable_params())
-    if policy != "none":
-        checkpoint_wrapper(cell, policy_fn=exclude_policy(["matmul"]) if policy == "keep" else None, stats=stats)
-    grad_fn = ms.grad(lambda t: cell(t).sum())
+    if policy is not None:
+        checkpoint_wrapper(cell, policy_fn=None if policy == "full" else policy, stats=stats)
+    grad_fn = ms.grad(lambda t: cell(t).sum(), grad_position=None, weights=cell.trainable_params())
+    grads = []
     for _ in range(3):
         with meter.hooks():
-            grad_fn(x)
-    return meter.peak if policy == "none" else stats.peak_kept_bytes
+            grads.append([g.asnumpy() for g in grad_fn(x)])
+    return grads, (meter.peak if policy is None else stats.peak_kept_bytes), stats
 
 
 def _gpt_layers(exclude):
@@ -91,7 +94,7 @@ def main():
     synchronous_pynative("CPU")
     print(f"{'case':<34} {'no AC B':>10} {'keep matmuls B':>15} {'full recompute B':>17} {'keep / no AC':>13}")
     for name, build in (("attention block", Attention), ("chain of four kept matmuls", Chain)):
-        none, keep, full = (_kept(build, p) for p in ("none", "keep", "full"))
+        none, keep, full = (run_block(build, p)[1] for p in (None, exclude_policy(["matmul"]), "full"))
         print(f"{name:<34} {none:>10,} {keep:>15,} {full:>17,} {keep / none:>12.2f}x")
     none, keep, full = _gpt_layers(None), _gpt_layers(["MatMul"]), _gpt_layers([])
     print(f"{'reference GPT, layers 0-3':<34} {none:>10,} {keep:>15,} {full:>17,} {keep / none:>12.2f}x")

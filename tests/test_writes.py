@@ -176,27 +176,6 @@ def test_inplace_collective_under_exclude_op_on_two_ranks(tmp_path):
         assert result["reused"] == 6 and not any("AllReduce" in op for op in result["rerun_by_op"]), result
 
 
-def _kept_run(build, policy):
-    """(gradients of 3 steps, kept bytes): no AC (a meter around each step), or a checkpoint_wrapper."""
-    import mindspore as ms
-    import numpy as np
-    from mindspore import Tensor
-
-    from mindformers_ac.meter import SavedTensorMeter
-    from mindformers_ac.recompute import checkpoint_wrapper
-    x = Tensor(np.random.RandomState(2).randn(4, 32, 64).astype(np.float32))
-    cell, stats = build(), mac.RecomputeStats()
-    meter = SavedTensorMeter(params=cell.trainable_params())
-    if policy is not None:
-        checkpoint_wrapper(cell, policy_fn=policy, stats=stats)
-    grad_fn = ms.grad(lambda t: cell(t).sum(), grad_position=None, weights=cell.trainable_params())
-    grads = []
-    for _ in range(3):
-        with meter.hooks():
-            grads.append([g.asnumpy() for g in grad_fn(x)])
-    return grads, (meter.peak if policy is None else stats.peak_kept_bytes), stats
-
-
 @pytest.mark.parametrize("block", ["Attention", "Chain"])
 def test_kept_ops_never_keep_more_than_without_ac(block):
     """K1/K2 (issue 37, case 9; HyperParallel's and torchtitan's memory tests keep a region's matmuls): keeping
@@ -207,8 +186,8 @@ def test_kept_ops_never_keep_more_than_without_ac(block):
     sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "scripts"))
     import bench_kept_bytes as bench
     build = getattr(bench, block)
-    base, none, _ = _kept_run(build, None)
-    got, kept, stats = _kept_run(build, mac.recompute.exclude_policy(["matmul"]))
+    base, none, _ = bench.run_block(build, None)
+    got, kept, stats = bench.run_block(build, mac.recompute.exclude_policy(["matmul"]))
     assert all(np.array_equal(a, b) for s, t in zip(base, got) for a, b in zip(s, t))
     assert 0 < kept <= none, (kept, none)
     assert stats.ops_reused > 0

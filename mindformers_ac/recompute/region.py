@@ -313,7 +313,7 @@ class Region(RegionBase):
         """May ``run`` skip forward op ``idx``? Only under the marker (its code asked it, or the region has
         a ``context_fn``), and only an op whose output is not kept (a one-shot side effect under
         ``is_in_recompute()``). What a skipped op saved for backward is not rebuilt: its tokens raise if
-        the backward ever reaches them (rule W6 of docs/exactness.md: a tracker that keeps an attached loss
+        the backward ever reaches them (rule W7 of docs/exactness.md: a tracker that keeps an attached loss
         is never differentiated, so its saves are never asked for)."""
         return (run.asked_marker or self.context_fn is not None) and idx not in self.decisions
 
