@@ -242,6 +242,11 @@ class PathChecks:
         return len(self._checks)
 
 
+_TOO_MANY = (f"the wrapper has checked {PathChecks.MAX_KEYS} call signatures already (a new shape or argument "
+             f"value every call?); new ones stay intercepted")
+_IN_CHECK = "its signature's first call is still being checked (its backward has not run yet)"
+
+
 def run_checkpoint(fn, args, kwargs, checks, root, **options):
     """Entry point of a wrapped cell: the light path when its signature's check allows, else ``run_region``.
 
@@ -261,4 +266,8 @@ def run_checkpoint(fn, args, kwargs, checks, root, **options):
                            cell_precision(root), options.get("chain")).run_forward(args, kwargs)
     if key is not None and check is None:
         options["path_check"] = checks.start(key)
+        if options["path_check"] is None:
+            options["stats"].note_intercepted((_TOO_MANY,))
+    elif key is not None and check.ok is None:
+        options["stats"].note_intercepted((_IN_CHECK,))
     return run_region(fn, args, kwargs, root=root, **options)
