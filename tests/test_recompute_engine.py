@@ -22,8 +22,7 @@ from mindformers_ac import recompute as rc
 from mindformers_ac.checkpoint_policy import CheckpointPolicy
 from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
 from mindformers_ac.meter import SavedTensorMeter, peak_saved_bytes
-from mindformers_ac.recompute.rerun import RegionBase
-from mindformers_ac.recompute.saved import Token
+from mindformers_ac.recompute.rerun import RegionBase, Token
 from mindformers_ac.recompute.state import ENGINE
 from mindformers_ac.tensors import storage_nbytes
 

@@ -2,52 +2,23 @@
 
 ``checkpoint(fn, *args)`` runs ``fn`` so that only what a policy says is kept
 for backward; everything else is rebuilt, on the first unpack in backward, by
-running ``fn`` again on its saved inputs. Unlike ``mindspore.recompute`` with
-``use_reentrant=False``, gradients are bitwise equal to a run without
-recompute even with dropout: random ops are not run again (Dropout keeps its
-mask as bits and its output is rebuilt exactly; other random ops keep their
-outputs). The exception is a random primitive marked ``mac_replayable = True``
-(a fresh primitive with explicit seeds, as the reference model's
-``SeededDropout``): calling it again draws the same output, so it is
-recomputed like any other op and nothing of it is kept.
-
-Ops that write parameters (BatchNorm's moving statistics, ``Assign``,
-``AssignAdd``, ``Inplace*`` ops on the region's parameters) write once per
-step: the recompute runs them on copies of what they write, taken before the
-forward's write, or keeps their outputs when those copies would be larger (see
-``side_effects``). Region inputs are tracked by autograd in the recompute
-exactly when they were in forward, whatever their dtype (int position ids and
-bool masks from the batch are), so every op saves the same tensors twice.
-
-What stays alive between forward and backward: the region's inputs (detached),
-the outputs and saved tensors of ops the policy keeps (MUST_SAVE / PREFER_SAVE,
-random ops that are not replayable), Dropout masks as bits, copies of what
-side-effect ops write, and tokens. Parameters are never counted.
-
-Failure modes, all raised as errors that name the fix (the recompute's as
-``RecomputeError``, a ``RuntimeError``, in backward; texts in ``messages``):
-
-* the re-run takes a different code path (op sequence differs, or fewer ops
-  run): RecomputeError naming the first diverging op and its cell path; a
-  region must be a pure function of its inputs and parameters;
-* an op saves a different number of tensors, or one of another shape or dtype,
-  in the recompute than in forward: RecomputeError naming the op and what
-  differed (e.g. a tensor read from outside the region's arguments that
-  requires grad in only one run);
-* backpropagating the same graph twice, or a higher-order gradient through a
-  region: RecomputeError (recomputed tensors are single use);
-* ``policy_fn`` returning anything but a ``CheckpointPolicy``: TypeError;
-* wrapping a cell twice, or a cell that ``swap_wrapper`` wraps: ValueError.
-
-The engine installs its own ``saved_tensors_hooks`` inside regions; an outer
-hook (e.g. ``SavedTensorMeter``) does not see what a region saves, so each
-region reports its own bytes in ``RecomputeStats``.
+running ``fn`` again on its saved inputs, bitwise equal to a run without
+recompute: random ops are not drawn again (Dropout keeps its mask as bits;
+a primitive marked ``mac_replayable = True`` is recomputed like any op),
+what the forward writes is written once per step (rules W1-W7), and inputs
+are tracked by autograd in the re-run exactly as in forward. What stays alive
+between forward and backward is the region's inputs, what the policy keeps,
+Dropout masks and copies of written tensors, counted in ``RecomputeStats``
+(an outer saved-tensor hook does not see inside a region). Every guarantee,
+and every failure raised instead (``RecomputeError`` in backward, TypeError /
+ValueError for bad arguments, naming the fix), is in docs/exactness.md.
 """
 import functools
+import re
 
 from mindspore import nn
 
-from ..checkpoint_policy import CheckpointPolicy
+from ..checkpoint_policy import CheckpointPolicy, check_policy_fn
 from ..construct_patch import (
     ConstructPatch,
     find_patch,
@@ -55,12 +26,12 @@ from ..construct_patch import (
     refuse_wrapped_function,
     wrapped_function_info,
 )
+from ..errors import quote
 from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
 from .op_slot import install_dropout_slots
-from .options import CheckpointOptions, check_exclude_args, check_policy_fn, take_options
 from .path_choice import PathChecks, run_checkpoint
 from .region import run_region
 from .stats import RecomputeStats
@@ -68,6 +39,76 @@ from .tracking import PathTracker
 
 __all__ = ["checkpoint", "checkpoint_wrapper", "exclude_policy", "get_checkpoint_stats", "is_checkpoint_wrapped",
            "is_in_recompute", "unwrap"]
+
+
+# -- PyTorch's and HyperParallel's checkpoint keywords, and the checks of a checkpoint's arguments ----------
+# What each keyword means here, and why True / "none" / False ask for no less exactness: docs/exactness.md,
+# "The checkpoint API's keywords". A bad value is a ValueError naming the option, as HyperParallel's tests expect.
+_DETERMINISM_CHECKS = ("default", "none")
+TORCH_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop")
+
+
+class CheckpointOptions:
+    """PyTorch's checkpoint keywords, checked (see the comment above)."""
+
+    __slots__ = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
+
+    def __init__(self, where, use_reentrant=None, preserve_rng_state=True, determinism_check="default",
+                 debug=False, early_stop=True):
+        if use_reentrant is not None and not isinstance(use_reentrant, bool):
+            raise ValueError(f"{where}: use_reentrant must be False (or left out), got {quote(use_reentrant)}")
+        if use_reentrant:
+            raise ValueError(f"{where}: use_reentrant=True is not supported: this checkpoint is non-reentrant "
+                             "(it saves with saved-tensor hooks and re-runs the function in backward, as "
+                             "PyTorch's use_reentrant=False). Pass use_reentrant=False or leave it out.")
+        for name, value in (("preserve_rng_state", preserve_rng_state), ("debug", debug),
+                            ("early_stop", early_stop)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {name} must be True or False, got {type(value).__name__} "
+                                 f"{quote(value)}")
+        if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
+            raise ValueError(f"{where}: determinism_check must be one of {', '.join(map(repr, _DETERMINISM_CHECKS))}, "
+                             f"got {quote(determinism_check)}")
+        self.preserve_rng_state, self.determinism_check = preserve_rng_state, determinism_check
+        self.debug, self.early_stop = debug, early_stop
+
+
+def take_options(where, kwargs):
+    """Pop PyTorch's checkpoint keywords from ``kwargs`` (the rest go to the user's function) and check them."""
+    found = {name: kwargs.pop(name) for name in TORCH_OPTIONS if name in kwargs}
+    return CheckpointOptions(where, **found)
+
+
+def check_exclude_args(names, path_patterns, base_policy):
+    """``exclude_policy``'s arguments: lists of strings (and valid regexes), a callable base policy.
+
+    Returns ``(names, compiled patterns)`` as tuples. TypeError / ValueError name the argument and the
+    bad item.
+    """
+    checked = []
+    for arg, items in (("names", names), ("path_patterns", path_patterns)):
+        if isinstance(items, (str, bytes)):
+            raise TypeError(f"exclude_policy({arg}=...) takes a list of strings, not a string: "
+                            f"write {arg}=[{quote(items)}]")
+        try:
+            items = tuple(items)
+        except TypeError:
+            raise TypeError(f"exclude_policy({arg}=...) takes a list of strings, got {type(items).__name__} "
+                            f"{quote(items)}") from None
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise TypeError(f"exclude_policy({arg}=...): item {i} must be a string (an op name"
+                                f"{'' if arg == 'names' else ' regex'}), got {type(item).__name__} {quote(item)}")
+        checked.append(items)
+    names, path_patterns = checked
+    compiled = []
+    for p in path_patterns:
+        try:
+            compiled.append(re.compile(p))
+        except re.error as exc:
+            raise ValueError(f"exclude_policy(path_patterns=...): {quote(p)} is not a valid regex ({exc})") from None
+    check_policy_fn("exclude_policy", base_policy, arg="base_policy")
+    return names, tuple(compiled)
 
 _KIND = "checkpoint_wrapper"
 

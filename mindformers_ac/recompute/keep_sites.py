@@ -1,35 +1,19 @@
 """Where an excluded op is reached, so that the light path can keep it without intercepting every op.
 
 ``exclude_op`` (an ``exclude_policy``) decides by the op's name and where it
-runs, nothing else: once a first, intercepted call has seen which ops it
-keeps, the same ops are kept in every later call of that call signature. The
-light path sees no op, so the decision is installed where the op is reached,
-a *keep site*, one of the op slots the engine already tracks:
-
-* ``attr``: an op attribute of a cell of the region (``self.bmm_qk``,
-  ``self.softmax = mint.nn.functional.softmax``, a callable object or a
-  bound method), whose ``OpSlot`` the policy's path tracker gives its track role
-  (``tracking``): the innermost one running when the op is dispatched is its
-  site;
-* ``item``: a Primitive a cell holds in a dict attribute (the lazily built
-  collectives of ``harness.tp``: ``self._prims["AllGather"]``), or a cell held
-  in a dict holds as an attribute (MindFormers' ``_comm_ops`` slots,
-  ``region_cells``): a legacy op is dispatched with its Primitive, found there
-  by identity; a pyboost op without it, found as the only one of its name.
-
-A site is an ``op_slot.OpSlot`` with the keep role. In a light run whose
-signature keeps the site it hands the call to the region (``LightRegion.keep_call``: forward keeps the
-outputs and whatever the call saved; the recompute returns those outputs
-without running the op); everywhere else it calls the op.
-
-A site qualifies only if every op dispatched under it in the checking call was
-kept (``Region.settle_sites``). An op reached through no slot keeps its
-signature on the intercepting path, with the reason in
-``RecomputeStats.intercept_reasons``: a function called by its global name
-(``ops.matmul``), a Tensor method or an operator, inside a MindSpore cell
-(``nn.Dense``: a whole cell is not kept). No Python frame is read and no user
-code is copied: an op is identified by the slot that holds it, as the path
-tracker records it, never by the call site that reached it.
+runs, nothing else, so a first intercepted call's decisions hold for every
+later call of its signature. The light path sees no op: the decision is
+installed where the op is reached, a *keep site*, one of the op slots the
+engine already tracks: ``attr``, an op attribute of a region's cell (its
+``OpSlot`` has the path tracker's track role; the innermost one running when
+the op is dispatched is its site), or ``item``, a Primitive held in a dict
+attribute, or by a cell held in one (MindFormers' ``_comm_ops``): a legacy op
+is found there by identity, a pyboost op as the only one of its name. A site
+is an ``OpSlot`` with the keep role, which hands a light run's call to
+``LightRegion.keep_call``; it qualifies only if every op dispatched under it
+in the checking call was kept (``Region.settle_sites``). An op reached through
+no slot keeps its signature intercepted, with the reason. No Python frame is
+read and no user code is copied (docs/exactness.md, "The light path").
 """
 from mindspore import nn
 from mindspore.ops import Primitive

@@ -22,22 +22,10 @@ apart, as a Dropout's); the recompute hands the outputs back in call order
 without running them, and raises when it reaches another site, with inputs of
 other shapes, or another number of times.
 
-Failure modes (``RecomputeError``, the same texts as the intercepting path):
-a recompute that saved another number of tensors, or one of another shape or
-dtype (named by the op the checking call numbered, when the forward saved what
-that call saved), or called ``nn.Dropout`` another number of times or on an
-input of another shape; a saved tensor asked for twice (backward run twice).
-A re-run that takes another code path with saves of the same shapes (a
-branch on state that changed since the forward) is caught by its output:
-``_OutputProbe`` compares a sample of the forward's and the re-run's first
-floating output bitwise (``RecomputeError``, and the signature is checked
-again). A re-run that writes one of the region's non-trainable Parameters,
-which the checking call did not, is undone (``side_effects.BufferGuard``).
-What it can't see: a re-run running other ops whose saves and sampled output
-are those of the forward, and a write to something other than the region's
-non-trainable Parameters appearing in a later call with the same signature
-(a forward whose saves differ from the check's makes the next call check
-again).
+Failure modes (``RecomputeError``, the same texts as the intercepting path) and
+what a light re-run checks and can't see: docs/exactness.md, "The light path"
+(``_OutputProbe``: the output sample; ``side_effects.BufferGuard``: a late
+write undone).
 """
 import mindspore as ms
 import numpy as np

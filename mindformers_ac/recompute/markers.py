@@ -26,15 +26,9 @@ nested in another is run again twice, as a replay inside the enclosing
 region's recompute and by its own recompute, and both read what its forward
 saved.
 
-What the engine accepts of a re-run under the marker: it may run *fewer* ops
-than its forward (the skipped ones are the one-shot side effects, which must
-leave nothing that backward needs), never other or extra ones; the checks of
-both ways into a region enforce it (``messages.SAME_PATH``). "Under the
-marker": the re-run's code asked ours (``is_in_recompute``,
-``get_recompute_metadata``) before the skip, or the region has a
-``context_fn`` (MindFormers' marker is asked inside its own module, out of
-sight); a re-run that skips ops without either still fails as another code
-path.
+What the engine accepts of a re-run under the marker (fewer ops than its forward,
+never other or extra ones; ``messages.SAME_PATH``): docs/exactness.md, "Model code
+that asks the recompute marker", and rule W7.
 """
 import collections
 import importlib

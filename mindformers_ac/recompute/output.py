@@ -1,41 +1,13 @@
 """Output recompute of one op attribute (MindFormers' ``output_recompute`` / ``recompute_comm``).
 
-MindFormers' way: the op is recomputed as a region of its own, and its output
-is dropped for its consumers too. Recomputing an op as a tiny region alone
-saves nothing, because its consumers still save its output; dropping only the
-output is not enough either, since what the op saves inside (a fused SwiGLU's
-split halves, an attention's probabilities) is kept beside the inputs the
-re-run needs, which can be more than without recompute. So:
-
-* while the wrapped op runs, its own saved-tensor hooks (innermost) number
-  what it saves for backward and leave a token for each;
-* the *scope* cell (normally the transformer layer) runs under saved-tensor
-  hooks that recognise packs of the op's output (by ``data_ptr``, shape,
-  dtype and strides, recorded when the op returns) and leave a token too;
-* when the scope returns, each call of the op is settled: it is dropped (its
-  inputs kept, everything it and its consumers saved released) only when that
-  frees more bytes than the inputs it must keep cost, counting as free an
-  input that something else in the scope saves anyway. Otherwise its tokens
-  keep what they stand for and the inputs are released: exactly what the
-  graph keeps without recompute. Until then everything is held, so the layer
-  never keeps more than without AC, and a call that can't save anything says
-  why, once per target (the warn-once log of the engine);
-* in backward the first token of a dropped call runs the op again on its
-  inputs, once: in a throw-away graph whose saves are collected in order
-  (checked against the forward's count, shapes and dtypes; a difference
-  raises ``RecomputeError``), or without a graph when the op saved nothing
-  itself; every token takes its tensor from that re-run.
-
-Limits: only packs of the output tensor itself made while the scope cell runs
-are replaced (a consumer that saves a view or a copy of it, or runs in another
-layer, keeps it); a checkpoint region around the op or the scope does the job
-itself (the op then runs plainly); an op called inside another wrapped op's
-call runs plainly (the outer one re-runs it); an op found to run a random
-kernel, or one that writes (a ``side_effect_mem`` primitive such as BatchNorm
-in training, an ``Inplace*`` op), on its first call is kept, with a warning:
-re-running it would draw other numbers or write twice. An input counted as
-free is one saved inside the scope; one saved only outside it (by another
-layer) counts as a cost, so the decision errs towards keeping.
+The op's own saves are tokens (``_OutputRecord.pack_inner``); the scope cell
+(normally the layer) runs under hooks that recognise packs of the op's output
+(``_Scope._pack``); when the scope returns each call is settled (``_settle``):
+dropped, keeping its inputs, only when that frees more bytes than the inputs
+cost, else kept as without recompute, with a warning saying why. In backward
+a dropped call's first token re-runs the op once (``_OutputRecord.rerun``),
+checked against the forward's saves. Why, and the limits: docs/exactness.md,
+"Output recompute of one op".
 """
 import dataclasses
 import logging

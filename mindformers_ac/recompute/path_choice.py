@@ -1,46 +1,18 @@
 """Which way into the engine a wrapped call takes: the light path, or the op-intercepting region.
 
-On a host-bound step every microsecond of Python per op shows, and the
-intercepting path (``region`` + ``dispatch``) runs Python for every op, in
-forward and recompute. Most regions need no per-op decision (full recompute
-without a policy: every op is run again); for those the light path
-(``light``) matches saved tensors by position alone.
+The intercepting path (``region`` + ``dispatch``) runs Python for every op;
+most regions need no per-op decision, and for those the light path
+(``light``) matches saved tensors by position alone. A call goes light only
+after the first call of its *call signature* ran intercepted and its
+``PathCheck`` showed it safe; what the signature holds (nothing of the
+arguments themselves) and what going light requires are docs/exactness.md,
+"The light path".
 
-A call goes light only after the first call of its *call signature* ran on
-the intercepting path and its ``PathCheck`` showed it safe. The signature is
-the root cell's training flag and mixed-precision type and the structure of
-the arguments: tuples, lists and dicts (nested), each tensor's shape, dtype,
-whether autograd tracks it, and the value of each plain scalar, string or
-dtype. It holds no argument itself (a per-step rotary table passed in a tuple
-must die with its step); a call with an argument of any other kind is not
-checked and takes the intercepting path. The check reads one mark: the
-checking call's ``Region.intercept``, where whoever makes a per-op decision
-(``record_decision``: a kept, swapped or rebuilt op) or finds something a
+The check reads one mark: the checking call's ``Region.intercept``, where
+whoever makes a per-op decision (``record_decision``) or finds something a
 light re-run can't reproduce says so (``keep_intercepted``), and a decision
 the light path does reproduce is taken back (``light_reproduces``). So a new
-kind of decision keeps its region intercepted without an edit here. What
-sets the mark today, i.e. what going light requires:
-
-* no swapped inputs, and no policy unless it decides by the op's name and
-  place only (``exclude_policy``, ``exclude_op``): then every op it keeps must
-  have a keep site, a place where a proxy keeps it on the light path
-  (``keep_sites``; ``Region.settle_sites`` installs them);
-* no op that may write tensors (``side_effect_mem`` primitives such as
-  BatchNorm in training, ``Inplace*`` ops), except writes to the root's
-  non-trainable Parameters that the re-run skipped (guarded by
-  ``is_in_recompute()``) and that no re-run op reads; a light re-run is
-  guarded by copies of those buffers (``side_effects.BufferGuard``): a write
-  it makes after all is undone and the signature is checked again; no
-  nested region;
-* no kept op: no unreplayable random op except the Dropout kernel of an
-  ``nn.Dropout`` cell called through its op slot and functional
-  random ops (``ops.dropout``, ``ops.rand_like`` ..., MindFormers' Dropout
-  cell) that the checking call's re-run measured drawing again bitwise from
-  the forward's random state (``Region.check_replay``; a light re-run starts
-  from that state too, so they run again and nothing of them is kept);
-  replayable random primitives (``mac_replayable``) are recomputed like any op;
-* a recompute that saved exactly what its forward saved (count, shapes and
-  dtypes, in order).
+kind of decision keeps its region intercepted without an edit here.
 
 Failure modes: none raised here. A signature the check refused stays on the
 intercepting path; a checking call whose region died without a recompute (a

@@ -30,8 +30,17 @@ from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
 from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
 from .random_ops import dropout_input, is_unreplayable_random_op
-from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
-from .saved import SwappedTensor, Token, drop_saved, keep_saved, unpack_saved
+from .rerun import (
+    RegionBase,
+    RegionRun,
+    SwappedTensor,
+    Token,
+    drop_saved,
+    keep_saved,
+    recompute_graph,
+    rerun_inputs,
+    unpack_saved,
+)
 from .side_effects import (
     KEEP,
     StateSnapshot,

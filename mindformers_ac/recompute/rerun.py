@@ -1,43 +1,20 @@
 """What every recompute region shares, whichever way it was entered: one engine, two ways in.
 
 A region is one call of a checkpointed function, from its forward to the end
-of its backward. It is entered one of two ways, which differ only in how they
-decide what to save for backward: the op-intercepting ``Region`` numbers every
-op and decides per op (``dispatch``); the ``LightRegion`` numbers saved
-tensors only, for regions a first intercepted call showed to need no per-op
-decision (``path_choice``). Everything else is here, once:
-
-* the run record (``RegionRun``): the ENGINE stack entry of one forward,
-  recompute or replay, which trackers, proxies and nested regions look at;
-* saving the region's inputs, detached, with whether autograd tracked them,
-  and giving them back to the recompute tracked exactly as in forward
-  (``RegionBase.save_inputs`` / ``load_inputs``);
-* keeping an ``nn.Dropout`` / Dropout kernel call as mask bits
-  (``RegionBase.keep_dropout``), and counting kept bytes (``stats.RegionBytes``);
-* running the function again in backward, once, in a throw-away graph, under
-  the forward's mixed-precision type (``RegionBase.ensure_recomputed``,
-  ``recompute_graph``), and refusing a higher-order gradient;
-* nested regions met in forward, replayed in call order (``next_child``);
-* the user's ``context_fn`` around forward and recompute, and the replay
-  metadata the forward saved for its re-run (``markers``);
-* MindSpore's random state (``RandomState``: the seed table and generator
-  that functional random ops draw from) as it was when the forward started,
-  set again for the re-run and put back after it: a re-run draws what its
-  forward drew and leaves the state as it found it, so the state advances
-  exactly as without AC;
-* the region's Parameters that its forward rebound (``self.count += 1``,
-  ``assign_value``, slice assignment, trainable or not:
-  ``side_effects.ReboundParameters``), set back to their pre-forward values for
-  the re-run and put back after it.
-
-A divergence is described by ``messages`` for both ways in.
-
-Mixed precision (see ``precision``): a recompute calls the region's function
-from backward, outside the region cell's ``__call__`` that pushed its
-mixed-precision type in forward, so ``recompute_graph`` pushes the type the
-forward ran under (the region records ``cell_precision(root)`` at forward);
-sub-cells called inside push their own, as in forward. The engine's own ops
-in a region (saved-input copies, copies of written parameters) run under
+of its backward. The op-intercepting ``Region`` numbers every op and decides
+per op (``dispatch``); the ``LightRegion`` numbers saved tensors only
+(``path_choice``). Everything else is here, once: the run record on the
+ENGINE stack (``RegionRun``); the region's inputs, saved detached and given
+back tracked as in forward; Dropout masks as bits; the once-only re-run in a
+throw-away graph under the forward's mixed-precision type (``recompute_graph``,
+which also refuses a higher-order gradient); nested regions replayed in call
+order; the user's ``context_fn`` and the marker's replay metadata
+(``markers``); MindSpore's random state set back for the re-run and restored
+after it; Parameters the forward rebound, set back for the re-run
+(``side_effects.ReboundParameters``); and what a region leaves in the graph
+instead of a tensor (``Token``, ``SwappedTensor``). The rules these keep are
+docs/exactness.md's (random state, W1-W7, mixed precision); the engine's own
+ops in a region (saved-input copies, copies of written tensors) run under
 ``no_casts``.
 """
 import contextlib
@@ -53,13 +30,69 @@ from . import messages
 from .chain import first_output
 from .markers import context_pair
 from .random_ops import DropoutRecord
-from .saved import SwappedTensor
 from .side_effects import ReboundParameters
 from .state import ENGINE, FORWARD, RECOMPUTE
 from .stats import RegionBytes
 
 # stateless and reentrant: one instance serves every call that has nothing to enter (no object per call)
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+# What a region's pack hook leaves in the autograd graph in place of a saved tensor: a Token for one dropped
+# for recompute (it holds the region, not the tensor, until backward), a SwappedTensor for one handed to a
+# swap executor; unpack_saved turns either back into a tensor.
+class SwappedTensor:
+    """A tensor handed to a swap executor; loaded back on unpack."""
+
+    __slots__ = ("executor", "handle")
+
+    def __init__(self, executor, tensor):
+        self.executor, self.handle = executor, executor.offload(tensor)
+
+    def load(self):
+        return self.executor.load(self.handle)
+
+
+class Token:
+    """Stands in for a dropped saved tensor; holds the region (not the tensor) until backward."""
+
+    __slots__ = ("region", "key", "tensor")
+
+    def __init__(self, region, key):
+        self.region, self.key, self.tensor = region, key, None
+
+    def resolve(self):
+        if self.tensor is not None:
+            return self.tensor
+        region = self.region
+        region.ensure_recomputed()
+        t = region.recomputed.pop(self.key, None)
+        if t is None:
+            # The recompute checked that it regenerated every dropped tensor (Region.check_recompute) but
+            # those of ops it skipped under the marker, so a missing one was skipped or handed out already.
+            idx, k = self.key
+            if idx in region.skipped:
+                raise messages.skipped_op_needed(idx, region.describe_op(idx))
+            raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}")
+        return t
+
+
+def unpack_saved(obj):
+    """Unpack hook shared by all region forwards."""
+    if isinstance(obj, Token):
+        return obj.resolve()
+    if isinstance(obj, SwappedTensor):
+        return obj.load()
+    return obj
+
+
+def keep_saved(obj):
+    return obj
+
+
+def drop_saved(_tensor):
+    # The replay graph is never backpropagated: keep nothing alive for it.
+    return None
 
 
 class RegionRun:

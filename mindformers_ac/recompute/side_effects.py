@@ -1,40 +1,18 @@
-"""Ops that write parameters inside a recomputed region: the write must happen once per step.
+"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md).
 
-BatchNorm in training (moving mean and variance), ``Assign``, ``AssignAdd``,
-``ScatterUpdate`` ... write their Parameter arguments; MindSpore marks these
-primitives ``side_effect_mem``. A pyboost ``Inplace*`` op (``p.copy_(x)``)
-writing a parameter of the region's root cell is the same kind of op, though
-unmarked (its parameter arrives as a plain tensor sharing its storage).
-Running such an op again in the recompute would write again (BatchNorm's
-moving mean moves twice per step; MindSpore's ``Cell.recompute()`` and
-PyTorch's checkpoint have that defect). The region handles each one in
-forward, before the call (the op writes during it), in one of two ways:
-
-* **snapshot** (the default): copies of the op's parameter arguments, as
-  they are before the write, are kept until backward. The recompute runs the
-  op on fresh copies of them: it returns the forward's outputs bitwise and
-  its write lands in the throw-away copy. Other recomputed ops that read one
-  of these parameters read the run's copy too, so a read before the write
-  sees what the forward saw and a read after it sees the written value.
-  Cost: the parameter bytes (BatchNorm: 4 x channels), not the op's outputs,
-  so a BatchNorm layer keeps its memory saving.
-* **keep**: when the parameters are larger than the op's other tensor inputs
-  (a ``ScatterUpdate`` on an embedding table), copying them would cost more
-  than the output, so the op's outputs are kept (like ``exclude_op``) and it
-  is not run again. Its output usually aliases the parameter, so this costs
-  nothing. A recomputed op that *reads* that parameter before the write
-  would now see the written value; the recompute raises instead of giving
-  wrong results (keep the reader's output too, e.g. ``exclude_op``).
-
-All parameter arguments are copied, not only the written ones: the
+Ops that write an argument (W1: ``side_effect_mem`` primitives such as
+BatchNorm in training, ``Assign*``, ``Scatter*``, ``Inplace*``, in-place
+collectives) write once per step: the re-run runs them on copies of what
+they write, taken before the forward's write (``StateSnapshot``), or keeps
+their outputs when those copies would cost more than the outputs (``KEEP``);
+a re-run op reading a written tensor reads the run's copy. All of a legacy
+op's Parameter arguments are copied, not only the written ones: the
 primitive's signature can't tell them apart (BatchNorm marks gamma and beta
-writable too).
-
-A Parameter can also be *rebound* rather than written: ``self.count += 1`` on a
-Cell's Parameter (MindFormers' global aux loss), ``assign_value`` and slice
-assignment give it new storage. No op writes, so neither the dispatch nor
-``BufferGuard`` sees it; ``ReboundParameters`` gives the re-run the values from
-before the forward.
+writable too). Parameters *rebound* in forward (``set_data``,
+``assign_value``, slice assignment: no op writes) are given back to the
+re-run by ``ReboundParameters`` (W4); a light re-run's late writes to buffers
+are undone by ``BufferGuard``. Why and at what cost: docs/exactness.md,
+"Stateful ops".
 """
 import contextlib
 import functools
