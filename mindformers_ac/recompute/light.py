@@ -36,7 +36,7 @@ from ..precision import no_casts
 from ..tensors import output_tensors, tensor_leaves, tensors_equal
 from . import messages
 from .dispatch import arg_meta, tensor_args
-from .rerun import RegionBase, RegionRun, recompute_graph, rerun_inputs
+from .rerun import RegionBase, RegionRun, keep_saved, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
 
@@ -127,10 +127,6 @@ def _first_float(out):
         if t.dtype in _PROBED and t.size > 0 and t.is_contiguous():
             return t
     return None
-
-
-def _keep(obj):
-    return obj
 
 
 def _unpack(obj):
@@ -332,7 +328,7 @@ class LightRegion(RegionBase):
         try:
             with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state):
                 args, kwargs = rerun_inputs(args, kwargs)   # in the graph: tracked as in forward
-                with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, _keep):
+                with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, keep_saved):
                     out = self.fn(*args, **kwargs)
                 saved, collector.saved = collector.saved, None   # the recompute graph keeps the collector
                 self._collector = None

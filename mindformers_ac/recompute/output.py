@@ -9,10 +9,8 @@ a dropped call's first token re-runs the op once (``_OutputRecord.rerun``),
 checked against the forward's saves. Why, and the limits: docs/exactness.md,
 "Output recompute of one op".
 """
-import dataclasses
 import logging
 import weakref
-from typing import NamedTuple
 
 import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
@@ -28,7 +26,7 @@ from . import messages
 from .dispatch import op_name_of
 from .op_slot import OpSlot, release, slot_at
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import SavedInput, recompute_graph, recompute_input, refuse_higher_order
+from .rerun import SavedInput, keep_saved, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
@@ -37,26 +35,6 @@ logger = logging.getLogger("mindformers_ac.recompute")
 
 _SCOPE_ATTR = "_mac_output_scope"
 _OUTPUT_KIND = "wrap_op_output"
-
-# Why a settled call kept what it saved (the warning of its target).
-_NOTHING, _KEPT_ELSEWHERE, _INPUTS_COST = "nothing", "kept_elsewhere", "inputs_cost"
-
-
-class _KeptReason(NamedTuple):
-    """Why a target's first settled call kept what it saved, for its warning."""
-
-    reason: str          # _NOTHING, _KEPT_ELSEWHERE or _INPUTS_COST
-    input_bytes: int     # what keeping the inputs would have cost
-    freed_bytes: int     # what dropping the call would have freed
-
-
-@dataclasses.dataclass(slots=True)
-class _StatsDrop:
-    """One stats object's share of a scope forward: the bytes its targets' dropped calls freed."""
-
-    stats: RecomputeStats
-    dropped_bytes: int = 0
-
 
 class _RerunProbe(MsDispatchMode):
     """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged).
@@ -169,7 +147,7 @@ class _OutputRecord:
             return t
         self.inner.append(detached(t))   # a tensor with its graph node would tie the graph to itself
         self.inner_meta.append((tuple(t.shape), t.dtype))
-        return _InnerToken(self, len(self.inner) - 1)
+        return _Token(self, len(self.inner) - 1, True)
 
     def note_outputs(self, out):
         outs = output_tensors(out)
@@ -179,7 +157,7 @@ class _OutputRecord:
 
     def output_token(self, j):
         self.out_tokens[j] += 1
-        return _OutputToken(self, j)
+        return _Token(self, j, False)
 
     def freeable(self):
         """``{storage: bytes}`` of what dropping this call would stop keeping (before other savers)."""
@@ -261,7 +239,7 @@ class _OutputRecord:
         if any(m is not None for m in self.inner_meta):
             saved = []
             # The throw-away graph keeps nothing (pack returns None); the saves are collected in order.
-            with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, _keep):
+            with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, keep_saved):
                 out = output_tensors(target.call_original(*args, **kwargs))
             self._check(saved)
             with no_grad():
@@ -289,30 +267,19 @@ class _OutputRecord:
             raise messages.save_count(len(saved), len(meta), where % n)
 
 
-class _OutputToken:
-    __slots__ = ("record", "index")
+class _Token:
+    """A save left in the graph for a call: its output ``index`` (``inner`` False) or its own save ``index``."""
 
-    def __init__(self, record, index):
-        self.record, self.index = record, index
+    __slots__ = ("record", "index", "inner")
 
-
-class _InnerToken:
-    __slots__ = ("record", "index")
-
-    def __init__(self, record, index):
-        self.record, self.index = record, index
+    def __init__(self, record, index, inner):
+        self.record, self.index, self.inner = record, index, inner
 
 
 def _unpack_output(obj):
-    if isinstance(obj, _OutputToken):
-        return obj.record.output_value(obj.index)
-    if isinstance(obj, _InnerToken):
-        return obj.record.inner_value(obj.index)
-    return obj
-
-
-def _keep(obj):
-    return obj
+    if obj.__class__ is not _Token:
+        return obj
+    return obj.record.inner_value(obj.index) if obj.inner else obj.record.output_value(obj.index)
 
 
 class _Scope:
@@ -373,30 +340,31 @@ class _Scope:
         """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
         passed = run.alive_passed()
         kept = dict(passed)
-        # stats id -> its _StatsDrop: summed as decided, a freed storage's address may be reused
+        # stats id -> [stats, bytes its targets' dropped calls freed]: summed as decided (a freed storage's
+        # address may be reused)
         dropped = {}
-        why = {}       # target -> _KeptReason of its first kept call, while none was dropped
+        why = {}       # target -> the warning of its first kept call, while none was dropped
         for rec in records:
             target, freeable = rec.target, rec.freeable()
-            gain = {p: n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes}
+            gain = sum(n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes)
             cost, compact = rec.input_cost(kept, freeable)
-            entry = dropped.setdefault(id(target.stats), _StatsDrop(target.stats))
-            if target.keep_output is not True and sum(gain.values()) > cost:
+            entry = dropped.setdefault(id(target.stats), [target.stats, 0])
+            if target.keep_output is not True and gain > cost:
                 kept.update(rec.settle(True, compact))
-                entry.dropped_bytes += sum(gain.values())
+                entry[1] += gain
                 why[target] = None
                 continue
             rec.settle(False)
             kept.update(freeable)
             if target.keep_output is not True and target not in why:
-                why[target] = _KeptReason(_reason(rec, freeable, gain), cost, sum(gain.values()))
+                why[target] = _kept_warning(target.name, rec, freeable, gain, cost)
         kept_total = sum(n for p, n in kept.items() if p not in passed)   # the meter counts what was passed
-        for entry in dropped.values():
-            entry.stats.open_region(run, kept_total, entry.dropped_bytes, 0)
+        for stats, dropped_bytes in dropped.values():
+            stats.open_region(run, kept_total, dropped_bytes, 0)
             kept_total = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
-        for target, reason in why.items():
-            if reason is not None:
-                _warn_kept(target, reason)
+        for warning in why.values():
+            if warning is not None:
+                ENGINE.warnings.warning(*warning)
 
     def record(self, rec, out):
         rec.note_outputs(out)
@@ -424,22 +392,13 @@ class _Scope:
         return t
 
 
-def _reason(rec, freeable, gain):
+def _kept_warning(name, rec, freeable, gain, cost):
+    """The warn-once key, text and arguments saying why a call of op ``name`` kept what it saved."""
     if gain:
-        return _INPUTS_COST
+        return ("inputs_cost", name), messages.OUTPUT_INPUTS_COST, name, cost, gain
     if any(rec.out_tokens) or freeable:
-        return _KEPT_ELSEWHERE
-    return _NOTHING
-
-
-def _warn_kept(target, why):
-    if why.reason == _NOTHING:
-        ENGINE.warnings.warning(("nothing_dropped", target.name), messages.OUTPUT_NOTHING_DROPPED, target.name)
-    elif why.reason == _KEPT_ELSEWHERE:
-        ENGINE.warnings.warning(("output_kept_by_op", target.name), messages.OUTPUT_KEPT_ELSEWHERE, target.name)
-    else:
-        ENGINE.warnings.warning(("inputs_cost", target.name), messages.OUTPUT_INPUTS_COST, target.name,
-                                why.input_bytes, why.freed_bytes)
+        return ("output_kept_by_op", name), messages.OUTPUT_KEPT_ELSEWHERE, name
+    return ("nothing_dropped", name), messages.OUTPUT_NOTHING_DROPPED, name
 
 
 class _Target:

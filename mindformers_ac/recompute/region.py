@@ -135,11 +135,8 @@ class Region(RegionBase):
         key = key if key is not None else (run.current_op(), ptr)
         holder = self._swap_holders.get(key)
         if holder is None:
-            run.in_hook = True   # the executor may run ops: they are not part of the region
-            try:
+            with run.engine_ops():   # the executor may run ops: they are not part of the region
                 holder = SwappedTensor(self.swap_executor, t)
-            finally:
-                run.in_hook = False
             self._swap_holders[key] = holder
             self.bytes.swap(t)
         return holder
@@ -151,11 +148,8 @@ class Region(RegionBase):
     def ask_policy(self, run, idx, name, func, args, kwargs):
         ctx = OpContext(name, run.cell_path(), run.mode != FORWARD, idx, run.cell(),
                         run.attrs[-1][1] if run.attrs else None)
-        run.in_hook = True   # a policy that runs ops must not shift the numbering
-        try:
+        with run.engine_ops():   # a policy that runs ops must not shift the numbering
             policy = self.policy_fn(ctx, func, *args, **kwargs)
-        finally:
-            run.in_hook = False
         if not isinstance(policy, CheckpointPolicy):
             raise messages.bad_policy(policy, ctx.op_path)
         return policy
@@ -229,12 +223,8 @@ class Region(RegionBase):
             return decision
         snapshot = None
         if decision is None and choose_handling(args, slots) != KEEP:
-            run.in_hook = True   # the copies are ours: they must not shift the op numbering
-            try:
-                with no_casts():
-                    snapshot = StateSnapshot(args, slots)
-            finally:
-                run.in_hook = False
+            with run.engine_ops(), no_casts():   # the copies are ours: they must not shift the op numbering
+                snapshot = StateSnapshot(args, slots)
             self.snapshots[idx] = snapshot
             self.bytes.add(("state", idx), snapshot.nbytes)
         elif decision is None:
@@ -247,7 +237,6 @@ class Region(RegionBase):
                 self.keep_intercepted(("writes", ptr), f"op #{idx} {name} writes a tensor that is not one of the "
                                                         f"cell's non-trainable Parameters")
         return decision
-
 
     def guard_write_targets(self, run, idx, name, args):
         """Called in forward before an op that may write (rule W1): each tensor it writes that the re-run
@@ -292,12 +281,8 @@ class Region(RegionBase):
         whose writer kept its output instead, before that write, can't be
         served: ``RecomputeError`` naming both ops.
         """
-        run.in_hook = True   # copies are ours, not ops of the region
-        try:
-            with no_casts():
-                return self._rerun_args(run, idx, name, args)
-        finally:
-            run.in_hook = False
+        with run.engine_ops(), no_casts():   # copies are ours, not ops of the region
+            return self._rerun_args(run, idx, name, args)
 
     def _rerun_args(self, run, idx, name, args):
         snapshot = self.snapshots.get(idx)
@@ -559,11 +544,8 @@ class Region(RegionBase):
 
     def rebuild_dropout(self, run, idx, args):
         record = self.dropouts[idx]
-        run.in_hook = True   # the rebuild's own ops save nothing for this region
-        try:
+        with run.engine_ops():   # the rebuild's own ops save nothing for this region
             out = record.rebuild(dropout_input(args)[0])
-        finally:
-            run.in_hook = False
         if run.mode == RECOMPUTE:
             for k, j in record.pack_outputs:
                 if (idx, k) in self.token_meta:
@@ -723,11 +705,8 @@ class Region(RegionBase):
         with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
-            run.in_hook = True   # the inputs' views are ours, not ops of the region
-            try:
+            with run.engine_ops():   # the inputs' views are ours, not ops of the region
                 args, kwargs = rerun_inputs(args, kwargs)
-            finally:
-                run.in_hook = False
             self.stop_after = self.stop_point()
             self.n_needed = len(self.token_meta)
             stopped = False
