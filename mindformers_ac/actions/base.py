@@ -4,11 +4,26 @@ An action is planned from its config section (``plan``), described in the plan's
 ``summary`` and ``describe`` (so ``explain``, ``apply_ac``'s log and ``train``'s per-layer table say
 the same), installed by ``apply_ac`` (``install_all``; every undo goes to the ``AcState``) and written
 back as YAML (``yaml_lists``: its share of the per-layer lists ``config.with_layer_lists`` replaces).
-``plan.LayerPlan`` holds a layer's actions; ``plan.py``, ``apply.py`` and the planner loop over them
-and know no action by name, so a new action is its own module plus a line in ``actions/__init__.py``'s
-registry (and its config field).
+
+It also says what it acts on: ``targets`` (the cells of the layer it patches, each a ``Target``), which
+``model_checks`` passes through every check (jit, ``Cell.recompute()``, the user's wrappers, shared
+cells), and which ``place`` compares with the targets of the actions planned before it by one table
+(``OVERLAPS``: covered, or refused and why). ``facts`` is its share of the ``LayerPlan`` attributes
+DESIGN.md promises (``full_recompute``, ``op_swap`` ...).
+
+``plan.LayerPlan`` holds a layer's actions; ``plan.py``, ``apply.py``, ``model_checks.py`` and the
+planner loop over them and know no action by name (``tests/test_layout.py`` checks the imports), so a
+new action is its own module plus a line in ``actions/__init__.py``'s registry (and its config field).
 """
+import logging
 from typing import NamedTuple
+
+from ..errors import ConfigError
+from ..whitelist import is_under
+
+logger = logging.getLogger("mindformers_ac")
+
+RECOMPUTE, SWAP = "recompute", "swap"   # what an action does to the tensors its targets save
 
 
 class ListFragment(NamedTuple):
@@ -22,6 +37,79 @@ class ListFragment(NamedTuple):
     arg: str
     paths: tuple = ()
     names: tuple = ()
+
+
+class Target(NamedTuple):
+    """One thing of a layer an action acts on.
+
+    ``path``: what the config names (``''`` the whole layer, else a module, op or method path);
+    ``cell_path``: the cell the installer patches (the module itself, or the cell holding the op or method;
+    ``''`` the layer); ``effect``: ``RECOMPUTE`` or ``SWAP``; ``region``: everything that runs inside the
+    cell (or method) is acted on (``False``: one op's output); ``text``: the action on it, for messages
+    (``"select recompute of 'mlp' in layer 3"``).
+    """
+
+    path: str
+    cell_path: str
+    effect: str
+    region: bool
+    text: str
+
+    @property
+    def recomputes(self):
+        return self.effect == RECOMPUTE
+
+    def overlaps(self, other):
+        """Same path, or one inside the other (``''``, the layer, holds every path)."""
+        return _within(self.path, other.path) or _within(other.path, self.path)
+
+    def covers(self, other):
+        """``other`` is acted on by this target already: the same path, or inside this region."""
+        return other.path == self.path or (self.region and _within(other.path, self.path))
+
+
+def _within(path, root):
+    return root == "" or is_under(path, root)
+
+
+class Overlap(NamedTuple):
+    """What happens when a target overlaps a target of the same layer planned before it."""
+
+    refused: bool    # True: ConfigError on the new target's field; False: the new target is dropped if covered
+    reason: str      # why (refused), or what is said when it is dropped (covered)
+    warn: bool = False   # a covered target is a warning of the plan (else logged at info level)
+
+
+_SHARED = ("recompute and swap can't share a module (a saved tensor is either rebuilt in backward or fetched back "
+           "from host, not both): leave it out of one of the two sections")
+
+# (effect planned before, effect of the new target) -> the rule; the one place where actions meet.
+OVERLAPS = {
+    (RECOMPUTE, SWAP): Overlap(True, _SHARED),
+    (SWAP, RECOMPUTE): Overlap(True, _SHARED),
+    (RECOMPUTE, RECOMPUTE): Overlap(False, "recomputed with that region"),
+    (SWAP, SWAP): Overlap(False, "swapped with it; not effective on its own", warn=True),
+}
+
+
+def place(planning, layer_id, target, field_path):
+    """Whether ``target`` is new on layer ``layer_id``, by ``OVERLAPS`` against the targets planned there
+    before it: ``False`` when one of them covers it already (said once, unless the same path was just
+    named twice); ``ConfigError`` on ``field_path`` when a rule refuses the overlap."""
+    lp = planning.plans[layer_id]
+    for action in lp.actions:
+        for before in action.targets(lp):
+            rule = OVERLAPS[before.effect, target.effect]
+            if rule.refused and before.overlaps(target):
+                where = "layer " + str(layer_id) if target.path == "" else f"{target.path} in layer {layer_id}"
+                how = " (same module, parent or child)" if target.path and before.path else ""
+                raise ConfigError(field_path, f"{where} overlaps {before.text}{how}: {rule.reason}")
+            if not rule.refused and before.covers(target):
+                if before.path != target.path:
+                    text = f"{field_path}: {target.path} in layer {layer_id} is covered by {before.text} ({rule.reason})"
+                    planning.warn(text) if rule.warn else logger.info(text)
+                return False
+    return True
 
 
 class Action:
@@ -45,6 +133,15 @@ class Action:
 
     def __repr__(self):
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def targets(self, lp):
+        """The ``Target``s of this action on layer plan ``lp``: every cell it patches, for ``model_checks``
+        and ``place`` (an action that acts on nothing of the layer is no action)."""
+        raise NotImplementedError
+
+    def facts(self):
+        """This action's share of ``LayerPlan``'s attributes (``plan.LAYER_FACTS``): ``{name: value}``."""
+        return {}
 
     @classmethod
     def plan(cls, planning):

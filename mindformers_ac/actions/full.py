@@ -1,7 +1,7 @@
 """Full recompute: the whole layer is one region (``recompute.full_recompute_layer``)."""
 import logging
 
-from .base import ListFragment
+from .base import RECOMPUTE, ListFragment, Target
 from .region import RegionAction, install_region
 
 logger = logging.getLogger("mindformers_ac")
@@ -25,6 +25,12 @@ class FullRecompute(RegionAction):
         for i in planning.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"):
             if i in planning.plans:
                 planning.plans[i].actions.append(cls())
+
+    def targets(self, lp):
+        return [Target("", "", RECOMPUTE, True, f"full recompute of layer {lp.layer_id}")]
+
+    def facts(self):
+        return {**super().facts(), "full_recompute": True}
 
     def describe(self):
         return ["full recompute"] + self.keep_parts()

@@ -47,6 +47,9 @@ class GroupRecompute(FullRecompute):
                         actions = planning.plans[i].actions
                         actions[:] = [cls(group) if type(a) is FullRecompute else a for a in actions]
 
+    def facts(self):
+        return {**super().facts(), "group": self.group}
+
     def label(self):
         return f"group {format_layer_specs(self.group)[0]}"
 

@@ -26,6 +26,9 @@ class RegionAction(Action):
     def __init__(self, keep=(), keep_by_path=False):
         self.keep, self.keep_by_path = tuple(keep), keep_by_path
 
+    def facts(self):
+        return {"exclude": self.keep, "exclude_by_path": self.keep_by_path}
+
     def keep_parts(self):
         return [f"keep {', '.join(self.keep)}"] if self.keep else []
 

@@ -12,7 +12,7 @@ from ..errors import item_field
 from ..matching import drop_covered
 from ..recompute import checkpoint_wrapper, unwrap
 from ..whitelist import METHOD_WRAPPER_MARK, as_op_target, sub_cell
-from .base import ListFragment
+from .base import RECOMPUTE, ListFragment, Target, place
 from .output import install_op_output
 from .region import RegionAction, install_region, plan_keep
 
@@ -41,14 +41,13 @@ class SelectRecompute(RegionAction):
             if rc.select_module:
                 planning.warn("recompute.select_module is ignored when recompute.mode is full")
         else:
-            whole = {i for i, lp in planning.plans.items() if any(a.recomputes and a.whole_layer
-                                                                  for a in lp.actions)}
             chosen = {}
             for pattern, specs in rc.select_module.items():
-                for i, entries in planning.match(item_field("recompute.select_module", pattern), pattern,
-                                                 specs).items():
-                    if i not in whole and entries:
-                        chosen.setdefault(i, []).extend(entries)
+                field_path = item_field("recompute.select_module", pattern)
+                for i, entries in planning.match(field_path, pattern, specs).items():
+                    placed = [e for e in entries if place(planning, i, _target(e, i), field_path)]
+                    if placed:   # on a fully recomputed layer none is: its region covers them
+                        chosen.setdefault(i, []).extend(placed)
             for i, entries in chosen.items():
                 order = {e.path: k for k, e in enumerate(planning.inventory(i))}
                 kept = drop_covered(sorted(entries, key=lambda e: order[e.path]))
@@ -61,6 +60,12 @@ class SelectRecompute(RegionAction):
                 if isinstance(action, cls) and not action.keep:
                     layer = planning.stack.cell(i)
                     lp.targets.update({p: as_op_target(lp.targets[p], layer) for p in action.paths})
+
+    def targets(self, lp):
+        return [_target(lp.targets[p], lp.layer_id) for p in self.paths]
+
+    def facts(self):
+        return {**super().facts(), "recompute": self.paths}
 
     def describe(self):
         return ["recompute " + ", ".join(self.paths)] + self.keep_parts()
@@ -86,6 +91,16 @@ class SelectRecompute(RegionAction):
             else:
                 install_region(state, sub_cell(layer, path), self.policy_for(path), stats)
         logger.debug("Set select recompute at layer %s: %s", lp.label, ", ".join(self.paths))
+
+
+def _target(entry, layer_id):
+    """A select target: a module's or a method's region (rooted at its cell), or an op's output."""
+    if entry.is_op:
+        return Target(entry.path, entry.owner_path, RECOMPUTE, False,
+                      f"output recompute of op '{entry.path}' in layer {layer_id}")
+    what = "method " if entry.is_method else ""
+    return Target(entry.path, entry.cell_path, RECOMPUTE, True,
+                  f"select recompute of {what}'{entry.path}' in layer {layer_id}")
 
 
 def _install_method(state, layer, entry, policy_fn, stats):

@@ -55,6 +55,7 @@ from ..construct_patch import (
     refuse_wrapped_function,
     wrapped_function_info,
 )
+from ..mindspore_compat import uses_native_recompute
 from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
@@ -229,7 +230,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
 
 def _wrap_cell(cell, options, light):
-    if getattr(cell, "_recompute_cell", None) is not None:
+    if uses_native_recompute(cell):
         raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
                          "the two recompute mechanisms can't be combined on one cell")
     tracker = _tracker_for(cell, options["policy_fn"])
