@@ -23,7 +23,7 @@ from ..whitelist import is_under
 
 logger = logging.getLogger("mindformers_ac")
 
-RECOMPUTE, SWAP = "recompute", "swap"   # what an action does to the tensors its targets save
+RECOMPUTED, SWAPPED = "recompute", "swap"   # what an action does to the tensors its targets save
 
 
 class ListFragment(NamedTuple):
@@ -44,7 +44,7 @@ class Target(NamedTuple):
 
     ``path``: what the config names (``''`` the whole layer, else a module, op or method path);
     ``cell_path``: the cell the installer patches (the module itself, or the cell holding the op or method;
-    ``''`` the layer); ``effect``: ``RECOMPUTE`` or ``SWAP``; ``region``: everything that runs inside the
+    ``''`` the layer); ``effect``: ``RECOMPUTED`` or ``SWAPPED``; ``region``: everything that runs inside the
     cell (or method) is acted on (``False``: one op's output); ``text``: the action on it, for messages
     (``"select recompute of 'mlp' in layer 3"``).
     """
@@ -57,7 +57,7 @@ class Target(NamedTuple):
 
     @property
     def recomputes(self):
-        return self.effect == RECOMPUTE
+        return self.effect == RECOMPUTED
 
     def overlaps(self, other):
         """Same path, or one inside the other (``''``, the layer, holds every path)."""
@@ -85,10 +85,10 @@ _SHARED = ("recompute and swap can't share a module (a saved tensor is either re
 
 # (effect planned before, effect of the new target) -> the rule; the one place where actions meet.
 OVERLAPS = {
-    (RECOMPUTE, SWAP): Overlap(True, _SHARED),
-    (SWAP, RECOMPUTE): Overlap(True, _SHARED),
-    (RECOMPUTE, RECOMPUTE): Overlap(False, "recomputed with that region"),
-    (SWAP, SWAP): Overlap(False, "swapped with it; not effective on its own", warn=True),
+    (RECOMPUTED, SWAPPED): Overlap(True, _SHARED),
+    (SWAPPED, RECOMPUTED): Overlap(True, _SHARED),
+    (RECOMPUTED, RECOMPUTED): Overlap(False, "recomputed with that region"),
+    (SWAPPED, SWAPPED): Overlap(False, "swapped with it; not effective on its own", warn=True),
 }
 
 

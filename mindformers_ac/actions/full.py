@@ -1,7 +1,7 @@
 """Full recompute: the whole layer is one region (``recompute.full_recompute_layer``)."""
 import logging
 
-from .base import RECOMPUTE, ListFragment, Target
+from .base import RECOMPUTED, ListFragment, Target
 from .region import RegionAction, install_region
 
 logger = logging.getLogger("mindformers_ac")
@@ -27,7 +27,7 @@ class FullRecompute(RegionAction):
                 planning.plans[i].actions.append(cls())
 
     def targets(self, lp):
-        return [Target("", "", RECOMPUTE, True, f"full recompute of layer {lp.layer_id}")]
+        return [Target("", "", RECOMPUTED, True, f"full recompute of layer {lp.layer_id}")]
 
     def facts(self):
         return {**super().facts(), "full_recompute": True}

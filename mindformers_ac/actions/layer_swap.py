@@ -3,7 +3,7 @@ comes back when layer ``i + default_prefetch`` starts its backward."""
 import logging
 
 from ..swap import install_layer_swap
-from .base import SWAP, Action, ListFragment, Target, place
+from .base import SWAPPED, Action, ListFragment, Target, place
 from .swap_section import prefetch_cell, prefetch_part, prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
@@ -64,7 +64,8 @@ class LayerSwap(Action):
             ids = [i for i in layer_ids if engine.top(plan, model, i) is top]
             triggers = {lp.layer_id: a.prefetch_layer for lp, a in items if a.next_microbatch}
             inst = install_layer_swap(by_id, ids, prefetch=engine.prefetch, executor=engine.executor, model=top,
-                                      min_bytes=engine.min_bytes, params=engine.params, triggers=triggers)
+                                      min_bytes=engine.min_bytes, params=engine.params, triggers=triggers,
+                                      settings=engine.settings)
             state.add_undo(inst.remove)
         for lp, action in items:
             logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",
@@ -72,4 +73,4 @@ class LayerSwap(Action):
 
 
 def _target(layer_id):
-    return Target("", "", SWAP, True, f"layer swap of layer {layer_id}")
+    return Target("", "", SWAPPED, True, f"layer swap of layer {layer_id}")

@@ -4,7 +4,7 @@ import logging
 
 from ..matching import drop_covered
 from ..swap import install_op_swap
-from .base import SWAP, Action, ListFragment, Target, place
+from .base import SWAPPED, Action, ListFragment, Target, place
 from .swap_section import prefetch_cell, prefetch_part, prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
@@ -77,11 +77,11 @@ class OpSwap(Action):
         inst = install_op_swap(layer, list(self.paths), layer_id=lp.layer_id,
                                prefetch_layer=state.layer_cells[self.prefetch_layer], executor=engine.executor,
                                model=engine.top(plan, model, lp.layer_id), min_bytes=engine.min_bytes,
-                               params=engine.params)
+                               params=engine.params, settings=engine.settings)
         state.add_undo(inst.remove)
         logger.debug("Set op swap at layer %s: %s, prefetched when layer %s starts backward",
                      lp.label, ", ".join(self.paths), plan.layer_label(self.prefetch_layer))
 
 
 def _target(path, layer_id):
-    return Target(path, path, SWAP, True, f"op swap of '{path}' in layer {layer_id}")
+    return Target(path, path, SWAPPED, True, f"op swap of '{path}' in layer {layer_id}")

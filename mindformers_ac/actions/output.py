@@ -9,7 +9,7 @@ import logging
 from ..errors import item_field
 from ..recompute import wrap_op_output
 from ..whitelist import sub_cell
-from .base import RECOMPUTE, Action, ListFragment, Target, place
+from .base import RECOMPUTED, Action, ListFragment, Target, place
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -76,7 +76,7 @@ class OutputRecompute(Action):
 
 def op_output_target(entry, layer_id):
     """The target of an op whose output is recomputed: the op, patched on the cell that holds it."""
-    return Target(entry.path, entry.owner_path, RECOMPUTE, False, f"output recompute of op '{entry.path}' in "
+    return Target(entry.path, entry.owner_path, RECOMPUTED, False, f"output recompute of op '{entry.path}' in "
                                                                   f"layer {layer_id}")
 
 

@@ -12,9 +12,9 @@ from ..errors import item_field
 from ..matching import drop_covered
 from ..recompute import checkpoint_wrapper, unwrap
 from ..whitelist import METHOD_WRAPPER_MARK, as_op_target, sub_cell
-from .base import RECOMPUTE, ListFragment, Target, place
+from .base import RECOMPUTED, ListFragment, Target, place
 from .output import install_op_output
-from .region import RegionAction, install_region, plan_keep
+from .region import RegionAction, install_region, plan_keep, region_options
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -96,10 +96,10 @@ class SelectRecompute(RegionAction):
 def _target(entry, layer_id):
     """A select target: a module's or a method's region (rooted at its cell), or an op's output."""
     if entry.is_op:
-        return Target(entry.path, entry.owner_path, RECOMPUTE, False,
+        return Target(entry.path, entry.owner_path, RECOMPUTED, False,
                       f"output recompute of op '{entry.path}' in layer {layer_id}")
     what = "method " if entry.is_method else ""
-    return Target(entry.path, entry.cell_path, RECOMPUTE, True,
+    return Target(entry.path, entry.cell_path, RECOMPUTED, True,
                   f"select recompute of {what}'{entry.path}' in layer {layer_id}")
 
 
@@ -109,8 +109,7 @@ def _install_method(state, layer, entry, policy_fn, stats):
     if name in vars(owner):
         raise ValueError(f"{type(owner).__name__}.{name}: the instance already has an attribute of this name "
                          f"(wrapped twice?)")
-    wrapped = checkpoint_wrapper(getattr(owner, name), policy_fn=policy_fn, stats=stats,
-                                 context_fn=state.context_fn)
+    wrapped = checkpoint_wrapper(getattr(owner, name), policy_fn=policy_fn, stats=stats, **region_options(state))
     setattr(wrapped, METHOD_WRAPPER_MARK, True)
     drop_on_copy(wrapped)   # a deep copy of the cell gets its class's method back (construct_patch._scrub)
 

@@ -165,7 +165,7 @@ def get_checkpoint_stats(cell_or_fn):
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
                        swap_executor=None, light_path=True, chain=None, use_reentrant=None, preserve_rng_state=True,
-                       determinism_check="default", debug=False, early_stop=True):
+                       determinism_check="default", debug=False, early_stop=True, settings=None):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
@@ -197,6 +197,9 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
     ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
     ``checkpoint`` (see ``options``), checked here.
+
+    ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
+    region reads its settings from it (default: ``RecomputeConfig()``'s).
     """
     CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
                       early_stop)   # checks them
@@ -212,6 +215,8 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
         options["debug"] = True
     if not early_stop:
         options["early_stop"] = False
+    if settings is not None:
+        options["settings"] = settings
     light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
