@@ -13,7 +13,8 @@ output recompute, which skips ops already inside a region, then swap, which refu
 | layer swap | ``swap.layer_swap`` | ``layer_swap.py`` |
 | op swap | ``swap.op_swap`` | ``op_swap.py`` |
 
-``region.py`` holds what full and select share (the region, ``exclude_op``), ``swap_section.py`` what
+``base.py`` holds the contract (``Action``; ``Target``, what an action acts on, which ``model_checks``
+checks; ``OVERLAPS``, the one table of rules between actions), ``region.py`` what full and select share (the region, ``exclude_op``), ``swap_section.py`` what
 the two swaps share (the section's rules, the executor).
 """
 import regex

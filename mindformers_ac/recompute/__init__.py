@@ -21,7 +21,9 @@
 * ``side_effects``: what a forward writes (rules W1-W7 of docs/exactness.md): ops that write an argument,
   Parameters rebound in forward, each written once per step;
 * ``output``: output recompute of one op (``recompute_comm``, op paths);
-* ``stats``: ``RecomputeStats``, ``RegionBytes``; ``state``: the per-thread engine state.
+* ``stats``: ``RecomputeStats``, ``RegionBytes``; ``state``: the per-thread engine state;
+* ``options``: PyTorch's and HyperParallel's checkpoint keywords, and the checks of a checkpoint's arguments;
+* ``debug_log``: ``debug=True``'s op logs of both runs, side by side in a divergence error.
 
 A recompute that can't rebuild what its forward dropped raises
 ``RecomputeError`` (a ``RuntimeError``) in backward.
