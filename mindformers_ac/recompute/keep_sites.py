@@ -11,8 +11,8 @@ a *keep site*, one of the op slots the engine already tracks:
   bound method), whose ``OpSlot`` the policy's path tracker gives its track role
   (``tracking``): the innermost one running when the op is dispatched is its
   site;
-* ``item``: a Primitive a cell holds in a dict attribute (the lazily built
-  collectives of ``harness.tp``: ``self._prims["AllGather"]``), or a cell held
+* ``item``: a Primitive a cell holds in a dict attribute (lazily built
+  collectives, as a tensor-parallel layer's ``self._prims["AllGather"]``), or a cell held
   in a dict holds as an attribute (MindFormers' ``_comm_ops`` slots,
   ``region_cells``): a legacy op is dispatched with its Primitive, found there
   by identity; a pyboost op without it, found as the only one of its name.
