@@ -146,7 +146,8 @@ class Action:
     @classmethod
     def plan(cls, planning):
         """Add this action to every layer of ``planning.plans`` its config section names, checking the
-        section's rules and those against the actions already planned (``plan._PlanPass``)."""
+        section's rules (``planning`` is ``plan._PlanPass``); each target goes through ``place`` first,
+        which applies ``OVERLAPS`` against the actions already planned."""
         raise NotImplementedError
 
     def describe(self):
