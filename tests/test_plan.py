@@ -168,6 +168,18 @@ def test_op_swap_inside_layer_swap_is_covered(gpt8, caplog):
     assert "mlp in layer 1 is covered by layer swap of layer 1" in caplog.text
 
 
+def test_an_op_swap_under_another_op_swap_module_is_covered(gpt8, caplog):
+    """One rule for every pair of swaps (``actions.base.OVERLAPS``): a module inside one already swapped is
+    left out with a warning, whichever entry named it; the same module named twice is swapped once."""
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        plan = mac.plan_ac(gpt8, config=swap(op_swap=[{"op_name": "mlp", "layers": [1]},
+                                                      {"op_name": r"mlp\.linear_fc1", "layers": [1, 2]},
+                                                      {"op_name": "mlp", "layers": [1]}]))
+    assert plan.layers[1].op_swap == ("mlp",) and plan.layers[2].op_swap == ("mlp.linear_fc1",)
+    assert caplog.text.count("covered by") == 1
+    assert "swap.op_swap[1]: mlp.linear_fc1 in layer 1 is covered by op swap of 'mlp' in layer 1" in caplog.text
+
+
 def test_every_layer_swap_entry_is_applied(gpt8):
     plan = mac.plan_ac(gpt8, config=swap(layer_swap=[{"layers": [0]}, {"layers": ["2-3"]}]))
     assert [i for i, lp in plan.layers.items() if lp.layer_swap] == [0, 2, 3]

@@ -97,18 +97,22 @@ def place(planning, layer_id, target, field_path):
     before it: ``False`` when one of them covers it already (said once, unless the same path was just
     named twice); ``ConfigError`` on ``field_path`` when a rule refuses the overlap."""
     lp = planning.plans[layer_id]
-    for action in lp.actions:
-        for before in action.targets(lp):
-            rule = OVERLAPS[before.effect, target.effect]
-            if rule.refused and before.overlaps(target):
-                where = "layer " + str(layer_id) if target.path == "" else f"{target.path} in layer {layer_id}"
-                how = " (same module, parent or child)" if target.path and before.path else ""
-                raise ConfigError(field_path, f"{where} overlaps {before.text}{how}: {rule.reason}")
-            if not rule.refused and before.covers(target):
-                if before.path != target.path:
-                    text = f"{field_path}: {target.path} in layer {layer_id} is covered by {before.text} ({rule.reason})"
-                    planning.warn(text) if rule.warn else logger.info(text)
-                return False
+    planned = [(before, OVERLAPS[before.effect, target.effect]) for action in lp.actions
+               for before in action.targets(lp)]
+    for before, rule in planned:   # every refusal first: a covered target may still clash with another
+        if rule.refused and before.overlaps(target):
+            where = "layer " + str(layer_id) if target.path == "" else f"{target.path} in layer {layer_id}"
+            how = " (same module, parent or child)" if target.path and before.path else ""
+            raise ConfigError(field_path, f"{where} overlaps {before.text}{how}: {rule.reason}")
+    for before, rule in planned:
+        if not rule.refused and before.covers(target):
+            if before.path != target.path:
+                text = f"{field_path}: {target.path} in layer {layer_id} is covered by {before.text} ({rule.reason})"
+                if rule.warn:
+                    planning.warn(text)
+                else:
+                    logger.info(text)
+            return False
     return True
 
 
