@@ -11,9 +11,11 @@ cells), and which ``place`` compares with the targets of the actions planned bef
 (``OVERLAPS``: covered, or refused and why). ``facts`` is its share of the ``LayerPlan`` attributes
 DESIGN.md promises (``full_recompute``, ``op_swap`` ...).
 
-``plan.LayerPlan`` holds a layer's actions; ``plan.py``, ``apply.py``, ``model_checks.py`` and the
-planner loop over them and know no action by name (``tests/test_layout.py`` checks the imports), so a
-new action is its own module plus a line in ``actions/__init__.py``'s registry (and its config field).
+``plan.LayerPlan`` holds a layer's actions; ``plan.py``, ``apply.py`` and ``model_checks.py`` loop over
+them and know no action by name (``tests/test_layout.py`` checks it), so a new action is its own module
+plus a line in ``actions/__init__.py``'s registry (and its config field). The budget's solver builds
+the actions it chooses between (full and select recompute, layer swap) by name: a new action is not a
+budget option until it is added there.
 """
 import logging
 from typing import NamedTuple
