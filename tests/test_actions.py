@@ -188,3 +188,29 @@ def test_the_registry_order_is_the_install_order(monkeypatch):
     mac.apply_ac(model, config=EVERY_ACTION)
     assert installed == [cls.__name__ for cls in ACTIONS]
     mac.remove_ac(model)
+
+
+def test_each_section_reaches_its_engine_whole(monkeypatch):
+    """Settings reach the engines in one place: the recompute regions and the swap scheduler hold the section
+    ``apply_ac`` was given (``Region.settings``, ``SwapScheduler.settings``), so a new field one of them
+    reads needs no line in between (docs/architecture.md's change-cost table)."""
+    import mindformers_ac.recompute.region as region_module
+    import mindformers_ac.swap.scheduler as scheduler_module
+
+    seen = []
+    for module, cls in ((region_module, "Region"), (scheduler_module, "SwapScheduler")):
+        real = getattr(module, cls).__init__
+
+        def spy(self, *args, real=real, **kwargs):
+            real(self, *args, **kwargs)
+            seen.append(self.settings)
+        monkeypatch.setattr(getattr(module, cls), "__init__", spy)
+    config = {"recompute": {"mode": "select", "select_module": {r".*mlp": [0], r"self_attention": [1]},
+                            "exclude_op": ["Softmax"], "early_stop": False},
+              "swap": {"enable": True, "layer_swap": [{"layers": [3]}], "min_bytes": 0}}
+    model = build_gpt(**GPT)
+    mac.apply_ac(model, config=config)
+    run_steps(model, _batch, steps=1)
+    given = mac.ac_state(model).config
+    assert seen and {id(s) for s in seen} == {id(given.recompute), id(given.swap)}
+    mac.remove_ac(model)
