@@ -40,7 +40,7 @@ from typing import Optional
 import mindspore as ms
 import yaml
 
-from .actions import ACTIONS, TABLE_COLUMNS, layer_lists
+from .actions import ACTIONS, TABLE_COLUMNS, check_overlaps, layer_lists
 from .config import LAYER_LIST_FIELDS, AcConfig, check_int, resolve_config, with_layer_lists
 from .errors import ConfigError, clip
 from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges
@@ -348,6 +348,8 @@ class _PlanPass:
     def plan(self):
         for action in ACTIONS:
             action.plan(self)
+        for lp in self.plans.values():   # the rules between actions, for one that did not place its targets
+            check_overlaps(lp)
         if self.match_patterns:   # a real model: its cells can be compared
             check_shared_layers(self.stack, self.plans)
             check_shared_targets(self.stack, self.plans)

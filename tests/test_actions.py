@@ -214,3 +214,28 @@ def test_each_section_reaches_its_engine_whole(monkeypatch):
     given = mac.ac_state(model).config
     assert seen and {id(s) for s in seen} == {id(given.recompute), id(given.swap)}
     mac.remove_ac(model)
+
+
+class _UnplacedNormRecompute(_NormRecompute):
+    """The scratch action with a ``plan`` that does not ``place`` its targets (a contract half kept)."""
+
+    config_field = "norm_recompute"
+
+    @classmethod
+    def plan(cls, planning):
+        for i in cls.LAYERS:
+            entries = [e for e in planning.inventory(i) if e.is_op and e.path.endswith("layer_norm")]
+            planning.plans[i].actions.append(cls(e.path for e in entries))
+            planning.plans[i].targets.update({e.path: e for e in entries})
+
+
+def test_an_action_that_does_not_place_its_targets_is_still_refused_where_it_meets_another(monkeypatch):
+    monkeypatch.setattr(plan_module, "ACTIONS", ACTIONS + (_UnplacedNormRecompute,))   # after the swaps
+    model = build_gpt(**GPT)
+    before = model_fingerprint(model)
+    config = {"swap": {"enable": True, "op_swap": [{"op_name": "input_layernorm", "layers": [1]}]}}
+    with pytest.raises(mac.ConfigError, match=r"^norm_recompute: output recompute of op 'input_layernorm\.layer_norm'"
+                                              r" in layer 1 overlaps op swap of 'input_layernorm' in layer 1: "
+                                              r"recompute and swap can't share a module"):
+        mac.apply_ac(model, config=config)
+    assert model_fingerprint(model) == before and mac.ac_state(model) is None

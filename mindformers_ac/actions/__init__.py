@@ -20,7 +20,7 @@ the two swaps share (the section's rules, the executor).
 import regex
 
 from ..layer_specs import format_layer_specs
-from .base import Action, ListFragment
+from .base import Action, ListFragment, check_overlaps
 from .full import FullRecompute
 from .group import GroupRecompute
 from .layer_swap import LayerSwap
@@ -56,4 +56,4 @@ def layer_lists(layer_plans):
 
 
 __all__ = ["ACTIONS", "TABLE_COLUMNS", "Action", "FullRecompute", "GroupRecompute", "LayerSwap", "ListFragment",
-           "OpSwap", "OutputRecompute", "SelectRecompute", "layer_lists"]
+           "OpSwap", "OutputRecompute", "SelectRecompute", "check_overlaps", "layer_lists"]

@@ -8,7 +8,8 @@ back as YAML (``yaml_lists``: its share of the per-layer lists ``config.with_lay
 It also says what it acts on: ``targets`` (the cells of the layer it patches, each a ``Target``), which
 ``model_checks`` passes through every check (jit, ``Cell.recompute()``, the user's wrappers, shared
 cells), and which ``place`` compares with the targets of the actions planned before it by one table
-(``OVERLAPS``: covered, or refused and why). ``facts`` is its share of the ``LayerPlan`` attributes
+(``OVERLAPS``: covered, or refused and why; ``check_overlaps`` applies the refusals once more when every
+action is planned). ``facts`` is its share of the ``LayerPlan`` attributes
 DESIGN.md promises (``full_recompute``, ``op_swap`` ...).
 
 ``plan.LayerPlan`` holds a layer's actions; ``plan.py``, ``apply.py`` and ``model_checks.py`` loop over
@@ -118,18 +119,33 @@ def place(planning, layer_id, target, field_path):
     return True
 
 
+def check_overlaps(lp):
+    """The refusals of ``OVERLAPS`` between the targets of any two actions of ``lp``, whatever planned them:
+    behind ``place``, so that an action whose ``plan`` does not place its targets is still refused (on its
+    ``config_field``) where it meets another's."""
+    for k, before_action in enumerate(lp.actions):
+        earlier = before_action.targets(lp)
+        for action in lp.actions[k + 1:]:
+            for target in action.targets(lp):
+                for before in earlier:
+                    rule = OVERLAPS[before.effect, target.effect]
+                    if rule.refused and before.overlaps(target):
+                        raise ConfigError(action.config_field or type(action).__name__,
+                                          f"{target.text} overlaps {before.text}: {rule.reason}")
+
+
 class Action:
     """One thing the plan does to one layer (``LayerPlan.actions``).
 
-    Class attributes say what kind of thing it is, for the rules across sections: ``recomputes`` /
-    ``swaps``, and ``whole_layer`` (the layer is the target, not a module of it). ``name`` is the word the
-    plan's one-line summary uses.
+    Class attributes say what kind of thing it is: ``recomputes`` / ``swaps`` (``LayerPlan.recomputed`` /
+    ``swapped``; what it acts on, the layer or modules of it, is ``targets``). ``name`` is the word the
+    plan's one-line summary uses; ``config_field`` the field that plans it, named by a refusal.
     """
 
     name = ""
+    config_field = ""        # the config field that plans it, for errors about it
     recomputes = False
     swaps = False
-    whole_layer = False
     prefetch_layer = None    # the layer whose backward brings this one's activations back (swap)
 
     def __eq__(self, other):   # plain data: equal plans compare equal (``plan_ac`` twice, sections or config=)

@@ -11,7 +11,7 @@ class FullRecompute(RegionAction):
     """The layer keeps its inputs only (and the ops ``exclude_op`` keeps); backward re-runs it."""
 
     name = "full recompute"
-    whole_layer = True
+    config_field = "recompute.full_recompute_layer"
 
     @classmethod
     def plan(cls, planning):

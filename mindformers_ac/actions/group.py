@@ -17,6 +17,8 @@ logger = logging.getLogger("mindformers_ac")
 class GroupRecompute(FullRecompute):
     """Full recompute of one member of a group; ``group`` is the group's layer ids, in order."""
 
+    config_field = "recompute.group_layers"
+
     def __init__(self, group, keep=(), keep_by_path=False):
         super().__init__(keep, keep_by_path)
         self.group = tuple(group)

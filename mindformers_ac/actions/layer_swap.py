@@ -11,8 +11,8 @@ logger = logging.getLogger("mindformers_ac")
 
 class LayerSwap(Action):
     name = "layer swap"
+    config_field = "swap.layer_swap"
     swaps = True
-    whole_layer = True
 
     def __init__(self, prefetch_layer, next_microbatch=False):
         # next_microbatch: a pipeline stage's last layer, fetched back by an earlier layer's backward of the

@@ -14,6 +14,7 @@ class OpSwap(Action):
     """``paths``: the module paths of one layer that are swapped (entries in ``LayerPlan.targets``)."""
 
     name = "op swap"
+    config_field = "swap.op_swap"
     swaps = True
 
     def __init__(self, prefetch_layer, paths=(), next_microbatch=False):

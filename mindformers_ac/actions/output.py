@@ -18,6 +18,7 @@ class OutputRecompute(Action):
     """``paths``: the op paths of one layer whose outputs are recomputed (entries in ``LayerPlan.targets``)."""
 
     name = "comm recompute"
+    config_field = "recompute_comm.select_module"
     recomputes = True
 
     def __init__(self, paths=()):

@@ -24,6 +24,7 @@ class SelectRecompute(RegionAction):
     ``LayerPlan.targets``)."""
 
     name = "select recompute"
+    config_field = "recompute.select_module"
 
     def __init__(self, paths, keep=(), keep_by_path=False):
         super().__init__(keep, keep_by_path)
