@@ -37,6 +37,8 @@ import pickle
 import sys
 import weakref
 
+from .mindspore_compat import cell_hook_dicts
+
 logger = logging.getLogger("mindformers_ac")
 
 _PATCH_ATTR = "mac_construct_patch"
@@ -103,10 +105,6 @@ DROPPED = _Dropped()
 _COPY_ATTR = "__deepcopy__"
 _PICKLE_ATTR = "__reduce_ex__"
 _DROP_MARK = "mac_drop_on_copy"
-# Cell's lazily created hook dicts; an entry of ours is removed from the main dict and its extras.
-_HOOK_DICTS = ("_lazy_forward_pre_hook", "_lazy_forward_hook", "_lazy_backward_pre_hook", "_lazy_backward_hook")
-_HOOK_EXTRAS = ("_lazy_forward_pre_hook_with_kwargs", "_lazy_forward_hook_with_kwargs",
-                "_lazy_forward_hook_always_called")
 
 
 def drop_on_copy(fn):
@@ -140,15 +138,12 @@ def _scrub(original, memo):
                 del attrs["construct"]
         for key in [k for k, v in attrs.items() if isinstance(v, CopyHook) or _is_dropped(v)]:
             del attrs[key]
-        for name in _HOOK_DICTS:
-            hooks = attrs.get(name)
-            if not hooks:
-                continue
+        hook_dicts, extras = cell_hook_dicts(attrs)   # an entry of ours goes from the main dict and its extras
+        for hooks in hook_dicts:
             for hid in [hid for hid, fn in hooks.items() if _is_dropped(fn)]:
                 del hooks[hid]
-                for extra in _HOOK_EXTRAS:
-                    if attrs.get(extra):
-                        attrs[extra].pop(hid, None)
+                for extra in extras:
+                    extra.pop(hid, None)
 
 
 class CopyHook:

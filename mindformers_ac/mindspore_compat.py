@@ -225,3 +225,32 @@ def registered_pack_hook(cell):
     a forward hook added to such a cell turns its saved-tensor hooks on.
     """
     return getattr(cell, "_saved_tensors_pack_hook", None)
+
+
+def uses_native_recompute(cell):
+    """Whether MindSpore's own ``Cell.recompute()`` was called on ``cell`` (``Cell._recompute_cell`` is set)."""
+    return getattr(cell, "_recompute_cell", None) is not None
+
+
+def jit_compiled(fn):
+    """Whether ``fn`` (a function or a bound method) is wrapped by ``ms.jit``, any capture mode (the wrapper's
+    ``__wrapped_by_jit__`` mark)."""
+    return bool(getattr(getattr(fn, "__func__", fn), "__wrapped_by_jit__", False))
+
+
+def tensor_grad_flags(t):
+    """``(requires_grad, has_grad_node)`` from a tensor's private ``_requires_grad`` (a bool, or None when a
+    release lacks it) and ``_grad_node``: what ``tensors.is_tracked`` decides from."""
+    flag = getattr(t, "_requires_grad", None)
+    return (flag if isinstance(flag, bool) else None), getattr(t, "_grad_node", None) is not None
+
+
+def cell_hook_dicts(cell_attrs):
+    """``(main, extras)`` of a cell's lazily created hook dicts in its ``vars()`` (``_lazy_forward_hook`` ...):
+    each main dict maps a hook id to its function; an id removed from one goes from ``extras`` too (the
+    with-kwargs and always-called flags of that hook)."""
+    main = [cell_attrs[name] for name in ("_lazy_forward_pre_hook", "_lazy_forward_hook", "_lazy_backward_pre_hook",
+                                          "_lazy_backward_hook") if cell_attrs.get(name)]
+    extras = [cell_attrs[name] for name in ("_lazy_forward_pre_hook_with_kwargs", "_lazy_forward_hook_with_kwargs",
+                                            "_lazy_forward_hook_always_called") if cell_attrs.get(name)]
+    return main, extras

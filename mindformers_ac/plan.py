@@ -40,8 +40,7 @@ from typing import Optional
 import mindspore as ms
 import yaml
 
-from .actions import ACTIONS, TABLE_COLUMNS, GroupRecompute, OpSwap, OutputRecompute, SelectRecompute, layer_lists
-from .actions.region import RegionAction
+from .actions import ACTIONS, TABLE_COLUMNS, check_overlaps, layer_lists
 from .config import LAYER_LIST_FIELDS, AcConfig, check_int, resolve_config, with_layer_lists
 from .errors import ConfigError, clip
 from .layer_specs import format_layer_specs, parse_layer_specs, spec_ranges
@@ -54,14 +53,37 @@ from .whitelist import layer_inventory
 logger = logging.getLogger("mindformers_ac")
 
 
+# The attributes DESIGN.md promises on a layer plan, each with its value when no action of the layer gives
+# one; the actions give them (``Action.facts``), and ``LayerPlan.fact`` is the one query that reads them.
+LAYER_FACTS = {
+    "full_recompute": False,   # the whole layer is recomputed
+    "recompute": (),           # select-recompute target paths (cells, methods or ops)
+    "recompute_comm": (),      # op paths whose outputs are re-run in backward
+    "exclude": (),             # op names (exclude_op's list form) or paths (its dict form) the regions keep
+    "exclude_by_path": False,
+    "group": (),               # the layer ids of this layer's recompute group (recompute.group_layers)
+    "layer_swap": False,
+    "op_swap": (),             # module paths whose saved tensors are swapped
+    "prefetch_layer": None,    # the layer whose backward start brings the swapped tensors back
+}
+
+
+def _with_facts(cls):
+    """Each key of ``LAYER_FACTS`` becomes a read-only attribute of ``cls``: ``cls.fact(key)``."""
+    for name in LAYER_FACTS:
+        setattr(cls, name, property(lambda lp, name=name: lp.fact(name), doc=f"``fact('{name}')``"))
+    return cls
+
+
+@_with_facts
 @dataclass
 class LayerPlan:
     """What happens to one layer (global id ``layer_id``): its ``actions`` (``actions.Action``), in plan order.
 
     The other fields are what every action reads: ``targets`` (path -> ``WhitelistEntry`` of each module,
     op or method an action names) and ``notes`` (what the engine runs around but can't act on, e.g. jit
-    cells). The per-action attributes (``full_recompute``, ``recompute``, ``op_swap`` ...) are read from
-    the actions.
+    cells). The attributes of ``LAYER_FACTS`` (``full_recompute``, ``recompute``, ``op_swap`` ...) are
+    ``fact(name)``: what the actions say.
     """
 
     layer_id: int
@@ -75,50 +97,16 @@ class LayerPlan:
         """``'3'``, or ``'9 (MTP 1)'`` for an MTP layer."""
         return str(self.layer_id) if self.mtp_index is None else f"{self.layer_id} (MTP {self.mtp_index})"
 
-    def _paths(self, kind):
-        return tuple(p for a in self.actions if isinstance(a, kind) for p in a.paths)
-
-    @property
-    def full_recompute(self):
-        return any(a.recomputes and a.whole_layer for a in self.actions)
-
-    @property
-    def recompute(self):
-        """Select-recompute target paths (cells, methods or ops)."""
-        return self._paths(SelectRecompute)
-
-    @property
-    def recompute_comm(self):
-        """Comm op paths whose outputs are re-run in backward."""
-        return self._paths(OutputRecompute)
-
-    @property
-    def exclude(self):
-        """Op names (``exclude_op``'s list form) or paths (its dict form) the layer's regions keep."""
-        return next((a.keep for a in self.actions if isinstance(a, RegionAction) and a.keep), ())
-
-    @property
-    def exclude_by_path(self):
-        return any(isinstance(a, RegionAction) and a.keep_by_path for a in self.actions)
-
-    @property
-    def group(self):
-        """The layer ids of this layer's recompute group (``recompute.group_layers``), else ()."""
-        return next((a.group for a in self.actions if isinstance(a, GroupRecompute)), ())
-
-    @property
-    def layer_swap(self):
-        return any(a.swaps and a.whole_layer for a in self.actions)
-
-    @property
-    def op_swap(self):
-        """Module paths whose saved tensors are swapped."""
-        return self._paths(OpSwap)
-
-    @property
-    def prefetch_layer(self):
-        """The layer whose backward start brings this layer's swapped tensors back, else None."""
-        return next((a.prefetch_layer for a in self.actions if a.prefetch_layer is not None), None)
+    def fact(self, name):
+        """What the layer's actions say about ``name`` (a key of ``LAYER_FACTS``): paths are joined in plan
+        order, flags are true when one action's is, a value is the first action's that gives one."""
+        default = LAYER_FACTS[name]
+        given = [facts[name] for facts in (a.facts() for a in self.actions) if name in facts]
+        if isinstance(default, tuple):
+            return tuple(dict.fromkeys(p for value in given for p in value))
+        if isinstance(default, bool):
+            return any(given)
+        return next((value for value in given if value is not None), default)
 
     @property
     def op_paths(self):
@@ -360,6 +348,8 @@ class _PlanPass:
     def plan(self):
         for action in ACTIONS:
             action.plan(self)
+        for lp in self.plans.values():   # the rules between actions, for one that did not place its targets
+            check_overlaps(lp)
         if self.match_patterns:   # a real model: its cells can be compared
             check_shared_layers(self.stack, self.plans)
             check_shared_targets(self.stack, self.plans)

@@ -11,7 +11,7 @@ import weakref
 from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
-from .mindspore_compat import no_grad
+from .mindspore_compat import no_grad, tensor_grad_flags
 
 MiB = 2 ** 20
 
@@ -191,10 +191,8 @@ def is_tracked(t):
     decides which tensors an op packs. Reads MindSpore's private
     ``Tensor._requires_grad``, falling back to ``_grad_node`` if it is gone.
     """
-    flag = getattr(t, "_requires_grad", None)
-    if isinstance(flag, bool):
-        return flag
-    return getattr(t, "_grad_node", None) is not None
+    flag, has_node = tensor_grad_flags(t)
+    return flag if flag is not None else has_node
 
 
 def detached(t):

@@ -3,15 +3,18 @@
 Every registered action answers the whole contract; a plan with all six reads them back through the
 ``LayerPlan`` attributes DESIGN.md promises; and an action registered from outside (a scratch norm
 recompute, written back as the ``recompute_comm`` paths it amounts to) is planned, shown, installed,
-bitwise and removed with no change to ``plan.py`` or ``apply.py``.
+bitwise and removed with no change to ``plan.py`` or ``apply.py``; its targets go through every model
+check (a jit cell, a cell shared by two layers) and the overlap table, as the six's do.
 """
+import mindspore as ms
 import pytest
 
 import mindformers_ac as mac
 import mindformers_ac.apply as apply_module
 import mindformers_ac.plan as plan_module
 from mindformers_ac.actions import ACTIONS, TABLE_COLUMNS, Action, ListFragment, OutputRecompute
-from mindformers_ac.actions.output import install_op_output
+from mindformers_ac.actions.base import place
+from mindformers_ac.actions.output import install_op_output, op_output_target
 from mindformers_ac.harness.models import build_gpt, synthetic_batch
 
 from conftest import model_fingerprint
@@ -67,9 +70,13 @@ class _NormRecompute(Action):
     @classmethod
     def plan(cls, planning):
         for i in cls.LAYERS:
-            entries = [e for e in planning.inventory(i) if e.is_op and e.path.endswith("layer_norm")]
+            entries = [e for e in planning.inventory(i) if e.is_op and e.path.endswith("layer_norm")
+                       and place(planning, i, op_output_target(e, i), "norm_recompute")]
             planning.plans[i].actions.append(cls(e.path for e in entries))
             planning.plans[i].targets.update({e.path: e for e in entries})
+
+    def targets(self, lp):   # what the model checks and the overlap rules see of it
+        return [op_output_target(lp.targets[p], lp.layer_id) for p in self.paths]
 
     def describe(self):
         return ["norm recompute"]
@@ -89,9 +96,7 @@ class _NormRecompute(Action):
 
 
 def test_an_action_registered_from_outside_needs_no_change_to_plan_or_apply(monkeypatch):
-    registry = ACTIONS + (_NormRecompute,)
-    monkeypatch.setattr(plan_module, "ACTIONS", registry)
-    monkeypatch.setattr(apply_module, "ACTIONS", registry)
+    _with_norm_recompute(monkeypatch)
     plain, model = build_gpt(**GPT), build_gpt(**GPT)
     before = model_fingerprint(model)
     plan = mac.apply_ac(model, config={"recompute": {"mode": "full", "full_recompute_layer": [0]}})
@@ -112,11 +117,57 @@ def test_an_action_registered_from_outside_needs_no_change_to_plan_or_apply(monk
     assert replanned.layers[1].actions == [OutputRecompute(norms)]
 
 
+def _with_norm_recompute(monkeypatch):
+    registry = ACTIONS + (_NormRecompute,)
+    monkeypatch.setattr(plan_module, "ACTIONS", registry)
+    monkeypatch.setattr(apply_module, "ACTIONS", registry)
+
+
+def _jit_norm(model):
+    norm = model.decoder.layers[1].input_layernorm
+    norm.construct = ms.jit(norm.construct)
+
+
+def _shared_norm(model):
+    model.decoder.layers[2].input_layernorm = model.decoder.layers[1].input_layernorm
+
+
+@pytest.mark.parametrize("change, refusal", [
+    (_jit_norm, r"^model: layer 1 cell 'input_layernorm' \(\w+\) has a construct compiled by ms\.jit, and the config "
+                r"acts on it or inside it \(output recompute of op 'input_layernorm\.layer_norm' in layer 1\)"),
+    (_shared_norm, r"^model: the module holding input_layernorm\.layer_norm of layer 1 is also part of layer 2 "
+                   r"\(a shared module\) and the config acts on it \(output recompute of op"),
+], ids=["jit_cell", "shared_cell"])
+def test_an_action_registered_from_outside_goes_through_every_model_check(monkeypatch, change, refusal):
+    """The checks read each action's targets, not a list of known actions: a jit cell or a cell shared by two
+    layers is refused for the scratch action as for the six, and the model is left untouched."""
+    _with_norm_recompute(monkeypatch)
+    model = build_gpt(**GPT)
+    change(model)
+    before = model_fingerprint(model)
+    with pytest.raises(mac.ConfigError, match=refusal):
+        mac.apply_ac(model, config={})
+    assert model_fingerprint(model) == before and mac.ac_state(model) is None
+    monkeypatch.undo()   # without the scratch action the same model plans (nothing acts on the cell)
+    assert mac.plan_ac(model, config={}).active_layers() == []
+
+
+def test_the_overlap_rules_hold_for_an_action_registered_from_outside(monkeypatch):
+    """A swap planned after the scratch action meets its targets in ``OVERLAPS``: refused on the swap's field."""
+    registry = ACTIONS[:4] + (_NormRecompute,) + ACTIONS[4:]   # before the swaps, as a recompute is
+    monkeypatch.setattr(plan_module, "ACTIONS", registry)
+    config = {"swap": {"enable": True, "op_swap": [{"op_name": "input_layernorm", "layers": [1]}]}}
+    with pytest.raises(mac.ConfigError, match=r"^swap\.op_swap\[0\]: input_layernorm in layer 1 overlaps output "
+                                              r"recompute of op 'input_layernorm\.layer_norm' in layer 1 \(same "
+                                              r"module, parent or child\): recompute and swap can't share a module"):
+        mac.plan_ac(build_gpt(**GPT), config=config)
+
+
 @pytest.mark.parametrize("action", ACTIONS, ids=lambda cls: cls.__name__)
 def test_every_action_keeps_the_whole_contract(action):
     """Each registered class overrides what the loops call (an omission would be a NotImplementedError at
     plan or apply time on some config), and its cells are columns of the table."""
-    for name in ("plan", "describe", "table_cells", "summary", "yaml_lists"):
+    for name in ("plan", "targets", "describe", "table_cells", "summary", "yaml_lists"):
         assert getattr(action, name) is not getattr(Action, name), name
     assert action.install is not Action.install or action.install_all is not Action.install_all
     plan = mac.plan_ac(build_gpt(**GPT), config=EVERY_ACTION)
@@ -137,3 +188,54 @@ def test_the_registry_order_is_the_install_order(monkeypatch):
     mac.apply_ac(model, config=EVERY_ACTION)
     assert installed == [cls.__name__ for cls in ACTIONS]
     mac.remove_ac(model)
+
+
+def test_each_section_reaches_its_engine_whole(monkeypatch):
+    """Settings reach the engines in one place: the recompute regions and the swap scheduler hold the section
+    ``apply_ac`` was given (``Region.settings``, ``SwapScheduler.settings``), so a new field one of them
+    reads needs no line in between (docs/architecture.md's change-cost table)."""
+    import mindformers_ac.recompute.region as region_module
+    import mindformers_ac.swap.scheduler as scheduler_module
+
+    seen = []
+    for module, cls in ((region_module, "Region"), (scheduler_module, "SwapScheduler")):
+        real = getattr(module, cls).__init__
+
+        def spy(self, *args, real=real, **kwargs):
+            real(self, *args, **kwargs)
+            seen.append(self.settings)
+        monkeypatch.setattr(getattr(module, cls), "__init__", spy)
+    config = {"recompute": {"mode": "select", "select_module": {r".*mlp": [0], r"self_attention": [1]},
+                            "exclude_op": ["Softmax"], "early_stop": False},
+              "swap": {"enable": True, "layer_swap": [{"layers": [3]}], "min_bytes": 0}}
+    model = build_gpt(**GPT)
+    mac.apply_ac(model, config=config)
+    run_steps(model, _batch, steps=1)
+    given = mac.ac_state(model).config
+    assert seen and {id(s) for s in seen} == {id(given.recompute), id(given.swap)}
+    mac.remove_ac(model)
+
+
+class _UnplacedNormRecompute(_NormRecompute):
+    """The scratch action with a ``plan`` that does not ``place`` its targets (a contract half kept)."""
+
+    config_field = "norm_recompute"
+
+    @classmethod
+    def plan(cls, planning):
+        for i in cls.LAYERS:
+            entries = [e for e in planning.inventory(i) if e.is_op and e.path.endswith("layer_norm")]
+            planning.plans[i].actions.append(cls(e.path for e in entries))
+            planning.plans[i].targets.update({e.path: e for e in entries})
+
+
+def test_an_action_that_does_not_place_its_targets_is_still_refused_where_it_meets_another(monkeypatch):
+    monkeypatch.setattr(plan_module, "ACTIONS", ACTIONS + (_UnplacedNormRecompute,))   # after the swaps
+    model = build_gpt(**GPT)
+    before = model_fingerprint(model)
+    config = {"swap": {"enable": True, "op_swap": [{"op_name": "input_layernorm", "layers": [1]}]}}
+    with pytest.raises(mac.ConfigError, match=r"^norm_recompute: output recompute of op 'input_layernorm\.layer_norm'"
+                                              r" in layer 1 overlaps op swap of 'input_layernorm' in layer 1: "
+                                              r"recompute and swap can't share a module"):
+        mac.apply_ac(model, config=config)
+    assert model_fingerprint(model) == before and mac.ac_state(model) is None

@@ -217,7 +217,7 @@ def test_rejected_config_leaves_the_model_untouched():
     before = model_fingerprint(model)
     bad = {"recompute": {"mode": "full", "full_recompute_layer": [0, 1]},
            "swap": {"enable": True, "layer_swap": [{"layers": [1]}]}}
-    with pytest.raises(mac.ConfigError, match=r"^swap\.layer_swap\[0\]\.layers: layer 1 is also recomputed"):
+    with pytest.raises(mac.ConfigError, match=r"^swap\.layer_swap\[0\]\.layers: layer 1 overlaps full recompute"):
         mac.apply_ac(model, config=bad)
     assert model_fingerprint(model) == before and mac.ac_state(model) is None
 

@@ -115,8 +115,8 @@ def assert_refused(model, config, match):
                                 r"layer 0"),
     ({"blk": JitBlock}, select("blk"), r"layer 0 cell 'blk' \(JitBlock\) has a construct compiled by ms\.jit.*"
                                        r"select recompute of 'blk'"),
-    ({"blk": JitBlock}, select(r"blk\.act"), r"layer 0 cell 'blk' \(JitBlock\).*output recompute of an op of "
-                                             r"'blk'"),
+    ({"blk": JitBlock}, select(r"blk\.act"), r"layer 0 cell 'blk' \(JitBlock\).*output recompute of op "
+                                             r"'blk\.act'"),
     ({"blk": JitBlock}, {"swap": {"enable": True, "op_swap": [{"op_name": "blk", "layers": ["0-1"]}]}},
      r"layer 0 cell 'blk' \(JitBlock\).*op swap of 'blk'"),
     ({"layer": JitLayer}, {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}},

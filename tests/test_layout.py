@@ -233,3 +233,125 @@ def test_too_old_mindspore_fails_at_import_naming_the_version(monkeypatch):
     assert MIN_MINDSPORE == "2.9.0"
     assert f"needs MindSpore >= {MIN_MINDSPORE}" in str(err.value)
     assert f"pip install 'mindspore>={MIN_MINDSPORE}'" in str(err.value)
+
+
+# -- the action registry: plan.py, apply.py and model_checks.py loop over actions and know none by name ---------
+
+@pytest.mark.parametrize("module", ["plan", "apply", "model_checks"])
+def test_the_loops_over_actions_import_no_action(module):
+    import mindformers_ac.actions as actions
+    from mindformers_ac.actions import ACTIONS, Action
+
+    known = _modules()
+    name, path = f"mindformers_ac.{module}", known[f"mindformers_ac.{module}"]
+    action_names = {cls.__name__ for cls in vars(actions).values() if isinstance(cls, type) and issubclass(cls, Action)}
+    action_names |= {cls.__name__ for cls in ACTIONS} | {"RegionAction"}
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    from_actions = [d for d in _imports(name, path, known) if d.startswith("mindformers_ac.actions")]
+    assert from_actions == ([] if module == "model_checks" else ["mindformers_ac.actions"])   # the registry only
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+        {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)} | \
+        {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert sorted(used & action_names) == []
+
+
+# -- MindSpore's private names: only in mindspore_compat.py ---------------------------------------------------------
+
+# Python's own names that MindSpore objects also carry (not MindSpore's private API).
+_PYTHON_NAMES = {"__deepcopy__", "__copy__", "__getstate__", "__setstate__", "__reduce__", "__reduce_ex__",
+                 "__metaclass__", "__del__", "__wrapped__", "__annotations__", "__abstractmethods__", "__slots__",
+                 "__weakref__", "__dict__", "__getattr__", "__signature__"}
+
+
+def _mindspore_private_names():
+    """The ``_``-names MindSpore's objects carry (a Cell, a Tensor, a Parameter, a Primitive, an ms.jit function,
+    instances and classes) that no Python builtin type has: MindSpore's private API."""
+    import functools
+
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn
+
+    python = set(_PYTHON_NAMES)
+    for x in (object, type, int, float, complex, str, bytes, list, dict, set, tuple, functools.partial, property,
+              classmethod, staticmethod, Exception, np.ndarray, lambda: 0):
+        python |= set(dir(x))
+
+    def plain(x):
+        return x
+
+    objects = [nn.Cell(), nn.Cell, ms.Tensor([1.0]), ms.Tensor, ms.Parameter(ms.Tensor([1.0]), name="p"),
+               ms.ops.Add(), ms.ops.Primitive, ms.jit(plain)]
+    found = set()
+    for obj in objects:
+        found |= {n for n in set(dir(obj)) | set(getattr(obj, "__dict__", {})) if n.startswith("_")}
+    return found - python
+
+
+def _own_names(tree):
+    """Names a module gives its own objects: ``self.x = ...`` targets, defined functions and methods, class
+    attributes and ``__slots__`` entries (a class of ours may call an attribute what MindSpore does)."""
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            own |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)}
+    return own
+
+
+def _private_uses(source, private):
+    """``(name, line)`` of each MindSpore private name ``source`` reads: an attribute (``cell._recompute_cell``)
+    or a string (``getattr(fn, "__wrapped_by_jit__")``), unless the module names its own objects so."""
+    tree = ast.parse(source)
+    own = _own_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            name = node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value
+        else:
+            continue
+        if name in private and name not in own:
+            found.append((name, node.lineno))
+    return found
+
+
+def test_mindspore_private_names_are_read_in_mindspore_compat_only():
+    private = _mindspore_private_names()
+    found = {name: _private_uses(open(path, encoding="utf-8").read(), private) for name, path in _modules().items()}
+    assert {m: uses for m, uses in found.items() if uses and m != MINDSPORE_DOOR} == {}
+    assert {"_recompute_cell", "__wrapped_by_jit__", "_lazy_forward_hook", "_requires_grad"} <= \
+        {name for name, _ in found[MINDSPORE_DOOR]}
+
+
+def test_the_private_name_scan_finds_a_planted_use():
+    private = _mindspore_private_names()
+    source = ("class Mine:\n    def __init__(self):\n        self._cells = {}\n    def size(self):\n"
+              "        return len(self._cells)\n"
+              "def check(cell, fn):\n    return cell._recompute_cell, getattr(fn, '__wrapped_by_jit__', False)\n")
+    assert {"_cells", "_recompute_cell", "__wrapped_by_jit__"} <= private
+    assert _private_uses(source, private) == [("_recompute_cell", 7), ("__wrapped_by_jit__", 7)]
+
+
+# -- every module of a subpackage is named in its __init__ docstring (or none is) -----------------------------------
+
+def _named_modules(package_dir):
+    doc = ast.get_docstring(ast.parse(open(os.path.join(package_dir, "__init__.py"), encoding="utf-8").read())) or ""
+    modules = sorted(f[:-3] for f in os.listdir(package_dir) if f.endswith(".py") and f != "__init__.py")
+    return modules, [m for m in modules if f"``{m}``" in doc or f"``{m}.py``" in doc]
+
+
+def test_a_subpackage_docstring_names_all_its_modules_or_none():
+    packages = [os.path.join(PACKAGE, d) for d in sorted(os.listdir(PACKAGE))
+                if os.path.isfile(os.path.join(PACKAGE, d, "__init__.py"))]
+    assert len(packages) >= 6
+    partial = {}
+    for package in packages:
+        modules, named = _named_modules(package)
+        if named and named != modules:
+            partial[os.path.basename(package)] = sorted(set(modules) - set(named))
+    assert partial == {}

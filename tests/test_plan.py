@@ -45,19 +45,19 @@ MODEL_ERRORS = [
     (swap(op_swap=[{"op_name": ".*mlp", "layers": [9]}]), 1, "swap.op_swap[0].layers[0]", "out of range"),
     (swap(layer_swap=[{"layers": [1]}, {"layers": [12]}]), 1, "swap.layer_swap[1].layers[0]", "out of range"),
     (merge(full(["0-3"]), swap(layer_swap=[{"layers": ["3-4"]}])), 1, "swap.layer_swap[0].layers",
-     "can't be both recomputed and swapped"),
+     "layer 3 overlaps full recompute of layer 3: recompute and swap can't share"),
     (merge(select({".*mlp": ["0-3"]}), swap(layer_swap=[{"layers": [2]}])), 1, "swap.layer_swap[0].layers",
-     "layer 2 is also recomputed"),
+     "layer 2 overlaps select recompute of 'mlp' in layer 2"),
     (merge(select({r"mlp\.activation_func": [5]}), swap(layer_swap=[{"layers": [5]}])), 1,
-     "swap.layer_swap[0].layers", "recompute mlp.activation_func"),
+     "swap.layer_swap[0].layers", "overlaps output recompute of op 'mlp.activation_func'"),
     (merge(select({".*mlp": [2]}), swap(op_swap=[{"op_name": "mlp", "layers": [2]}])), 1, "swap.op_swap[0]",
-     "overlaps the recompute target mlp"),
+     "mlp in layer 2 overlaps select recompute of 'mlp' in layer 2 (same module"),
     (merge(select({".*mlp": [2]}), swap(op_swap=[{"op_name": r"mlp\.linear_fc1", "layers": [2]}])), 1,
      "swap.op_swap[0]", "parent or child"),
     (merge(select({r"mlp\.activation_func": [2]}), swap(op_swap=[{"op_name": "mlp", "layers": [2]}])), 1,
-     "swap.op_swap[0]", "overlaps the recompute target mlp.activation_func"),
+     "swap.op_swap[0]", "mlp in layer 2 overlaps output recompute of op 'mlp.activation_func'"),
     (merge(full([4]), swap(op_swap=[{"op_name": ".*attention", "layers": [4]}])), 1, "swap.op_swap[0]",
-     "fully recomputed layer"),
+     "attention in layer 4 overlaps full recompute of layer 4"),
     (swap(layer_swap=[{"layers": [0]}]), 2, "layer_offset", "the global id of this stage's first layer is not known"),
     (full([0]), 0, "pp", "integer >= 1"),
     (full([0]), "2", "pp", "integer >= 1"),
@@ -165,7 +165,19 @@ def test_op_swap_inside_layer_swap_is_covered(gpt8, caplog):
                                             op_swap=[{"op_name": "mlp", "layers": [1, 2]}]))
     assert plan.layers[1].layer_swap and plan.layers[1].op_swap == ()
     assert plan.layers[2].op_swap == ("mlp",)
-    assert "swapped whole by layer_swap" in caplog.text
+    assert "mlp in layer 1 is covered by layer swap of layer 1" in caplog.text
+
+
+def test_an_op_swap_under_another_op_swap_module_is_covered(gpt8, caplog):
+    """One rule for every pair of swaps (``actions.base.OVERLAPS``): a module inside one already swapped is
+    left out with a warning, whichever entry named it; the same module named twice is swapped once."""
+    with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
+        plan = mac.plan_ac(gpt8, config=swap(op_swap=[{"op_name": "mlp", "layers": [1]},
+                                                      {"op_name": r"mlp\.linear_fc1", "layers": [1, 2]},
+                                                      {"op_name": "mlp", "layers": [1]}]))
+    assert plan.layers[1].op_swap == ("mlp",) and plan.layers[2].op_swap == ("mlp.linear_fc1",)
+    assert caplog.text.count("covered by") == 1
+    assert "swap.op_swap[1]: mlp.linear_fc1 in layer 1 is covered by op swap of 'mlp' in layer 1" in caplog.text
 
 
 def test_every_layer_swap_entry_is_applied(gpt8):
@@ -313,7 +325,7 @@ def test_a_layer_cell_listed_twice_is_refused_naming_the_ids(config, acting):
 @pytest.mark.parametrize("config, words", [
     (select({"mlp": ["1-2"]}), "module mlp of layer 1 is also part of layer 2"),
     (select({"mlp": [2]}), "module mlp of layer 2 is also part of layer 1"),   # layer 1 would be recomputed too
-    (select({r"mlp\.activation_func": [1]}), "the module holding op mlp.activation_func of layer 1"),
+    (select({r"mlp\.activation_func": [1]}), "the module holding mlp.activation_func of layer 1"),
     (swap(op_swap=[{"op_name": "mlp", "layers": [1]}]), "module mlp of layer 1 is also part of layer 2"),
 ])
 def test_a_module_shared_by_two_layers_is_refused_as_a_target(config, words):

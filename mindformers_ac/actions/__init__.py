@@ -13,13 +13,14 @@ output recompute, which skips ops already inside a region, then swap, which refu
 | layer swap | ``swap.layer_swap`` | ``layer_swap.py`` |
 | op swap | ``swap.op_swap`` | ``op_swap.py`` |
 
-``region.py`` holds what full and select share (the region, ``exclude_op``), ``swap_section.py`` what
+``base.py`` holds the contract (``Action``; ``Target``, what an action acts on, which ``model_checks``
+checks; ``OVERLAPS``, the one table of rules between actions), ``region.py`` what full and select share (the region, ``exclude_op``), ``swap_section.py`` what
 the two swaps share (the section's rules, the executor).
 """
 import regex
 
 from ..layer_specs import format_layer_specs
-from .base import Action, ListFragment
+from .base import Action, ListFragment, check_overlaps
 from .full import FullRecompute
 from .group import GroupRecompute
 from .layer_swap import LayerSwap
@@ -55,4 +56,4 @@ def layer_lists(layer_plans):
 
 
 __all__ = ["ACTIONS", "TABLE_COLUMNS", "Action", "FullRecompute", "GroupRecompute", "LayerSwap", "ListFragment",
-           "OpSwap", "OutputRecompute", "SelectRecompute", "layer_lists"]
+           "OpSwap", "OutputRecompute", "SelectRecompute", "check_overlaps", "layer_lists"]

@@ -1,7 +1,7 @@
 """Full recompute: the whole layer is one region (``recompute.full_recompute_layer``)."""
 import logging
 
-from .base import ListFragment
+from .base import RECOMPUTED, ListFragment, Target
 from .region import RegionAction, install_region
 
 logger = logging.getLogger("mindformers_ac")
@@ -11,7 +11,7 @@ class FullRecompute(RegionAction):
     """The layer keeps its inputs only (and the ops ``exclude_op`` keeps); backward re-runs it."""
 
     name = "full recompute"
-    whole_layer = True
+    config_field = "recompute.full_recompute_layer"
 
     @classmethod
     def plan(cls, planning):
@@ -25,6 +25,12 @@ class FullRecompute(RegionAction):
         for i in planning.layer_ids(rc.full_recompute_layer, "recompute.full_recompute_layer"):
             if i in planning.plans:
                 planning.plans[i].actions.append(cls())
+
+    def targets(self, lp):
+        return [Target("", "", RECOMPUTED, True, f"full recompute of layer {lp.layer_id}")]
+
+    def facts(self):
+        return {**super().facts(), "full_recompute": True}
 
     def describe(self):
         return ["full recompute"] + self.keep_parts()

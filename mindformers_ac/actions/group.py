@@ -17,6 +17,8 @@ logger = logging.getLogger("mindformers_ac")
 class GroupRecompute(FullRecompute):
     """Full recompute of one member of a group; ``group`` is the group's layer ids, in order."""
 
+    config_field = "recompute.group_layers"
+
     def __init__(self, group, keep=(), keep_by_path=False):
         super().__init__(keep, keep_by_path)
         self.group = tuple(group)
@@ -46,6 +48,9 @@ class GroupRecompute(FullRecompute):
                     for i in group:
                         actions = planning.plans[i].actions
                         actions[:] = [cls(group) if type(a) is FullRecompute else a for a in actions]
+
+    def facts(self):
+        return {**super().facts(), "group": self.group}
 
     def label(self):
         return f"group {format_layer_specs(self.group)[0]}"

@@ -2,9 +2,8 @@
 comes back when layer ``i + default_prefetch`` starts its backward."""
 import logging
 
-from ..errors import ConfigError
 from ..swap import install_layer_swap
-from .base import Action, ListFragment
+from .base import SWAPPED, Action, ListFragment, Target, place
 from .swap_section import prefetch_cell, prefetch_part, prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
@@ -12,8 +11,8 @@ logger = logging.getLogger("mindformers_ac")
 
 class LayerSwap(Action):
     name = "layer swap"
+    config_field = "swap.layer_swap"
     swaps = True
-    whole_layer = True
 
     def __init__(self, prefetch_layer, next_microbatch=False):
         # next_microbatch: a pipeline stage's last layer, fetched back by an earlier layer's backward of the
@@ -23,19 +22,21 @@ class LayerSwap(Action):
     @classmethod
     def plan(cls, planning):
         """Every ``layer_swap`` entry (all of them, where MindFormers applies the first); a layer can't also
-        be recomputed."""
+        be recomputed (``base.OVERLAPS``)."""
         for k, entry in section_entries(planning, "layer_swap"):
             field_path = f"swap.layer_swap[{k}].layers"
             for i in planning.layer_ids(entry.layers, field_path):
-                lp = planning.plans.get(i)
-                if lp is None or lp.layer_swap:   # another stage's layer, or listed twice
+                if i not in planning.plans:   # another stage's layer
                     continue
                 trigger = prefetch_trigger_of(planning, i, field_path)
-                if lp.recomputed:
-                    raise ConfigError(field_path, f"layer {i} is also recomputed "
-                                                  f"({'; '.join(lp.describe())}); a layer can't be both "
-                                                  f"recomputed and swapped")
-                lp.actions.append(cls(trigger, trigger < i))
+                if place(planning, i, _target(i), field_path):   # else listed twice
+                    planning.plans[i].actions.append(cls(trigger, trigger < i))
+
+    def targets(self, lp):
+        return [_target(lp.layer_id)]
+
+    def facts(self):
+        return {"layer_swap": True, "prefetch_layer": self.prefetch_layer}
 
     def describe(self):
         return ["layer swap", prefetch_part(self)]
@@ -63,8 +64,13 @@ class LayerSwap(Action):
             ids = [i for i in layer_ids if engine.top(plan, model, i) is top]
             triggers = {lp.layer_id: a.prefetch_layer for lp, a in items if a.next_microbatch}
             inst = install_layer_swap(by_id, ids, prefetch=engine.prefetch, executor=engine.executor, model=top,
-                                      min_bytes=engine.min_bytes, params=engine.params, triggers=triggers)
+                                      min_bytes=engine.min_bytes, params=engine.params, triggers=triggers,
+                                      settings=engine.settings)
             state.add_undo(inst.remove)
         for lp, action in items:
             logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",
                          lp.label, plan.layer_label(action.prefetch_layer))
+
+
+def _target(layer_id):
+    return Target("", "", SWAPPED, True, f"layer swap of layer {layer_id}")

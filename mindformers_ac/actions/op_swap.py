@@ -2,11 +2,9 @@
 when layer ``i + default_prefetch`` starts its backward."""
 import logging
 
-from ..errors import ConfigError
 from ..matching import drop_covered
 from ..swap import install_op_swap
-from ..whitelist import is_under
-from .base import Action, ListFragment
+from .base import SWAPPED, Action, ListFragment, Target, place
 from .swap_section import prefetch_cell, prefetch_part, prefetch_trigger_of, section_entries, settings_line, swap_engine
 
 logger = logging.getLogger("mindformers_ac")
@@ -16,6 +14,7 @@ class OpSwap(Action):
     """``paths``: the module paths of one layer that are swapped (entries in ``LayerPlan.targets``)."""
 
     name = "op swap"
+    config_field = "swap.op_swap"
     swaps = True
 
     def __init__(self, prefetch_layer, paths=(), next_microbatch=False):
@@ -23,8 +22,8 @@ class OpSwap(Action):
 
     @classmethod
     def plan(cls, planning):
-        """Modules only (an op or a method is warned about and left out); none in a layer swapped whole, and
-        none that is, holds or lies in a recompute target."""
+        """Modules only (an op or a method is warned about and left out); one in a layer swapped whole is
+        covered, one that is, holds or lies in a recompute target refused (``base.OVERLAPS``)."""
         for k, entry in section_entries(planning, "op_swap"):
             field_path = f"swap.op_swap[{k}]"
             for i in planning.layer_ids(entry.layers, f"{field_path}.layers"):
@@ -36,26 +35,13 @@ class OpSwap(Action):
     @classmethod
     def add(cls, planning, layer_id, entries, field_path):
         lp = planning.plans[layer_id]
-        if entries and lp.layer_swap:
-            planning.warn(f"{field_path}: layer {layer_id} is swapped whole by layer_swap; "
-                          f"the op swap of {', '.join(e.path for e in entries)} is covered")
-            return
         for entry in entries:
             if entry.is_op or entry.is_method:
                 what = "an operation" if entry.is_op else "a method"
                 planning.warn(f"{field_path}: {entry.path} in layer {layer_id} is {what}; op_swap "
                               f"swaps what a module saves, name its module instead (not effective)")
                 continue
-            if lp.full_recompute:
-                raise ConfigError(field_path, f"{entry.path} in layer {layer_id} lies in a fully "
-                                              f"recomputed layer; recompute and swap can't share a module")
-            clash = [t for t in lp.recompute + lp.recompute_comm
-                     if is_under(entry.path, t) or is_under(t, entry.path)]
-            if clash:
-                raise ConfigError(field_path, f"{entry.path} in layer {layer_id} overlaps the recompute "
-                                              f"target {clash[0]} (same module, parent or child); "
-                                              f"recompute and swap can't share a module")
-            if entry.path not in lp.op_swap:
+            if place(planning, layer_id, _target(entry.path, layer_id), field_path):
                 action = next((a for a in lp.actions if isinstance(a, cls)), None)
                 if action is None:
                     trigger = prefetch_trigger_of(planning, layer_id, f"{field_path}.layers")
@@ -63,6 +49,12 @@ class OpSwap(Action):
                     lp.actions.append(action)
                 action.paths += (entry.path,)
                 lp.targets[entry.path] = entry
+
+    def targets(self, lp):
+        return [_target(path, lp.layer_id) for path in self.paths]
+
+    def facts(self):
+        return {"op_swap": self.paths, "prefetch_layer": self.prefetch_layer}
 
     def describe(self):
         return ["swap " + ", ".join(self.paths), prefetch_part(self)]
@@ -86,7 +78,11 @@ class OpSwap(Action):
         inst = install_op_swap(layer, list(self.paths), layer_id=lp.layer_id,
                                prefetch_layer=state.layer_cells[self.prefetch_layer], executor=engine.executor,
                                model=engine.top(plan, model, lp.layer_id), min_bytes=engine.min_bytes,
-                               params=engine.params)
+                               params=engine.params, settings=engine.settings)
         state.add_undo(inst.remove)
         logger.debug("Set op swap at layer %s: %s, prefetched when layer %s starts backward",
                      lp.label, ", ".join(self.paths), plan.layer_label(self.prefetch_layer))
+
+
+def _target(path, layer_id):
+    return Target(path, path, SWAPPED, True, f"op swap of '{path}' in layer {layer_id}")

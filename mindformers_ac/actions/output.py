@@ -8,8 +8,8 @@ import logging
 
 from ..errors import item_field
 from ..recompute import wrap_op_output
-from ..whitelist import is_under, sub_cell
-from .base import Action, ListFragment
+from ..whitelist import sub_cell
+from .base import RECOMPUTED, Action, ListFragment, Target, place
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -18,6 +18,7 @@ class OutputRecompute(Action):
     """``paths``: the op paths of one layer whose outputs are recomputed (entries in ``LayerPlan.targets``)."""
 
     name = "comm recompute"
+    config_field = "recompute_comm.select_module"
     recomputes = True
 
     def __init__(self, paths=()):
@@ -41,16 +42,19 @@ class OutputRecompute(Action):
                     elif not entry.is_op:
                         planning.warn(f"{field_path}: {entry.path} in layer {i} is expected to be "
                                       f"operation but got cell, this configuration will not be effective")
-                    elif lp.full_recompute or any(is_under(entry.path, t) for t in lp.recompute):
-                        logger.info("recompute_comm: %s in layer %d is already recomputed with its "
-                                    "enclosing region", entry.path, i)
-                    elif entry.path not in lp.recompute_comm:
+                    elif place(planning, i, op_output_target(entry, i), field_path):
                         action = next((a for a in lp.actions if isinstance(a, cls)), None)
                         if action is None:
                             action = cls()
                             lp.actions.append(action)
                         action.paths += (entry.path,)
                         lp.targets[entry.path] = entry
+
+    def targets(self, lp):
+        return [op_output_target(lp.targets[p], lp.layer_id) for p in self.paths]
+
+    def facts(self):
+        return {"recompute_comm": self.paths}
 
     def describe(self):
         return ["comm recompute " + ", ".join(self.paths)]
@@ -69,6 +73,12 @@ class OutputRecompute(Action):
         for path in self.paths:
             install_op_output(state, layer, lp.targets[path], stats)
         logger.debug("Set comm recompute at layer %s: %s", lp.label, ", ".join(self.paths))
+
+
+def op_output_target(entry, layer_id):
+    """The target of an op whose output is recomputed: the op, patched on the cell that holds it."""
+    return Target(entry.path, entry.owner_path, RECOMPUTED, False, f"output recompute of op '{entry.path}' in "
+                                                                  f"layer {layer_id}")
 
 
 def install_op_output(state, layer, entry, stats):

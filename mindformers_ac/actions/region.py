@@ -26,6 +26,9 @@ class RegionAction(Action):
     def __init__(self, keep=(), keep_by_path=False):
         self.keep, self.keep_by_path = tuple(keep), keep_by_path
 
+    def facts(self):
+        return {"exclude": self.keep, "exclude_by_path": self.keep_by_path}
+
     def keep_parts(self):
         return [f"keep {', '.join(self.keep)}"] if self.keep else []
 
@@ -53,10 +56,16 @@ class RegionAction(Action):
         return exclude_policy(path_patterns=patterns) if patterns else None
 
 
+def region_options(state):
+    """What every region ``apply_ac`` installs is given besides its policy: the context and the ``recompute``
+    section itself (a setting of it the engine reads needs nothing here)."""
+    rc = state.config.recompute
+    return dict(context_fn=state.context_fn, early_stop=rc.early_stop, settings=rc)
+
+
 def install_region(state, cell, policy_fn, stats, chain=None):
     """``cell``'s construct becomes a recompute region; its undo goes to ``state``."""
-    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, context_fn=state.context_fn, chain=chain,
-                       early_stop=state.config.recompute.early_stop)
+    checkpoint_wrapper(cell, policy_fn=policy_fn, stats=stats, chain=chain, **region_options(state))
     state.add_undo(lambda: unwrap(cell))
 
 

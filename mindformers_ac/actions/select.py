@@ -12,9 +12,9 @@ from ..errors import item_field
 from ..matching import drop_covered
 from ..recompute import checkpoint_wrapper, unwrap
 from ..whitelist import METHOD_WRAPPER_MARK, as_op_target, sub_cell
-from .base import ListFragment
+from .base import RECOMPUTED, ListFragment, Target, place
 from .output import install_op_output
-from .region import RegionAction, install_region, plan_keep
+from .region import RegionAction, install_region, plan_keep, region_options
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -24,6 +24,7 @@ class SelectRecompute(RegionAction):
     ``LayerPlan.targets``)."""
 
     name = "select recompute"
+    config_field = "recompute.select_module"
 
     def __init__(self, paths, keep=(), keep_by_path=False):
         super().__init__(keep, keep_by_path)
@@ -41,14 +42,13 @@ class SelectRecompute(RegionAction):
             if rc.select_module:
                 planning.warn("recompute.select_module is ignored when recompute.mode is full")
         else:
-            whole = {i for i, lp in planning.plans.items() if any(a.recomputes and a.whole_layer
-                                                                  for a in lp.actions)}
             chosen = {}
             for pattern, specs in rc.select_module.items():
-                for i, entries in planning.match(item_field("recompute.select_module", pattern), pattern,
-                                                 specs).items():
-                    if i not in whole and entries:
-                        chosen.setdefault(i, []).extend(entries)
+                field_path = item_field("recompute.select_module", pattern)
+                for i, entries in planning.match(field_path, pattern, specs).items():
+                    placed = [e for e in entries if place(planning, i, _target(e, i), field_path)]
+                    if placed:   # on a fully recomputed layer none is: its region covers them
+                        chosen.setdefault(i, []).extend(placed)
             for i, entries in chosen.items():
                 order = {e.path: k for k, e in enumerate(planning.inventory(i))}
                 kept = drop_covered(sorted(entries, key=lambda e: order[e.path]))
@@ -61,6 +61,12 @@ class SelectRecompute(RegionAction):
                 if isinstance(action, cls) and not action.keep:
                     layer = planning.stack.cell(i)
                     lp.targets.update({p: as_op_target(lp.targets[p], layer) for p in action.paths})
+
+    def targets(self, lp):
+        return [_target(lp.targets[p], lp.layer_id) for p in self.paths]
+
+    def facts(self):
+        return {**super().facts(), "recompute": self.paths}
 
     def describe(self):
         return ["recompute " + ", ".join(self.paths)] + self.keep_parts()
@@ -88,14 +94,23 @@ class SelectRecompute(RegionAction):
         logger.debug("Set select recompute at layer %s: %s", lp.label, ", ".join(self.paths))
 
 
+def _target(entry, layer_id):
+    """A select target: a module's or a method's region (rooted at its cell), or an op's output."""
+    if entry.is_op:
+        return Target(entry.path, entry.owner_path, RECOMPUTED, False,
+                      f"output recompute of op '{entry.path}' in layer {layer_id}")
+    what = "method " if entry.is_method else ""
+    return Target(entry.path, entry.cell_path, RECOMPUTED, True,
+                  f"select recompute of {what}'{entry.path}' in layer {layer_id}")
+
+
 def _install_method(state, layer, entry, policy_fn, stats):
     """Shadow method ``entry.attr`` of its owner cell, on the instance, by a region that runs it."""
     owner, name = sub_cell(layer, entry.owner_path), entry.attr
     if name in vars(owner):
         raise ValueError(f"{type(owner).__name__}.{name}: the instance already has an attribute of this name "
                          f"(wrapped twice?)")
-    wrapped = checkpoint_wrapper(getattr(owner, name), policy_fn=policy_fn, stats=stats,
-                                 context_fn=state.context_fn)
+    wrapped = checkpoint_wrapper(getattr(owner, name), policy_fn=policy_fn, stats=stats, **region_options(state))
     setattr(wrapped, METHOD_WRAPPER_MARK, True)
     drop_on_copy(wrapped)   # a deep copy of the cell gets its class's method back (construct_patch._scrub)
 

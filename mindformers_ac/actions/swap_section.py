@@ -1,7 +1,8 @@
 """What the two swap actions share: the ``swap`` section's own rules, and the engine they install on.
 
-A new field of ``swap`` that the engine reads is handed over in ``SwapEngine`` only, so both actions
-get it.
+The installers get the section itself (``SwapEngine.settings``), and the scheduler keeps it
+(``SwapScheduler.settings``): a new field of ``swap`` that the scheduler reads is the field and the line
+that reads it, nothing in between.
 """
 from dataclasses import dataclass
 
@@ -95,6 +96,7 @@ class SwapEngine:
     min_bytes: int
     params: list          # parameters never offloaded (None: the installer's model's own)
     mtp: object           # the MTP block when it runs in its own call, else None
+    settings: object      # the swap section (``SwapConfig``), handed to the scheduler whole
 
     def top(self, plan, model, layer_id):
         """The call a layer runs in: its tensors received from outside it stay on the device."""
@@ -112,5 +114,5 @@ def swap_engine(state, model):
         mtp = block if isinstance(block, nn.Cell) and block is not model else None
         params = None if mtp is None else list(model.get_parameters()) + list(mtp.get_parameters())
         state.swap_executor = SwapExecutor(select_backend(kind=sc.backend), max_pool_bytes=sc.max_host_bytes)
-        state.swap_engine = SwapEngine(state.swap_executor, sc.default_prefetch, sc.min_bytes, params, mtp)
+        state.swap_engine = SwapEngine(state.swap_executor, sc.default_prefetch, sc.min_bytes, params, mtp, sc)
     return state.swap_engine

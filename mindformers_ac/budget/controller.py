@@ -4,7 +4,11 @@ cheapest plan that fits.
 ``apply_ac`` with a ``memory_budget`` section installs this controller on
 the model it was given: one bracket around that cell's ``construct``
 (``construct_patch``; a forward that raises, Ctrl-C included, ends the
-measured step there and then), nothing else. A *training forward* is one MindSpore records for a gradient
+measured step there and then). While a step is measured it also holds the
+meter's forward hooks on every layer and its modules (``accounting.StepMeter``),
+a gradient hook on every trainable Parameter (when the backward ends) and one
+on the forward's output (when it starts); the first two are taken off when
+the step closes, the last lives in that step's graph. A *training forward* is one MindSpore records for a gradient
 (``requires_grad``); an eval forward in between is left alone. Every AC
 option is bitwise exact, so the controller can run the user's own steps
 under any candidate plan without changing the training curve:
@@ -68,7 +72,7 @@ from .solver import OptionKind, option_config, plan_within, summarize
 logger = logging.getLogger("mindformers_ac")
 
 MAX_PROFILES = 3   # the first profile and two for new input shapes
-MAX_IN_FLIGHT = 64   # forwards before a backward: a pipeline's microbatches (harness.pipeline's bound too)
+MAX_IN_FLIGHT = 64   # forwards before a backward: a pipeline's microbatches (train --microbatches' bound too)
 _BASELINE = 1   # sample index of the second step without AC (the first is a warm-up)
 
 

@@ -293,6 +293,14 @@ def data_parallel_note(dp, spec):
             f"layers.")
 
 
+def add_pipeline_arguments(parser, pp_help, microbatches_help=None, pp_type=None):
+    """``--pp`` (and, with ``microbatches_help``, ``--microbatches``): one declaration for every subcommand."""
+    from .spec import positive_int
+    parser.add_argument("--pp", type=pp_type or positive_int, default=1, metavar="P", help=pp_help)
+    if microbatches_help is not None:
+        parser.add_argument("--microbatches", type=positive_int, default=1, metavar="M", help=microbatches_help)
+
+
 def build_parser():
     from .moe import add_moe_arguments
     from .spec import add_layer_list_argument, add_model_arguments, ascii_int, positive_int
@@ -310,12 +318,10 @@ def build_parser():
     train.add_argument("--tp", type=positive_int, default=1,
                        help="tensor-parallel size (default 1); > 1 must run under msrun with that many workers "
                             "(see docs/distributed.md and `python -m mindformers_ac.harness.launch`)")
-    train.add_argument("--pp", type=positive_int, default=1,
-                       help="pipeline stages (default 1); 2 cuts the reference GPT at half its layers, one stage "
-                            "per rank, under msrun with 2 workers")
-    train.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
-                       help="with --pp 2: microbatches per step, all forwarded before their backwards (GPipe "
-                            "order; default 1)")
+    add_pipeline_arguments(train, "pipeline stages (default 1); 2 cuts the reference GPT at half its layers, one "
+                                  "stage per rank, under msrun with 2 workers",
+                           "with --pp 2: microbatches per step, all forwarded before their backwards (GPipe "
+                           "order; default 1)")
     train.add_argument("--dp", type=positive_int, default=1,
                        help="data-parallel replicas (default 1; MindFormers' data_parallel): each trains on its own "
                             "batches, gradients averaged with nn.DistributedGradReducer; alone or with --tp / --pp, "
@@ -338,8 +344,7 @@ def build_parser():
     validate.add_argument("--num-layers", type=ascii_int, default=None, metavar="N",
                           help="check the layer ids against a model of N layers (default: not checked, only "
                                "the structure and the pp rule)")
-    validate.add_argument("--pp", type=ascii_int, default=1, metavar="P",
-                          help="pipeline-parallel size the config is checked for (default 1)")
+    add_pipeline_arguments(validate, "pipeline-parallel size the config is checked for (default 1)", pp_type=ascii_int)
     validate.set_defaults(func=cmd_validate)
     explain = sub.add_parser("explain", help="print the plan a config gives on a model")
     explain.add_argument("config", nargs="?", default=None,
@@ -347,8 +352,7 @@ def build_parser():
     explain.add_argument("--model", default=DEFAULT_MODEL, metavar="MODULE:FUNCTION",
                          help=f"{MODEL_HELP} (default {DEFAULT_MODEL})")
     add_layer_list_argument(explain)
-    explain.add_argument("--pp", type=positive_int, default=1, metavar="P",
-                         help="pipeline-parallel size to plan for (default 1)")
+    add_pipeline_arguments(explain, "pipeline-parallel size to plan for (default 1)")
     explain.set_defaults(func=cmd_explain)
     plan = sub.add_parser("plan", help="profile a model (the reference GPT or --model), choose recompute/swap "
                                        "per layer for a memory budget, write the YAML")
@@ -364,11 +368,9 @@ def build_parser():
     add_moe_arguments(plan)
     plan.add_argument("--prefetch", type=int, default=None,
                       help="swap.default_prefetch (default: CONFIG's, else 1)")
-    plan.add_argument("--pp", type=positive_int, default=1,
-                      help="pipeline stages (default 1); > 1 plans each stage of contiguous layers for the budget, "
-                           "with its microbatches in flight")
-    plan.add_argument("--microbatches", type=positive_int, default=1, metavar="M",
-                      help="with --pp > 1: microbatches per step; in GPipe order every stage holds all M at its "
+    add_pipeline_arguments(plan, "pipeline stages (default 1); > 1 plans each stage of contiguous layers for the "
+                                 "budget, with its microbatches in flight",
+                           "with --pp > 1: microbatches per step; in GPipe order every stage holds all M at its "
                            "peak (default 1)")
     plan.add_argument("--dp", type=positive_int, default=1,
                       help="data-parallel ranks (MindFormers' data_parallel; default 1): the plan is per rank, each "

@@ -27,6 +27,7 @@ from ..construct_patch import (
     wrapped_function_info,
 )
 from ..errors import quote
+from ..mindspore_compat import uses_native_recompute
 from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
@@ -205,7 +206,7 @@ def get_checkpoint_stats(cell_or_fn):
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
                        swap_executor=None, light_path=True, chain=None, use_reentrant=None, preserve_rng_state=True,
-                       determinism_check="default", debug=False, early_stop=True):
+                       determinism_check="default", debug=False, early_stop=True, settings=None):
     """Make every call of a cell (or function) a ``checkpoint`` region.
 
     For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
@@ -237,6 +238,9 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
     ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
     ``checkpoint`` (see ``options``), checked here.
+
+    ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
+    region reads its settings from it (default: ``RecomputeConfig()``'s).
     """
     CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
                       early_stop)   # checks them
@@ -252,6 +256,8 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
         options["debug"] = True
     if not early_stop:
         options["early_stop"] = False
+    if settings is not None:
+        options["settings"] = settings
     light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
     if not isinstance(cell_or_fn, nn.Cell):
         if not callable(cell_or_fn):
@@ -270,7 +276,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
 
 def _wrap_cell(cell, options, light):
-    if getattr(cell, "_recompute_cell", None) is not None:
+    if uses_native_recompute(cell):
         raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
                          "the two recompute mechanisms can't be combined on one cell")
     tracker = _tracker_for(cell, options["policy_fn"])

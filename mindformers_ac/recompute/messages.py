@@ -1,6 +1,9 @@
-"""Every error and warning text of the recompute engine, written once.
+"""The texts of what the recompute engine finds while it runs (in forward and backward), written once.
 
-Both ways into a region (the op-intercepting path and the light path) report
+The checks of a checkpoint's arguments (``options``, ``api``: a bad keyword, a
+``policy_fn`` that is not callable) raise their own ``ValueError`` /
+``TypeError`` at the call, naming the argument; everything found while a
+region runs is here. Both ways into a region (the op-intercepting path and the light path) report
 the same failures with the same words: each function here returns the
 exception to raise, built from what the caller knows (an op described by
 ``describe_op``, a saved tensor by ``describe_meta``): a ``RecomputeError``

@@ -20,6 +20,7 @@ from mindspore import Tensor, ops
 from mindspore.ops import Primitive
 
 from ..checkpoint_policy import CheckpointPolicy
+from ..config import RecomputeConfig
 from ..errors import RecomputeError
 from ..mindspore_compat import grad_call_inside, no_grad, unwinding_leaves_cell_state
 from ..mindspore_compat import pynative_executor as _executor
@@ -66,7 +67,10 @@ class Region(RegionBase):
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None, debug=False, early_stop=True):
+                 path_check=None, chain=None, debug=False, early_stop=True, settings=None):
+        # the recompute section apply_ac was given (defaults without one): a setting of it the region reads
+        # is read from ``self.settings``, with nothing in between to hand it over
+        self.settings = settings if settings is not None else RecomputeConfig()
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
         params = list(root.get_parameters()) if root is not None else []

@@ -53,13 +53,13 @@ class SwapInstallation:
         self.scheduler.close()
 
 
-def _make_scheduler(executor, report, min_bytes, params, max_pool_bytes):
+def _make_scheduler(executor, report, min_bytes, params, max_pool_bytes, settings):
     if executor is not None and report is not None and executor.report is not report:
         raise ValueError("pass the report to the executor instead: SwapExecutor(report=report)")
     owns = executor is None
     if owns:
         executor = SwapExecutor(max_pool_bytes=max_pool_bytes, report=report)
-    sched = SwapScheduler(executor, min_bytes, params)
+    sched = SwapScheduler(executor, min_bytes, params, settings)
     sched.owns_executor = owns
     return sched
 
@@ -151,7 +151,7 @@ def prefetch_trigger(cell, sched, key, trigger):
 
 
 def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None, model=None,
-                       min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None, triggers=None):
+                       min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None, triggers=None, settings=None):
     """Swap whole layers: everything ``layers[i]`` saves for backward goes to host, ``i`` in ``layer_ids``.
 
     Args:
@@ -169,6 +169,8 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
         triggers: ``{layer id: trigger id}`` for swapped layers fetched back by another layer than
             ``i + prefetch`` (a pipeline stage's last layers: an earlier layer of the stage, whose backward
             of the next microbatch comes ``prefetch`` layers before theirs).
+        settings: the ``SwapConfig`` whose other settings the scheduler reads (``apply_ac``'s ``swap`` section;
+            default: ``SwapConfig()``'s).
     Returns a ``SwapInstallation``; report keys are the global layer ids.
     """
     triggers = dict(triggers or {})
@@ -184,7 +186,7 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
                              f"prefetch, but there are {n} layers: lower the prefetch or do not swap layer {i}")
     if params is None:
         params = _params_of(model if model is not None else layers)
-    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes)
+    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes, settings)
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
     for i in layer_ids:
@@ -197,7 +199,7 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
 
 
 def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, executor=None, report=None,
-                    model=None, min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None):
+                    model=None, min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None, settings=None):
     """Swap only what the given sub-cells of ``layer`` save (e.g. ``["mlp", "self_attention.core_attention"]``).
 
     The layer's own inputs (and the model call's, with ``model``) stay on the device.
@@ -212,7 +214,7 @@ def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, e
     key = layer_id if layer_id is not None else f"{type(layer).__name__}@{id(layer):x}"
     if params is None:
         params = _params_of(model if model is not None else layer)
-    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes)
+    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes, settings)
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
     layer_inputs = []   # a stack: the layer may be re-entered

@@ -47,7 +47,7 @@ import weakref
 import mindspore as ms
 
 from ..checkpoint_policy import CheckpointPolicy
-from ..config import DEFAULT_MIN_BYTES
+from ..config import DEFAULT_MIN_BYTES, SwapConfig
 from ..precision import no_casts
 from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr, tensor_bytes
 from .executor import SwapExecutor, SwapHandle
@@ -173,7 +173,10 @@ class SwapScheduler:
     prefetched together and an older micro-batch's groups are not.
     """
 
-    def __init__(self, executor=None, min_bytes=DEFAULT_MIN_BYTES, params=()):
+    def __init__(self, executor=None, min_bytes=DEFAULT_MIN_BYTES, params=(), settings=None):
+        # the swap section apply_ac was given (defaults without one): a setting of it that the scheduler reads
+        # is read here, from ``self.settings``, with nothing in between to hand it over
+        self.settings = settings if settings is not None else SwapConfig()
         self.owns_executor = executor is None
         self.executor = executor if executor is not None else SwapExecutor()
         self.report = self.executor.report
