@@ -5,7 +5,12 @@ all replace the *instance* attribute ``construct`` (the class, other
 instances, the cell tree and parameter names are untouched) with a function
 that runs the wrapper around what was there before. Patches stack: each one
 records the construct it wrapped, and removing one relinks the patch above it
-(or restores the cell), so the order of removal does not matter.
+(or restores the cell), so the order of removal does not matter. Each patch
+also puts a forward pre-hook on its cell that refuses a *copy* calling it
+(``foreign_patches``: MindSpore hands the hook the cell being called, and a
+network rewrite copies the hook dicts with the patch); with it the cell's
+call takes ``Cell.__call__``'s hook path (``_run_construct``), which also runs
+saved-tensor hooks the cell registered.
 
 ``copy.deepcopy`` of a patched cell (or of anything holding one) gives a
 plain copy: every patched cell carries an instance ``__deepcopy__``
