@@ -100,7 +100,7 @@ class ExecutorCalls:
     grad call whose function raised leaves its grad flag set, and a raise
     through a cell call leaves its type pushed. The counters are what is
     running now, so they stay right after such a failure; nothing here
-    repairs the executor itself (see docs/exactness.md, rule F1).
+    repairs the executor itself (docs/exactness.md, "Higher-order gradients", says why).
 
     A grad call that started before the wrappers were installed is not
     counted: when installed while the executor records a graph
@@ -172,10 +172,6 @@ class ExecutorCalls:
         """Hold the wrappers until the process ends (``checkpoint()``: a function call has no undo)."""
         if self._process_hold is None:
             self._process_hold = self.acquire()
-
-    @property
-    def installed(self):
-        return bool(self._holders)
 
     def _install(self):
         local = self._state()

@@ -49,7 +49,7 @@ from model_patterns import (
 )
 from steps import _record, ac_counters, assert_acted, first_difference, install_api
 
-MODES = ("full", "select_cell", "exclude_op", "layer_swap", "checkpoint_api")
+MODES = ("full", "select_cell", "select_op", "exclude_op", "layer_swap", "checkpoint_api")
 
 
 class RMSNorm(nn.Cell):

@@ -18,7 +18,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-MODES = ("full", "select_cell", "exclude_op", "layer_swap", "checkpoint_api")
+MODES = ("full", "select_cell", "select_op", "exclude_op", "layer_swap", "checkpoint_api")
 KINDS = ("before_op", "after_op", "bad_keyword", "plain_grad", "in_backward")
 
 
