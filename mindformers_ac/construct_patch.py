@@ -5,7 +5,12 @@ all replace the *instance* attribute ``construct`` (the class, other
 instances, the cell tree and parameter names are untouched) with a function
 that runs the wrapper around what was there before. Patches stack: each one
 records the construct it wrapped, and removing one relinks the patch above it
-(or restores the cell), so the order of removal does not matter.
+(or restores the cell), so the order of removal does not matter. Each patch
+also puts a forward pre-hook on its cell that refuses a *copy* calling it
+(``foreign_patches``: MindSpore hands the hook the cell being called, and a
+network rewrite copies the hook dicts with the patch); with it the cell's
+call takes ``Cell.__call__``'s hook path (``_run_construct``), which also runs
+saved-tensor hooks the cell registered.
 
 ``copy.deepcopy`` of a patched cell (or of anything holding one) gives a
 plain copy: every patched cell carries an instance ``__deepcopy__``
@@ -34,7 +39,6 @@ is wrapped after the inner one, or else at the outer wrapper's first call
 import copy
 import logging
 import pickle
-import sys
 import weakref
 
 from .mindspore_compat import cell_hook_dicts
@@ -185,18 +189,44 @@ class PickleRefusal:
         self._cell = weakref.ref(cell)
 
     def __call__(self, protocol=2):
-        # copy.copy asks the same method (a deep copy has CopyHook): a shallow copy stays what it was
-        if sys._getframe(1).f_globals.get("__name__") == "copy":   # pylint: disable=protected-access
-            cell = self._cell()
-            return type(cell).__reduce_ex__(cell, protocol)
-        raise pickle.PicklingError(
-            f"mindformers_ac: can't pickle {self.name}: activation checkpointing or swap installed by mindformers_ac "
-            f"(apply_ac, checkpoint_wrapper, swap_wrapper) is part of it; call mindformers_ac.remove_ac(model) "
-            f"(or unwrap() / remove_swap_wrapper()) before pickling and apply_ac again after loading, or save the "
-            f"weights with mindspore.save_checkpoint")
+        # copy.copy asks the same method (a deep copy has CopyHook): the class's reduce, whose state refuses
+        # to be pickled itself; copy.copy uses that state as it is, so a shallow copy stays what it was
+        cell = self._cell()
+        rv = type(cell).__reduce_ex__(cell, protocol)
+        state = rv[2] if len(rv) > 2 else None
+        refusing = _REFUSING.get(type(state))
+        if refusing is None:
+            raise pickle.PicklingError(self.message())
+        state = refusing(state)
+        state.message = self.message()
+        return (*rv[:2], state, *rv[3:])
+
+    def message(self):
+        return (f"mindformers_ac: can't pickle {self.name}: activation checkpointing or swap installed by "
+                f"mindformers_ac (apply_ac, checkpoint_wrapper, swap_wrapper) is part of it; call "
+                f"mindformers_ac.remove_ac(model) (or unwrap() / remove_swap_wrapper()) before pickling and "
+                f"apply_ac again after loading, or save the weights with mindspore.save_checkpoint")
 
     def __deepcopy__(self, memo):
         return DROPPED
+
+
+class _RefusingTuple(tuple):
+    """A patched cell's state (``Cell.__getstate__``'s pair) in its reduce: it unpacks as the pair (copy.copy)
+    and raises ``message`` when pickled (a tuple subclass is pickled through its own reduce)."""
+
+    def __reduce_ex__(self, protocol):
+        raise pickle.PicklingError(self.message)
+
+
+class _RefusingDict(dict):
+    """As ``_RefusingTuple``, for a cell class whose state is its ``__dict__``."""
+
+    def __reduce_ex__(self, protocol):
+        raise pickle.PicklingError(self.message)
+
+
+_REFUSING = {tuple: _RefusingTuple, dict: _RefusingDict}
 
 
 def hold_copy_hook(cell):
@@ -294,18 +324,22 @@ class ConstructPatch:
         first = [kind in _EXCLUSIVE_KINDS]   # check again at the first call: a sub-cell wrapped since
 
         def construct(*args, **kwargs):
-            # Cell.__call__ calls self.construct: a caller holding this very function that is not our cell
-            # is a copy made by a network rewrite (see foreign_patches); running on would be silently wrong.
-            caller = sys._getframe(1).f_locals.get("self")   # pylint: disable=protected-access
-            if caller is not cell and getattr(caller, "__dict__", {}).get("construct") is construct:
-                raise RuntimeError("mindformers_ac: " + copied_patch_message("", caller, self))
             if first[0]:
                 first[0] = False
                 check_nesting(cell, kind, warned)
             return around(self.inner, *args, **kwargs)
 
+        @drop_on_copy
+        def refuse_copied_caller(caller, args):
+            # MindSpore hands a forward pre-hook the cell being called: a cell other than ours that holds this
+            # very patch is a copy made by a network rewrite (see foreign_patches), which copies the hook
+            # dicts with the patch; running on would run the old cell's code, silently wrong.
+            if caller is not cell and caller.__dict__.get("construct") is construct:
+                raise RuntimeError("mindformers_ac: " + copied_patch_message("", caller, self))
+
         setattr(construct, _PATCH_ATTR, self)
         self.construct = construct
+        self._guard = cell.register_forward_pre_hook(refuse_copied_caller)
         above = None if outer else next((p for p in reversed(stack) if p.outer), None)
         hold_copy_hook(cell)
         if above is None:
@@ -322,6 +356,7 @@ class ConstructPatch:
         stack = patches(cell)
         if self not in stack:
             return
+        self._guard.remove()
         i = stack.index(self)
         if i == 0:
             if self.had_instance:

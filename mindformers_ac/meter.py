@@ -26,7 +26,7 @@ belong to a throw-away graph and are not counted.
 """
 import logging
 import os
-import sys
+import types
 import weakref
 
 import mindspore as ms
@@ -126,7 +126,7 @@ class _HookChain:
         passed = getattr(pack, CHAIN_PASSED, False) is True
         if not passed and _is_ours(pack) and not getattr(pack, SEEN_THROUGH, False):
             return pack, unpack   # the engine reports what it keeps
-        meter, where = self.meter, None if passed else self.describe(pack)
+        meter = self.meter
         # Once per hook function: every layer may register the same one, or make it anew (a closure).
         key = getattr(getattr(pack, "__func__", pack), "__code__", pack)
 
@@ -139,7 +139,7 @@ class _HookChain:
             device = getattr(t, "device", None)
             held = [x for x in held_tensors(packed) if getattr(x, "device", None) == device]
             if not held:
-                meter.warnings.warning(("not_seen", key), NOT_SEEN, where, type(packed).__name__)
+                meter.warnings.warning(("not_seen", key), NOT_SEEN, _Described(self, pack), type(packed).__name__)
             return meter.hold(_Chained(packed), held)
 
         def chained_unpack(obj):
@@ -154,30 +154,69 @@ class _HookChain:
         return chained_pack, chained_unpack
 
     def describe(self, pack):
-        """Who pushed ``pack``: the cell that registered it, else the cell and line of the ``with`` (or of
-        the call into MindSpore's code that pushed it, as its recompute does)."""
-        frame = sys._getframe(1)   # pylint: disable=protected-access  # the stack of the push
-        inner = None   # the innermost cell whose call in MindSpore's code pushed it
-        while frame is not None:
-            cell = frame.f_locals.get("self")
-            name = frame.f_code.co_filename
-            if name != __file__ and not name.startswith(_MINDSPORE_DIR):
-                break   # the first frame of the model's code
-            if isinstance(cell, nn.Cell):
-                if registered_pack_hook(cell) is pack:
-                    return f"cell {self.name(cell)}"   # Cell.__call__ pushing what the cell registered
-                inner = cell if inner is None else inner
-            frame = frame.f_back
-        if frame is None:
-            return repr(pack)
-        line = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        if inner is not None and inner is not cell:
-            return f"cell {self.name(inner)} (in MindSpore's code, called at {line})"
-        return f"cell {self.name(cell)} at {line}" if isinstance(cell, nn.Cell) else line
+        """Who pushed ``pack``, read from the hook and the model (no Python frame): the model's cell that
+        registered it, holds it as an attribute (``ms.saved_tensors_hooks(self.pack, ...)`` in its
+        construct) or is reached from the objects the hook's closure holds (MindSpore's recompute), and
+        the file and line where the hook function is defined."""
+        fn = getattr(pack, "__func__", pack)
+        code = getattr(fn, "__code__", None)
+        line = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}" if code is not None else None
+        for _, cell in self.cells.values():
+            if registered_pack_hook(cell) is pack:
+                return f"cell {self.name(cell)}"   # Cell.__call__ pushes what the cell registered
+        cell = next((cell for _, cell in self.cells.values()
+                     if any(value is pack or value is fn for value in vars(cell).values())), None)
+        if cell is None:
+            cell = self._reached_cell(pack)
+            if cell is not None and code is not None and code.co_filename.startswith(_MINDSPORE_DIR):
+                return f"cell {self.name(cell)} (in MindSpore's code, its hook defined at {line})"
+        if cell is None:
+            return f"the hook {getattr(fn, '__qualname__', repr(pack))} at {line}" if line else repr(pack)
+        return f"cell {self.name(cell)} at {line}" if line else f"cell {self.name(cell)}"
+
+    def _reached_cell(self, pack, limit=256):
+        """The first of the model's cells reached from ``pack`` through closures, bound ``self``s, and the
+        attributes, lists and dicts of what those hold (breadth first, at most ``limit`` objects)."""
+        todo, seen = [pack], set()
+        while todo and len(seen) < limit:
+            obj = todo.pop(0)
+            if id(obj) in seen or isinstance(obj, (Tensor, str, bytes, int, float, type, types.ModuleType)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, nn.Cell) and id(obj) in self.cells:
+                return obj
+            if isinstance(obj, (list, tuple, set)):
+                todo.extend(obj)
+            elif isinstance(obj, dict):
+                todo.extend(obj.values())
+            todo.extend(getattr(obj, attr) for attr in ("__self__", "__func__", "__wrapped__") if hasattr(obj, attr))
+            todo.extend(c.cell_contents for c in getattr(obj, "__closure__", None) or () if _filled(c))
+            todo.extend(getattr(obj, "__dict__", {}).values())
+        return None
 
     def name(self, cell):
         path = self.cells.get(id(cell), (None,))[0]
         return f"'{path}' ({type(cell).__name__})" if path is not None else type(cell).__name__
+
+
+class _Described:
+    """``_HookChain.describe(pack)`` when a warning is formatted: the search runs once per warning, not per push."""
+
+    __slots__ = ("chain", "pack")
+
+    def __init__(self, chain, pack):
+        self.chain, self.pack = chain, pack
+
+    def __str__(self):
+        return self.chain.describe(self.pack)
+
+
+def _filled(closure_cell):
+    try:
+        closure_cell.cell_contents   # noqa: B018  (an empty cell raises)
+    except ValueError:
+        return False
+    return True
 
 
 class SavedTensorMeter:

@@ -16,10 +16,15 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
-* ``grad_forward_running``: whether a grad call's forward is on the Python
-  stack (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
-  forward half of ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` /
-  ``vjp``): what tells a higher-order backward from a first-order one;
+* ``EXECUTOR_CALLS`` (``ExecutorCalls``): while AC is installed, counters at
+  MindSpore's grad-call entry points (``mindspore.ops.composite.base``'s
+  ``_pynative_func_grad_forward`` / ``_backward``, the two halves of
+  ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp``) and at the
+  executor's ``set_mixed_precision_type`` / ``set_cell_use_dynamic_shape_process``:
+  what tells a higher-order backward from a first-order one, a save inside a
+  grad call the region's own function makes, and whether an early stop would
+  leave a cell's executor state behind, from what runs now (no Python frame
+  is read);
 * ``dispatch_mode_depth``: ``_DispatchGuardStack.depth()`` from
   ``mindspore._c_expression``, how many ``MsDispatchMode`` are entered (the
   failure-path tests check that none is left);
@@ -36,8 +41,9 @@ this one file:
 ``synchronous_pynative`` picks, per release, the API that sets synchronous
 PyNative execution.
 """
+import functools
 import importlib
-import sys
+import threading
 
 import mindspore
 from mindspore._c_expression import (
@@ -68,83 +74,189 @@ def tensor_stamp(t):
     return t.data_ptr(), t._version   # pylint: disable=protected-access
 
 
-_grad_module = importlib.import_module("mindspore.ops.composite.base")
-try:   # the forward and backward halves of every PyNative grad call (ms.grad, value_and_grad, GradOperation, vjp)
-    _GRAD_FORWARD_CODE = _grad_module._pynative_func_grad_forward.__code__   # pylint: disable=protected-access
-    _GRAD_CODES = (_GRAD_FORWARD_CODE, _grad_module._pynative_func_grad_backward.__code__)   # pylint: disable=protected-access
-except AttributeError:   # another release: grad_forward_running() then answers from the executor's flag alone
-    _GRAD_FORWARD_CODE, _GRAD_CODES = None, ()
+_GRAD_ENTRY_MODULES = ("mindspore.ops.composite.base",   # GradOperation, ms.grad, value_and_grad
+                       "mindspore.ops.function.grad.grad_func")   # vjp (it imported both names)
 
 
-def grad_forward_running():
-    """True while a MindSpore grad call is running its forward on this thread (it is recording a graph).
+class ExecutorCalls:
+    """What MindSpore's executor is doing on this thread, counted at its Python entry points while held.
 
-    A backward that runs while a grad's forward is in progress below it on
-    the Python stack is being recorded for that grad: a higher-order
-    gradient. The executor's ``requires_grad()`` alone can't tell: a grad
-    call whose function raised leaves MindSpore's grad flag set (2.10's
-    ``_pynative_func_grad_forward`` has no ``finally``), so every later
-    first-order backward would look recorded. Walks the frames up to the
-    thread's bottom (a few dozen in a training step: microseconds); called
-    once per recompute, not per op. On a release without that function it
-    falls back to ``requires_grad()``.
+    While at least one holder has it (``acquire()``, refcounted; the last
+    ``release()`` puts MindSpore's own functions back), wrappers kept in
+    ``try``/``finally`` count, per thread:
+
+    * ``grad_forward``: grad calls running their forward half
+      (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
+      forward of ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` /
+      ``vjp``, and the same name in ``grad_func``);
+    * ``grad_calls``: grad calls running either half (``..._grad_backward``
+      too);
+    * ``cell_state()``: mixed-precision types pushed on the executor
+      (``set_mixed_precision_type``, what ``Cell.__call__`` does for
+      ``to_float`` / amp O2-O3) and the dynamic-shape flag
+      (``set_cell_use_dynamic_shape_process``).
+
+    MindSpore 2.10 undoes none of these on an exception (no ``finally``): a
+    grad call whose function raised leaves its grad flag set, and a raise
+    through a cell call leaves its type pushed. The counters are what is
+    running now, so they stay right after such a failure; nothing here
+    repairs the executor itself (docs/exactness.md, "Higher-order gradients", says why).
+
+    A grad call that started before the wrappers were installed is not
+    counted: when installed while the executor records a graph
+    (``requires_grad()``: the first ``checkpoint()`` call of a process,
+    made inside its first grad call), ``grad_forward_running()`` answers
+    from that flag until the next grad call this thread starts outside any
+    counted one. No Python frame is read.
     """
-    code = _GRAD_FORWARD_CODE
-    if code is None:
-        return pynative_executor.requires_grad()
-    frame = sys._getframe(1)   # pylint: disable=protected-access
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+
+    def __init__(self):
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._patches = []   # (owner, attribute, MindSpore's original, our wrapper)
+        self._process_hold = None
+
+    def _state(self):
+        local = self._local
+        if not hasattr(local, "grad_forward"):
+            local.grad_forward = local.grad_calls = local.precision_pushes = 0
+            local.dynamic_shape = False
+            local.unseen = False   # a grad call may be running that started before the wrappers
+        return local
+
+    # -- what the engine asks ------------------------------------------------------------------
+    def grad_forward_running(self):
+        """True while a MindSpore grad call is running its forward on this thread (recording a graph).
+
+        A backward that runs meanwhile is being recorded for that grad: a
+        higher-order gradient. The executor's ``requires_grad()`` alone can't
+        tell: a grad call whose function raised leaves it set. Not held: that
+        flag is all there is."""
+        if not self._holders:
+            return pynative_executor.requires_grad()
+        local = self._state()
+        return local.grad_forward > 0 or (local.unseen and pynative_executor.requires_grad())
+
+    def grad_calls(self):
+        """How many grad calls (either half) run on this thread: a region's run notes it when it starts,
+        and a save made while more run is made inside a grad call of the region's own function."""
+        return self._state().grad_calls
+
+    def cell_state(self):
+        """``(mixed-precision types pushed, dynamic-shape flag)`` on this thread: what a raise through a
+        ``Cell.__call__`` would leave behind if it changed since a point the caller noted."""
+        local = self._state()
+        return local.precision_pushes, local.dynamic_shape
+
+    # -- holding -------------------------------------------------------------------------------
+    def acquire(self):
+        """Hold the wrappers; returns a ``release`` callable (idempotent)."""
+        with self._lock:
+            if not self._holders:
+                self._install()
+            self._holders += 1
+        released = []
+
+        def release():
+            if released:
+                return
+            released.append(True)
+            with self._lock:
+                self._holders -= 1
+                if not self._holders:
+                    self._remove()
+        return release
+
+    def hold_for_process(self):
+        """Hold the wrappers until the process ends (``checkpoint()``: a function call has no undo)."""
+        if self._process_hold is None:
+            self._process_hold = self.acquire()
+
+    def _install(self):
+        local = self._state()
+        local.unseen = bool(pynative_executor.requires_grad())
+        for name in _GRAD_ENTRY_MODULES:
+            module = importlib.import_module(name)
+            forward = getattr(module, "_pynative_func_grad_forward", None)
+            backward = getattr(module, "_pynative_func_grad_backward", None)
+            if forward is not None:
+                self._patch(module, "_pynative_func_grad_forward", self._counted_forward(forward))
+            if backward is not None:
+                self._patch(module, "_pynative_func_grad_backward", self._counted_backward(backward))
+        executor = pynative_executor
+        self._patch(executor, "set_mixed_precision_type",
+                    self._counted_precision(type(executor).set_mixed_precision_type.__get__(executor)))
+        self._patch(executor, "set_cell_use_dynamic_shape_process",
+                    self._noted_dynamic_shape(type(executor).set_cell_use_dynamic_shape_process.__get__(executor)))
+
+    def _patch(self, owner, attr, wrapper):
+        self._patches.append((owner, attr, owner.__dict__.get(attr), wrapper))
+        setattr(owner, attr, wrapper)
+
+    def _remove(self):
+        for owner, attr, original, wrapper in reversed(self._patches):
+            if owner.__dict__.get(attr) is not wrapper:
+                continue   # someone replaced ours since: leave theirs
+            if original is None:
+                delattr(owner, attr)   # the executor's method, shadowed on the instance
+            else:
+                setattr(owner, attr, original)
+        self._patches = []
+
+    def _counted_forward(self, original):
+        state = self._state
+
+        @functools.wraps(original)
+        def grad_forward(fn, *args, **kwargs):
+            local = state()
+            if not local.grad_forward:
+                local.unseen = False   # an outermost counted grad call: nothing uncounted runs below it
+            local.grad_forward += 1
+            local.grad_calls += 1
+            try:
+                return original(fn, *args, **kwargs)
+            finally:
+                local.grad_forward -= 1
+                local.grad_calls -= 1
+        return grad_forward
+
+    def _counted_backward(self, original):
+        state = self._state
+
+        @functools.wraps(original)
+        def grad_backward(*args, **kwargs):
+            local = state()
+            local.grad_calls += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.grad_calls -= 1
+        return grad_backward
+
+    def _counted_precision(self, original):
+        state = self._state
+
+        @functools.wraps(original)
+        def set_mixed_precision_type(mixed_precision_type, is_push=True):
+            out = original(mixed_precision_type, is_push)
+            state().precision_pushes += 1 if is_push else -1
+            return out
+        return set_mixed_precision_type
+
+    def _noted_dynamic_shape(self, original):
+        state = self._state
+
+        @functools.wraps(original)
+        def set_cell_use_dynamic_shape_process(flag):
+            out = original(flag)
+            state().dynamic_shape = bool(flag)
+            return out
+        return set_cell_use_dynamic_shape_process
 
 
-def grad_call_inside(stop_codes):
-    """True when a MindSpore grad call (its forward or its backward half) runs between the caller and the
-    nearest frame running one of ``stop_codes`` (a tuple of code objects) on this thread's Python stack.
-
-    A region's pack hook asks it with the region's run methods as ``stop_codes``: a tensor saved inside a
-    grad call that the region's own function makes (PyTorch's nested-checkpoint ``g``: gradients computed
-    inside a forward) belongs to that call's graph, whose backward runs before the region's run ends.
-    Walks the frames up to the region's run, comparing code objects by identity (``in`` on a set would
-    hash each code object: tens of microseconds per call); about 1 us at a model's usual depth. False on
-    a release without those functions.
-    """
-    if not _GRAD_CODES:
-        return False
-    forward, backward = _GRAD_CODES
-    frame = sys._getframe(1)   # pylint: disable=protected-access
-    while frame is not None:
-        code = frame.f_code
-        if code is forward or code is backward:
-            return True
-        for stop in stop_codes:
-            if code is stop:
-                return False
-        frame = frame.f_back
-    return False
-
-
-def unwinding_leaves_cell_state(stop_code):
-    """True when an exception raised here would unwind a ``Cell.__call__`` that leaves executor state behind.
-
-    MindSpore 2.10's ``Cell.__call__`` pushes a cell's mixed-precision type
-    (``to_float``, amp O2/O3), starts a top cell's graph (``requires_grad``) or
-    sets the dynamic-shape flag before ``construct`` and undoes it only when
-    ``construct`` returns (``_call_post_process``, no ``finally``): a raise
-    through such a call leaves the type pushed and later ops cast. Walks the
-    frames up to the one running ``stop_code``; asked once per early stop.
-    """
-    frame = sys._getframe(1)   # pylint: disable=protected-access
-    while frame is not None and frame.f_code is not stop_code:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, mindspore.nn.Cell) and (
-                owner.mixed_precision_type is not None or owner.requires_grad
-                or getattr(owner, "_dynamic_shape_inputs", None) is not None):   # pylint: disable=protected-access
-            return True
-        frame = frame.f_back
-    return False
+EXECUTOR_CALLS = ExecutorCalls()
+"""The process's one ``ExecutorCalls``: MindSpore's entry points are process-wide, so is what wraps them."""
 
 
 def dispatch_mode_depth():

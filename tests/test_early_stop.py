@@ -137,3 +137,61 @@ def test_the_config_field_reaches_apply_acs_regions(early_stop):
     stats = list(mac.ac_state(model).recompute_stats.values())
     assert sum(s.light_calls for s in stats) == 0 and sum(s.recompute_calls for s in stats) == 6
     assert sum(s.early_stops for s in stats) == (4 if early_stop else 0)   # the first call checks, whole
+
+
+class HalfTail(nn.Cell):
+    """Runs under ``to_float(float16)``: ``Cell.__call__`` pushes that type on MindSpore's executor and pops it
+    only when ``construct`` returns. Its ``sin`` makes the region's last save, so an early stop is due inside
+    it; stopping there would leave the type pushed, and every later op in the process cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_float(ms.float16)
+
+    def construct(self, h):
+        return ops.sin(h) * 2
+
+
+class TailLayer(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc = mint.nn.Linear(16, 16)
+        self.tail = HalfTail()
+
+    def construct(self, x):
+        return x + self.tail(ops.tanh(self.fc(x))).astype(ms.float32)
+
+
+def test_no_early_stop_inside_a_cell_that_pushed_executor_state():
+    """What Cell.__call__ pushed (ExecutorCalls.cell_state, counted at the executor's entry points, no frame
+    read) decides: the re-run runs whole and training stays bitwise; the same layer without the type stops
+    early."""
+    def train(layer_type, stats=None):
+        ms.set_seed(3)
+        layers = nn.CellList([layer_type() for _ in range(2)])
+        for i, p in enumerate(layers.trainable_params()):
+            p.set_data(Tensor(np.random.RandomState(i).uniform(-0.3, 0.3, p.shape).astype(np.float32)))
+
+        def forward(v):
+            for layer in layers:
+                v = layer(v) if stats is None else mac.checkpoint(layer, v, stats=stats)
+            return (v * v).mean()
+
+        grad_fn = ms.value_and_grad(forward, None, layers.trainable_params())
+        history = []
+        for step in range(3):
+            loss, grads = grad_fn(Tensor(np.random.RandomState(step).randn(4, 16).astype(np.float32)))
+            history.append([loss.asnumpy().tobytes()] + [g.asnumpy().tobytes() for g in grads])
+        return history
+
+    class PlainTail(TailLayer):
+        def __init__(self):
+            super().__init__()
+            self.tail.to_float(ms.float32)
+            self.tail.mixed_precision_type = None   # no type pushed at all
+
+    half, plain = mac.RecomputeStats(), mac.RecomputeStats()
+    assert train(TailLayer, half) == train(TailLayer)
+    assert half.recompute_calls == 6 and half.early_stops == 0
+    assert train(PlainTail, plain) == train(PlainTail)
+    assert plain.recompute_calls == 6 and plain.early_stops == 6

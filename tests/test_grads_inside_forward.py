@@ -99,3 +99,24 @@ def test_a_real_higher_order_gradient_raises_the_documented_error():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "raised: mindformers_ac: higher-order gradients (a grad of a grad" in proc.stdout
     assert "pointer" not in proc.stderr
+
+
+def uses_vjp(x):
+    """``ms.vjp`` inside the forward: its two halves are separate calls (``grad_func`` imported MindSpore's
+    grad entry points by name), each counted as a grad call of the region's own function."""
+    _, pullback = ms.vjp(lambda v: ops.sin(ops.exp(v)) * v, x)
+    pullback(ops.ones_like(x))   # computed inside the forward, not used
+    return ops.sin(ops.exp(x))
+
+
+def test_a_vjp_inside_a_forward_trains_exactly():
+    stats = mac.RecomputeStats()
+    for expected_fn, actual_fn in [(grad(uses_vjp), grad(c(uses_vjp, stats))), (uses_vjp, c(uses_vjp, stats))]:
+        assert np.array_equal(expected_fn(X).asnumpy(), actual_fn(X).asnumpy())
+    assert stats.recompute_calls == 1 and stats.ops_rerun > 0
+    wrapped = mac.checkpoint_wrapper(uses_vjp)
+    for _ in range(3):   # its saves inside the vjp are the vjp's: it stays on the intercepting path
+        assert np.array_equal(grad(uses_vjp)(X).asnumpy(), grad(wrapped)(X).asnumpy())
+    wrapped_stats = get_checkpoint_stats(wrapped)
+    assert wrapped_stats.light_calls == 0 and wrapped_stats.recompute_calls == 3
+    assert "its function computes gradients inside its forward" in str(wrapped_stats.as_dict())

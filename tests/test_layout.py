@@ -355,3 +355,40 @@ def test_a_subpackage_docstring_names_all_its_modules_or_none():
         if named and named != modules:
             partial[os.path.basename(package)] = sorted(set(modules) - set(named))
     assert partial == {}
+
+
+# The one place the package reads the Python stack: checkpoint(debug=True)'s op log shows the line of
+# model code that ran each op, by request (docs/exactness.md, "What the package reads").
+FRAME_READERS = {"mindformers_ac.recompute.debug_log"}
+# live-stack reads (a traceback of a caught exception, as the harness reports it, is not one)
+_FRAME_NAMES = {"_getframe", "f_back", "currentframe", "f_locals", "f_globals", "extract_stack", "format_stack",
+                "print_stack", "walk_stack"}
+
+
+def _frame_reads(tree):
+    """Each use of a live-stack-reading name: as an attribute (``sys._getframe``, ``frame.f_back``,
+    ``inspect.stack``) or imported by name (``from inspect import currentframe``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and (node.attr in _FRAME_NAMES or (
+                node.attr == "stack" and getattr(node.value, "id", None) == "inspect")):
+            found.append(node.attr)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("sys", "inspect", "traceback"):
+            found += [a.name for a in node.names if a.name in _FRAME_NAMES or a.name == "stack"]
+    return sorted(found)
+
+
+def test_only_the_debug_log_reads_python_frames():
+    """Issue 37: no frame walking in the package (engine decisions come from what it tracks); the op log
+    of debug=True is the one documented exception."""
+    readers = {name: reads for name, path in _modules().items()
+               if (reads := _frame_reads(ast.parse(open(path, encoding="utf-8").read())))}
+    assert set(readers) == FRAME_READERS, readers
+
+
+def test_the_frame_scan_sees_a_frame_walk():
+    walk = "import sys\ndef f():\n    frame = sys._getframe(1)\n    return frame.f_back.f_locals\n"
+    assert _frame_reads(ast.parse(walk)) == ["_getframe", "f_back", "f_locals"]
+    assert _frame_reads(ast.parse("import inspect\nx = inspect.stack()\n")) == ["stack"]
+    assert _frame_reads(ast.parse("from inspect import currentframe\n")) == ["currentframe"]
+    assert _frame_reads(ast.parse("import traceback\nx = traceback.extract_tb(e.__traceback__)\n")) == []

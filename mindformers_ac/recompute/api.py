@@ -27,7 +27,7 @@ from ..construct_patch import (
     wrapped_function_info,
 )
 from ..errors import quote
-from ..mindspore_compat import uses_native_recompute
+from ..mindspore_compat import EXECUTOR_CALLS, uses_native_recompute
 from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
@@ -154,6 +154,7 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     check_policy_fn("checkpoint", policy_fn)
     check_context_fn(context_fn)
     root = root_cell_of(fn)
+    EXECUTOR_CALLS.hold_for_process()   # what its regions ask; a function call has nothing to undo it with
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
                    swap_executor=_executor_or_managers(swap_executor), swap_inputs=swap_inputs, context_fn=context_fn,
                    tracker=_tracker_for(root, policy_fn))
@@ -177,11 +178,13 @@ def _tracker_for(root, policy_fn):
 class _WrapInfo:
     """What ``checkpoint_wrapper`` set up for a cell or function, to report and undo it."""
 
-    __slots__ = ("original", "tracker", "stats", "options", "path_checks", "remove_proxies")
+    __slots__ = ("original", "tracker", "stats", "options", "path_checks", "remove_proxies", "release_calls")
 
     def __init__(self, original, tracker, stats, options, path_checks=None, remove_proxies=None):
         self.original, self.tracker, self.stats, self.options = original, tracker, stats, options
         self.path_checks, self.remove_proxies = path_checks, remove_proxies
+        # the grad-call and cell-state counters its regions ask (EXECUTOR_CALLS), held until unwrap()
+        self.release_calls = EXECUTOR_CALLS.acquire()
 
 
 def _wrap_info(obj):
@@ -307,6 +310,7 @@ def unwrap(cell_or_fn):
         if info.remove_proxies is not None:
             info.remove_proxies()
         patch.remove()
+        info.release_calls()
         return cell_or_fn
     info = _wrap_info(cell_or_fn)
     if info is None:
@@ -315,6 +319,7 @@ def unwrap(cell_or_fn):
         info.path_checks.remove_sites()
     if info.tracker is not None:
         info.tracker.remove()
+    info.release_calls()
     return info.original
 
 

@@ -7,7 +7,9 @@ and the Python line of the model code that ran it (the nearest frame outside
 MindSpore and this package); when its re-run raises ``RecomputeError`` (other
 op, missing ops, other saves), the error carries both logs in two columns,
 the first differing row marked, so a user finds the branch that differs.
-Costs a frame walk per op: for finding a bug, not for training.
+Costs a frame walk per op: for finding a bug, not for training. The only
+place the package reads the Python stack, and only when the user asked for
+``debug`` (``tests/test_layout.py::test_only_the_debug_log_reads_python_frames``).
 """
 import os
 import sys

@@ -22,7 +22,7 @@ from mindspore.ops import Primitive
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import RecomputeConfig
 from ..errors import RecomputeError
-from ..mindspore_compat import grad_call_inside, no_grad, unwinding_leaves_cell_state
+from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
@@ -131,6 +131,7 @@ class Region(RegionBase):
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
         self.early_stop = early_stop
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
+        self.stop_state = None    # ExecutorCalls.cell_state() when that re-run started (may_stop)
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
 
     # -- swap -------------------------------------------------------------------
@@ -372,9 +373,9 @@ class Region(RegionBase):
 
     def may_stop(self):
         """Whether the re-run may stop here (``early_stop``): not through a cell call that would leave
-        executor state behind (a mixed-precision type pushed, ``unwinding_leaves_cell_state``); when it
-        would, the re-run runs whole."""
-        if unwinding_leaves_cell_state(Region._rerun.__code__):
+        executor state behind (a mixed-precision type pushed or the dynamic-shape flag set since the
+        re-run started, ``ExecutorCalls.cell_state``); when it would, the re-run runs whole."""
+        if EXECUTOR_CALLS.cell_state() != self.stop_state:
             self.stop_after = None
             return False
         return True
@@ -562,7 +563,7 @@ class Region(RegionBase):
         if run.in_hook:
             return t
         key = run.next_key()   # first: the recompute numbers every pack, weights included
-        if grad_call_inside(_RUN_CODES):
+        if EXECUTOR_CALLS.grad_calls() > run.grad_calls:
             return self.inner_grad_save(t)
         decision = self.decisions.get(key[0]) if key is not None else SAVE
         if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
@@ -604,7 +605,7 @@ class Region(RegionBase):
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
             self.realign(run, idx)
         key = run.next_key()
-        if grad_call_inside(_RUN_CODES):
+        if EXECUTOR_CALLS.grad_calls() > run.grad_calls:
             return t   # as in forward (inner_grad_save)
         if self.path_check is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
                                                             and key[0] not in self.policy_saves)):
@@ -711,7 +712,7 @@ class Region(RegionBase):
                 ms.saved_tensors_hooks(pack, keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
                 args, kwargs = rerun_inputs(args, kwargs)
-            self.stop_after = self.stop_point()
+            self.stop_after, self.stop_state = self.stop_point(), EXECUTOR_CALLS.cell_state()
             self.n_needed = len(self.token_meta)
             stopped = False
             try:
@@ -730,11 +731,6 @@ class Region(RegionBase):
         if self.path_check is not None:   # this call checked its signature for the light path
             check, self.path_check = self.path_check, None
             check.validate(self)
-
-
-# The frames a region's pack hooks look up to (grad_call_inside): a grad call below them is the region's own.
-_RUN_CODES = (Region.run_forward.__code__, Region._rerun.__code__,   # pylint: disable=protected-access
-              Region.replay.__code__)
 
 
 def run_region(fn, args, kwargs, **options):

@@ -22,7 +22,7 @@ import weakref
 
 from mindspore import Parameter, Tensor, ops
 
-from ..mindspore_compat import RandomState, grad_forward_running, no_grad, tensor_stamp
+from ..mindspore_compat import EXECUTOR_CALLS, RandomState, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked, tensor_leaves
@@ -106,7 +106,7 @@ class RegionRun:
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
-                 "asked_marker", "keeps", "keep_idx", "metadata_read", "__weakref__")
+                 "asked_marker", "keeps", "keep_idx", "metadata_read", "grad_calls", "__weakref__")
 
     def __init__(self, region, mode, tracker=None):
         self.region, self.mode, self.tracker = region, mode, tracker
@@ -127,6 +127,7 @@ class RegionRun:
         self.keeps = None      # light path: the OpSlots whose calls this run keeps (keep_sites)
         self.keep_idx = 0      # light recompute: kept calls handed back so far
         self.metadata_read = {}   # re-run or replay: key -> replay metadata values read so far (markers)
+        self.grad_calls = EXECUTOR_CALLS.grad_calls()   # more while a save is made: a grad call of the run's own
 
     def dropout_call(self, prim, x):
         """An ``nn.Dropout`` kernel call through its slot's dropout role: the region decides."""
@@ -275,11 +276,12 @@ def refuse_higher_order():
     output re-run under ``no_grad`` would silently cut the second-order path.
     Inside a recompute the engine records a throw-away graph on purpose, so
     only the outermost re-run checks. "Recorded" is decided from what is
-    running now (a grad call's forward below this backward on the stack,
-    ``grad_forward_running``), not from the executor's grad flag alone, which
-    a grad call that raised leaves set: the next first-order step must train.
+    running now (a grad call's forward in progress on this thread,
+    ``ExecutorCalls.grad_forward_running``), not from the executor's grad flag
+    alone, which a grad call that raised leaves set: the next first-order step
+    must train.
     """
-    if not ENGINE.in_recompute() and _executor.requires_grad() and grad_forward_running():
+    if not ENGINE.in_recompute() and _executor.requires_grad() and EXECUTOR_CALLS.grad_forward_running():
         raise messages.higher_order()
 
 
