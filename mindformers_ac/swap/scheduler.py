@@ -25,7 +25,8 @@ Per saved tensor, in order:
    those whose values are a marked tensor's, as a reshape or contiguous copy
    of it: ``nn.Dense`` on a 3-D input saves such a copy), ``check_fn`` / ``policy``
    (user rule said keep), ``small`` (< ``min_bytes``), ``over_budget`` (host
-   pool full). A kept tracked tensor is held as its untracked ``data`` (same
+   pool full), ``output`` (decided as the group closes: same storage as what the
+   region returned, rule W6s of docs/exactness.md). A kept tracked tensor is held as its untracked ``data`` (same
    storage, no graph node): held with its node, the packed object would tie the
    graph to itself, and a step that fails before its backward would never free
    that graph, its host buffers or its kept tensors;
