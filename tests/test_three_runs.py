@@ -37,8 +37,10 @@ a graph across steps (the reference MoE keeps nothing, the MindFormers-style
 tracker adds the loss detached), so the steps between 2 and 100 change only
 the weights, which the plain reference with the jump skips too, and the
 engine's state across steps (pool, prefetch queue) is met at each of the six
-steps. Trained with the real history the six swap modes took 166 s of CPU on
-the reference MoE alone (measured, against 19 s with the jump).
+steps. Trained with the real history, the seven swap modes (with
+``memory_budget``) of the reference MoE took 166 s of CPU in one process
+(measured); the whole module takes 3 min 18 s on the 2 cores (was 2 min 10 s
+with 10 cases, measured one after the other on a shared machine).
 """
 import json
 import os
