@@ -369,8 +369,9 @@ class ConstructPatch:
         release_copy_hook(cell)
 
 
-def bracket_calls(cell, kind, enter, leave, unique=True):
-    """Run ``enter(args, kwargs) -> state`` before and ``leave(state, failed)`` after every call of ``cell``.
+def bracket_calls(cell, kind, enter, leave, unique=True, pass_output=False):
+    """Run ``enter(args, kwargs) -> state`` before and ``leave(state, failed)`` after every call of ``cell``
+    (``pass_output``: ``leave(state, False, output)`` after a return).
 
     ``leave`` runs however the call ends: a return (``failed`` False), an
     exception, or a KeyboardInterrupt / SystemExit (``failed`` True).
@@ -394,7 +395,10 @@ def bracket_calls(cell, kind, enter, leave, unique=True):
                 logger.warning("cleanup of %s after a failed call of %s failed", kind, type(cell).__name__,
                                exc_info=True)
             raise
-        leave(state, False)
+        if pass_output:
+            leave(state, False, out)
+        else:
+            leave(state, False)
         return out
 
     return ConstructPatch(cell, kind, around, unique=unique, outer=True)

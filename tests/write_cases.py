@@ -122,6 +122,72 @@ class WritesInputLayer(Layer):
         return super().construct(x, pos, mask, scale)
 
 
+class SavedOutputCell(nn.Cell):
+    """A sigmoid in its own cell (an ``op_swap`` target): what it saves for backward is its output."""
+
+    def construct(self, x):
+        return ops.sigmoid(x)
+
+
+class SavesOutputCellLayer(Layer):
+    """Ends with ``SavedOutputCell``: the layer's output is what its last cell saved."""
+
+    def __init__(self):
+        super().__init__()
+        self.out_act = SavedOutputCell()
+
+    def construct(self, x, pos, mask, scale):
+        return self.out_act(super().construct(x, pos, mask, scale))
+
+
+INPUT_WRITES = {   # how a layer writes its input in place (the previous layer saved that tensor)
+    "copy_": lambda x: x.copy_(x * 0.5),                                   # InplaceCopy: advances the version
+    "assign_add": lambda x: ops.assign_add(x, ops.stop_gradient(x) * 0.25),  # same storage, same version
+    "setitem": lambda x: x.__setitem__((slice(None), 0), 0.0),             # a rebinding: new storage
+}
+
+
+class WritesInputByLayer(Layer):
+    """Writes its input in place with ``INPUT_WRITES[how]`` before using it; ``keeps_input`` False: goes on
+    with a copy (``x + 0``, which saves nothing), so the written tensor dies once the layer returns."""
+
+    how, keeps_input = "copy_", True
+
+    def construct(self, x, pos, mask, scale):
+        INPUT_WRITES[self.how](x)
+        return super().construct(x if self.keeps_input else x + 0.0, pos, mask, scale)
+
+
+def writes_input_by(how, keeps_input=True):
+    """A ``WritesInputByLayer`` class writing with ``how``."""
+    return type(f"WritesInputBy_{how}", (WritesInputByLayer,), {"how": how, "keeps_input": keeps_input})
+
+
+def swap_first_layer(model, mode):
+    """Swap layer 0 (the one whose saved output layer 1 writes) by ``mode``: ``layer_swap``, ``op_swap`` (its
+    ``out_act``), ``swap_wrapper``, ``swap_api`` (``swap(layer, ...)``) or ``async_save_on_cpu`` (every layer
+    a block: the last keeps its tensors)."""
+    first = model.layers[0]
+    if mode == "layer_swap":
+        mac.apply_ac(model, config={"swap": {"enable": True, "layer_swap": [{"layers": [0]}]}})
+    elif mode == "op_swap":
+        mac.apply_ac(model, config={"swap": {"enable": True, "op_swap": [{"op_name": "out_act", "layers": [0]}]}})
+    elif mode == "swap_wrapper":
+        mac.swap_wrapper(first)
+    elif mode == "swap_api":
+        object.__setattr__(model, "run_layer",
+                           lambda layer, *a, **k: mac.swap(layer, *a, **k) if layer is first else layer(*a, **k))
+    elif mode == "async_save_on_cpu":
+        layers = list(model.layers)
+
+        def run_layer(layer, *args, **kwargs):
+            with mac.async_save_on_cpu(block_idx=layers.index(layer), depth=len(layers), params=model):
+                return layer(*args, **kwargs)
+        object.__setattr__(model, "run_layer", run_layer)
+    else:
+        raise ValueError(f"swap_first_layer: unknown mode {mode!r}")
+
+
 TRACKER = []   # a module-level aux-loss logger, as MindFormers' tracker: it keeps the attached loss
 
 

@@ -182,7 +182,7 @@ def _run_swapped(call, cell, name, args, kwargs, policy_fn):
     except BaseException:
         sched.close_group(group, failed=True)
         raise
-    sched.close_group(group)
+    sched.close_group(group, outputs=out)
     return out
 
 
@@ -321,4 +321,4 @@ def _async_save_on_cpu(block_idx, depth, custom_check_fn, prefetch, params):
     except BaseException:
         sched.close_group(group, failed=True)
         raise
-    sched.close_group(group)
+    sched.close_group(group, defer=True)

@@ -130,6 +130,7 @@ class HandleState(enum.Enum):
     """Where one ``SwapHandle``'s data is. Transitions (anything else raises RuntimeError)::
 
         KEPT                                   never offloaded: the handle holds the device tensor
+        COPYING -> KEPT                        the offload given up as its group closed (``keep_on_device``)
         COPYING -> OFFLOADED -> LOADING -> LOADED -> RELEASED (host buffer given back)
                    OFFLOADED ------------> LOADED    (an on-demand load)
 
@@ -162,7 +163,7 @@ class SwapHandle:
     """
 
     __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
-                 "_probe", "_load", "_loaded", "__weakref__")
+                 "_probe", "_load", "_loaded", "version", "written", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
@@ -171,6 +172,8 @@ class SwapHandle:
         self.state = HandleState.KEPT
         self._ticket = self._buf = self._give_back = self._device = self._probe = None
         self._load = self._loaded = None
+        self.version = None        # the saved tensor's version counter when it was saved (rule W6s)
+        self.written = None        # (version saved, version now) once a write after the save was seen
 
     @classmethod
     def kept(cls, key, tag, tensor):
@@ -178,6 +181,11 @@ class SwapHandle:
         h = cls(key, tag, int(tensor.nbytes))
         h._loaded = tensor
         return h
+
+    @property
+    def device(self):
+        """The device tensor while the offload is in flight (COPYING), else None."""
+        return self._device
 
     @property
     def on_device(self):
@@ -206,7 +214,18 @@ class SwapHandle:
         if self.state is not HandleState.KEPT:   # checked inline: one call less per saved tensor
             self._refuse(HandleState.KEPT, "start an offload")
         self._ticket, self._device, self._buf, self._give_back = ticket, tensor, buf, give_back
+        self.version = tensor._version   # pylint: disable=protected-access
         self.state = HandleState.COPYING
+
+    def keep_on_device(self, tensor):
+        """COPYING -> KEPT: the offload is given up (the host buffer goes back); ``load`` returns ``tensor``,
+        for every unpack (a second backward over the same graph reads it again)."""
+        if self.state is not HandleState.COPYING:
+            self._refuse(HandleState.COPYING, "be kept on the device")
+        self._release()
+        self._device = None
+        self._loaded = tensor
+        self.state = HandleState.KEPT
 
     def finish_offload(self):
         """COPYING -> OFFLOADED: drop and return the device tensor (the caller checks it, then may ``watch``)."""
@@ -255,7 +274,10 @@ class SwapHandle:
 
     def drop_loaded(self):
         """Forget the loaded tensor (autograd holds it now) and give the host buffer back: a later ``load``
-        raises instead of returning it."""
+        raises instead of returning it. A KEPT handle keeps its tensor (it has no buffer; a second backward
+        over the same graph reads it again)."""
+        if self.state is HandleState.KEPT:
+            return
         self._loaded = None
         if self.state is HandleState.LOADED:
             self._release()
@@ -275,6 +297,15 @@ class SwapHandle:
         # Cheaper than a weakref.finalize per handle; a handle is freed by reference counting
         # as soon as autograd drops it.
         self._release()
+
+
+def _written_message(handle):
+    saved, now = handle.written
+    return (f"One of the Tensor needed for gradient computation has been modified by an inplace operation: a "
+            f"tensor swap group {handle.key!r} saved for backward (tag {handle.tag!r}, {handle.nbytes} bytes) was "
+            f"written in place after it was saved (its version is {now}, expected version {saved}); MindSpore "
+            "refuses this backward without AC too (rule W6s of docs/exactness.md). Write into a copy "
+            "(x = x * 1.0 before the in-place op), or use a functional op instead of the in-place one.")
 
 
 class SwapExecutor:
@@ -340,10 +371,21 @@ class SwapExecutor:
             return
         copied_now = self.backend.wait_d2h(handle.ticket)
         tensor = handle.finish_offload()
+        now = tensor._version   # pylint: disable=protected-access
+        if now != handle.version:   # written in place since the save: MindSpore refuses its backward (W6s)
+            handle.written = (handle.version, now)
         if self.verify:
             if not copied_now:
                 self._check_unchanged(handle, tensor, "before its layer's forward ended")
             handle.watch(tensor)
+
+    def keep_on_device(self, handle, held):
+        """Give up ``handle``'s offload as its group closes: wait for a copy in flight (the buffer goes back
+        to the pool), then ``load`` returns ``held`` (the device tensor, held without its graph node)."""
+        if handle.state is not HandleState.COPYING:
+            return
+        self.backend.wait_d2h(handle.ticket)
+        handle.keep_on_device(held)
 
     def finish_offloads(self, handles):
         """``finish_offload`` of each handle (a group's, at its close): every handle is finished even if
@@ -394,6 +436,12 @@ class SwapExecutor:
         Raises RuntimeError if the handle's host copy was already released (loaded more often than
         offloaded), or if the tensor, still alive, was modified in place since its offload."""
         tensor = handle.loaded
+        if handle.state is HandleState.KEPT and handle.version is not None:
+            now = tensor._version   # pylint: disable=protected-access  # kept by keep_on_device: a shared counter
+            if now != handle.version:
+                handle.written = (handle.version, now)
+        if handle.written is not None:
+            raise RuntimeError(_written_message(handle))
         if tensor is not None:
             return tensor
         pending = handle.take_load()

@@ -97,7 +97,9 @@ def bracket_swap_group(cell, sched, key, mode="all", exclude_fn=None, begins_cal
     The group excludes the call's own input tensors (or ``exclude_fn()``);
     ``begins_call`` starts a new call of ``key`` (so older calls are not
     prefetched with it). A call that raises closes its group (and any opened
-    inside it) without queueing it for prefetch. Returns the ``ConstructPatch``.
+    inside it) without queueing it for prefetch. The call's output goes to
+    ``close_group`` (what it saved of its own output stays on the device: rule
+    W6s of docs/exactness.md). Returns the ``ConstructPatch``.
     """
     def enter(args, kwargs):
         if begins_call:
@@ -105,7 +107,7 @@ def bracket_swap_group(cell, sched, key, mode="all", exclude_fn=None, begins_cal
         exclude = tensor_storage_ptrs(args, kwargs) if exclude_fn is None else exclude_fn()
         return sched.open_group(key, mode, exclude=exclude)
 
-    return bracket_calls(cell, "swap_group", enter, sched.close_group, unique=False)
+    return bracket_calls(cell, "swap_group", enter, sched.close_group, unique=False, pass_output=True)
 
 
 def prefetch_trigger(cell, sched, key, trigger):

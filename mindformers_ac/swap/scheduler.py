@@ -25,7 +25,8 @@ Per saved tensor, in order:
    those whose values are a marked tensor's, as a reshape or contiguous copy
    of it: ``nn.Dense`` on a 3-D input saves such a copy), ``check_fn`` / ``policy``
    (user rule said keep), ``small`` (< ``min_bytes``), ``over_budget`` (host
-   pool full). A kept tracked tensor is held as its untracked ``data`` (same
+   pool full), ``output`` (decided as the group closes: same storage as what the
+   region returned, rule W6s of docs/exactness.md). A kept tracked tensor is held as its untracked ``data`` (same
    storage, no graph node): held with its node, the packed object would tie the
    graph to itself, and a step that fails before its backward would never free
    that graph, its host buffers or its kept tensors;
@@ -48,8 +49,9 @@ import mindspore as ms
 
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import DEFAULT_MIN_BYTES, SwapConfig
+from ..mindspore_compat import no_grad
 from ..precision import no_casts
-from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr, tensor_bytes
+from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr, tensor_bytes, tensor_storage_ptrs
 from .executor import SwapExecutor, SwapHandle
 
 logger = logging.getLogger("mindformers_ac.swap")
@@ -70,6 +72,17 @@ def _untracked(t):
     except AttributeError:
         with no_casts():   # inside a to_float / amp layer the detaching op would be cast too
             return detached(t)
+
+
+def _same_version_alias(t):
+    """``t``'s storage as a tensor autograd does not track that shares ``t``'s version counter (a view made
+    without recording; ``Tensor.data`` has a counter of its own): MindSpore's check of a saved tensor's
+    version then sees a ``copy_`` into ``t`` after the save and refuses the backward, as without AC."""
+    try:
+        with no_grad():
+            return t.view(t.shape)
+    except (RuntimeError, TypeError, ValueError):   # a layout view() refuses: the check is then MindSpore's own
+        return _untracked(t)
 
 
 class _Kept:
@@ -191,6 +204,7 @@ class SwapScheduler:
         # Outermost keys opened since the weights were last checked; None: check at the next outermost group.
         self._opened_since_check = None
         self._warned_marks = set()      # tags of marks that offloaded nothing, warned once each
+        self._deferred = []             # closed groups whose copies wait for the next close (``defer``)
 
     def add_params(self, params):
         """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
@@ -244,8 +258,22 @@ class SwapScheduler:
         self._stack.append(g)
         return g
 
-    def close_group(self, g, failed=False):
+    def close_group(self, g, failed=False, outputs=None, defer=False):
         """End the region: finish its copies, drop device references.
+
+        ``outputs``: what the region returned. A saved tensor of the same
+        storage as an output stays on the device (kept reason ``output``):
+        the code after the region holds it anyway, and may write it in place
+        with an op that MindSpore's version counter does not see
+        (``ops.assign_add``, ``ops.assign``); without AC the backward reads
+        the written values, so it must read that storage, not a host copy
+        taken before the write (rule W6s of docs/exactness.md).
+
+        ``defer``: the region's outputs are unknown (``async_save_on_cpu``
+        brackets a block, not a call): its copies are finished when the next
+        group closes or backward starts, so that they hold what the next block
+        wrote into them (rule W6s), as MindSpeed's copy of a block completes
+        during the next one.
 
         Raises RuntimeError if a backend that copied at pack finds a saved
         tensor modified in place since, or if ``g`` is not the innermost open
@@ -266,21 +294,20 @@ class SwapScheduler:
         if self.current_group() is not g:
             raise RuntimeError(f"swap group {g.key!r} closed out of order; swap regions must nest "
                                "(open and close groups with construct_patch.bracket_calls, which closes on every exit path)")
-        self._close_top(failed=False)
+        self._close_top(failed=False, outputs=outputs, defer=defer)
 
-    def _close_top(self, failed):
+    def _close_top(self, failed, outputs=None, defer=False):
         """Close the innermost group; returns it. Raises the first copy error unless ``failed``."""
         g = self._stack.pop()
         g.hooks.__exit__(None, None, None)
         g.hooks = None   # the hooks hold the scheduler: a graph kept past its step keeps the group, not them
-        error = None
-        try:
-            self.executor.finish_offloads(g.pending)
-        except RuntimeError as err:
-            error = err
-        self.report.release(g.pending_bytes)
-        g.pending_bytes = 0
-        g.pending.clear()
+        if outputs is not None and g.pending:
+            self._keep_outputs(g, outputs)
+        error = self.finish_deferred()
+        if defer and not failed and g.pending:
+            self._deferred.append(g)
+        else:
+            error = self._finish(g) or error
         g.seen.clear()
         if g.marked and not failed:
             self._note_unsaved(g)
@@ -294,6 +321,51 @@ class SwapScheduler:
         if error is not None:
             raise error
         return g
+
+    def _finish(self, g):
+        """Finish ``g``'s pending copies and drop their device tensors; returns the first copy error."""
+        error = None
+        try:
+            self.executor.finish_offloads(g.pending)
+        except RuntimeError as err:
+            error = err
+        self.report.release(g.pending_bytes)
+        g.pending_bytes = 0
+        g.pending.clear()
+        return error
+
+    def finish_deferred(self):
+        """Finish the copies of the groups closed with ``defer``; returns the first copy error."""
+        error = None
+        deferred, self._deferred = self._deferred, []
+        for g in deferred:
+            error = self._finish(g) or error
+        return error
+
+    def _keep_outputs(self, g, outputs):
+        """Keep on the device the pending offloads of ``g`` that share storage with what it returned."""
+        out_ptrs = tensor_storage_ptrs(outputs)
+        if not out_ptrs:
+            return
+        stats = self.report.layers[g.key]
+        still = []
+        for h in g.pending:
+            device = h.device
+            sptr, snbytes = storage_info(device) if device is not None else (None, 0)
+            if sptr not in out_ptrs:
+                still.append(h)
+                continue
+            self.executor.keep_on_device(h, _same_version_alias(device))
+            g.pending_bytes -= h.nbytes
+            self.report.release(h.nbytes)
+            stats.offloaded_bytes -= h.nbytes
+            stats.num_offloaded -= 1
+            if sptr not in g.kept:
+                g.kept.add(sptr)
+                stats.resident_bytes += snbytes
+                stats.num_resident += 1
+                stats.kept_reasons["output"] += 1
+        g.pending[:] = still
 
     def _note_unsaved(self, g):
         unsaved = g.unsaved()
@@ -430,6 +502,9 @@ class SwapScheduler:
 
     def _first_unpack(self, g):
         g.unpacked = True
+        error = self.finish_deferred()   # a forward that ended with a deferred group: its backward starts here
+        if error is not None:
+            raise error
         waiting = self._waiting.get(g.key)
         if waiting and g in waiting:   # its backward has started (loads on demand): a prefetch now takes an older call
             waiting.remove(g)
@@ -438,6 +513,7 @@ class SwapScheduler:
             g.on_first_unpack()
 
     def close(self):
-        """Stop the executor if this scheduler created it."""
+        """Finish the deferred copies; stop the executor if this scheduler created it."""
+        self.finish_deferred()
         if self.owns_executor:
             self.executor.close()
