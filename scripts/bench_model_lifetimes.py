@@ -15,7 +15,7 @@ the goal; a model's Parameters stay with ``nn.SGD`` (its ``@jit`` construct's co
 optimizer cell, so its parameters and the model's, for the life of the process), not with ``assign``.
 
 ``--dropout``: ``seeded`` is the reference model's ``SeededDropout`` (a fresh ``ops.Dropout`` primitive per
-call, which MindSpore 2.10 keeps about 61 KiB of for good on CPU; a recomputed layer calls it twice),
+call, which MindSpore 2.10 keeps about 62 KiB of for good on CPU; a recomputed layer calls it twice),
 ``nn`` is MindSpore's ``nn.Dropout`` (one primitive per cell), ``off`` is p=0. ``--optimizer assign`` steps
 with ``ops.assign(p, p - lr * g)`` instead of ``nn.SGD`` (whose ``@jit`` graph keeps every model alive).
 docs/benchmarks.md records the figures; the weak-reference tests of the same question are in

@@ -17,6 +17,7 @@ import pytest
 from mindspore import ops
 
 import mindformers_ac as mac
+from mindformers_ac.mindspore_compat import pynative_executor
 from mindformers_ac.recompute.rerun import RegionBase
 
 from model_patterns import PATTERNS, mode_config
@@ -145,5 +146,25 @@ def test_nothing_of_the_model_or_its_ac_outlives_the_model(mode, regions, packag
     model, _, refs = _trained(mode, regions)
     refs.update(_model_refs(model))
     del model
+    assert _alive(refs) == []
+    assert _new_package_objects(package_objects_before) == []
+
+
+def test_a_model_dropped_between_forward_and_backward_leaves_nothing(regions, package_objects_before):
+    """A forward whose backward never runs (the loop stopped, an exception), then the executor cleared (the failure
+    path of docs/exactness.md, as without AC): the model and its AC are freed. ``mixed`` keeps a Softmax
+    (``exclude_op``): a region's pack hook that handed MindSpore the op's own output back closed a loop inside
+    MindSpore (the op's node -> its saved output -> the node) that only backward breaks, and kept the model for
+    good; it hands an alias cut from autograd now."""
+    pattern = PATTERNS["nested_lists"]
+    model = pattern.build()
+    mac.apply_ac(model, config=mode_config("mixed", pattern))
+    _train(model, pattern.batch, steps=1)
+    params = model.trainable_params()
+    loss, vjp_fn = ms.vjp(model, *pattern.batch(1), weights=params)
+    refs = _engine_refs(model, regions)
+    refs.update(_model_refs(model))
+    del model, params, loss, vjp_fn
+    pynative_executor.clear_res()
     assert _alive(refs) == []
     assert _new_package_objects(package_objects_before) == []
