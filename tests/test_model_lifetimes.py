@@ -150,21 +150,58 @@ def test_nothing_of_the_model_or_its_ac_outlives_the_model(mode, regions, packag
     assert _new_package_objects(package_objects_before) == []
 
 
-def test_a_model_dropped_between_forward_and_backward_leaves_nothing(regions, package_objects_before):
+@pytest.mark.parametrize("steps_before", [0, 3])   # 0: the signature's checking call; 3: the light path
+@pytest.mark.parametrize("mode", ["full", "select_cell", "exclude_op", "mixed"])
+def test_a_model_dropped_between_forward_and_backward_leaves_nothing(mode, steps_before, regions,
+                                                                     package_objects_before):
     """A forward whose backward never runs (the loop stopped, an exception), then the executor cleared (the failure
-    path of docs/exactness.md, as without AC): the model and its AC are freed. ``mixed`` keeps a Softmax
-    (``exclude_op``): a region's pack hook that handed MindSpore the op's own output back closed a loop inside
+    path of docs/exactness.md, as without AC): the model and its AC are freed. ``exclude_op`` and ``mixed`` keep
+    a Softmax: a region's pack hook that handed MindSpore the op's own output back closed a loop inside
     MindSpore (the op's node -> its saved output -> the node) that only backward breaks, and kept the model for
     good; it hands an alias cut from autograd now."""
     pattern = PATTERNS["nested_lists"]
     model = pattern.build()
-    mac.apply_ac(model, config=mode_config("mixed", pattern))
-    _train(model, pattern.batch, steps=1)
+    mac.apply_ac(model, config=mode_config(mode, pattern))
+    _train(model, pattern.batch, steps=steps_before)
     params = model.trainable_params()
-    loss, vjp_fn = ms.vjp(model, *pattern.batch(1), weights=params)
+    loss, vjp_fn = ms.vjp(model, *pattern.batch(steps_before), weights=params)
     refs = _engine_refs(model, regions)
     refs.update(_model_refs(model))
     del model, params, loss, vjp_fn
     pynative_executor.clear_res()
     assert _alive(refs) == []
+    assert _new_package_objects(package_objects_before) == []
+
+
+def _alive_with_a_kept_loss(config, regions):
+    """Names of the model's cells and Parameters alive after the model is dropped while the losses of its
+    later steps are kept (a logging list)."""
+    pattern = PATTERNS["nested_lists"]
+    model = pattern.build()
+    if config is not None:
+        mac.apply_ac(model, config=config)
+    params = model.trainable_params()
+    grad_fn = ms.value_and_grad(model, None, params)
+    losses = []
+    for step in range(3):   # the first call checks the signature; the later ones take the light path
+        loss, grads = grad_fn(*pattern.batch(step))
+        for p, g in zip(params, grads):
+            ops.assign(p, p - 0.05 * g)
+        if step > 0:
+            losses.append(loss)
+    if config is not None:
+        assert regions and regions[-1]() is not None   # the last loss still refers to its regions
+    refs = _model_refs(model)
+    del model, params, grad_fn, loss, grads
+    return _alive(refs)
+
+
+def test_a_loss_kept_past_its_step_does_not_keep_the_model(regions, package_objects_before):
+    """The loss of a step still refers to its graph, and so to the regions that packed tensors there: a light
+    region lets go of its function, Parameters and signature check after its recompute, so a dropped model
+    whose losses are kept keeps no more of itself alive than without AC (MindSpore's graph keeps a Parameter
+    it read); the losses keep only small records until they go."""
+    without_ac = _alive_with_a_kept_loss(None, regions)
+    assert not any(name.startswith("cell") for name in without_ac)
+    assert _alive_with_a_kept_loss(mode_config("full", PATTERNS["nested_lists"]), regions) == without_ac
     assert _new_package_objects(package_objects_before) == []
