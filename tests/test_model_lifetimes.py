@@ -24,7 +24,10 @@ from model_patterns import PATTERNS, mode_config
 from steps import assert_acted
 
 STEPS = 3
-MODES = ("full", "group", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap", "mixed", "budget")
+# full, layer swap and the budget in the quick set; the other modes in the slow one (the suite's time)
+MODES = [mode if mode in ("full", "layer_swap", "budget") else pytest.param(mode, marks=pytest.mark.slow)
+         for mode in ("full", "group", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap",
+                      "mixed", "budget")]
 
 
 def _config(mode, pattern):
