@@ -347,6 +347,10 @@ class LightRegion(RegionBase):
         stats.ops_rerun += check.n_rerun
         stats.rerun_by_op.update(check.rerun_counts)
         stats.ops_reused += run.dropout_idx + check.n_kept_ops
+        # Its model too: the graph (a loss kept past its step holds it) still refers to this region, which
+        # needs neither its function, its Parameters nor its signature's check again, so a dropped model is
+        # not kept alive through it.
+        self.fn = self.replaced = self.check = self._checks = None
 
     def _check(self, saved, run):
         """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every

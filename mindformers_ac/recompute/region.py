@@ -25,7 +25,7 @@ from ..errors import RecomputeError
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
+from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
 from . import messages
 from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
@@ -582,6 +582,12 @@ class Region(RegionBase):
             decision = None
         elif decision == SAVE or (ptr in self.input_ptrs and not self.swap_inputs):
             self.bytes.keep(t)
+            if decision == SAVE:
+                # An alias cut from autograd: an op that saves its own output (Softmax, Exp) and gets the
+                # tensor itself back closes a loop inside MindSpore (its node -> the saved tensor -> that node)
+                # that only its backward breaks; a forward whose backward never runs kept its model for good.
+                with run.engine_ops():
+                    return detached(t)
             return t
         elif decision == SWAP:
             return self.offload(run, t)
