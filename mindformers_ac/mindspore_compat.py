@@ -74,6 +74,11 @@ def tensor_stamp(t):
     return t.data_ptr(), t._version   # pylint: disable=protected-access
 
 
+def tensor_version(t):
+    """MindSpore's in-place version counter of ``t`` (shared with its views; see ``tensor_stamp``)."""
+    return t._version   # pylint: disable=protected-access
+
+
 _GRAD_ENTRY_MODULES = ("mindspore.ops.composite.base",   # GradOperation, ms.grad, value_and_grad
                        "mindspore.ops.function.grad.grad_func")   # vjp (it imported both names)
 

@@ -113,7 +113,10 @@ def _assert_nothing_left(model, seen):
     assert step is None or not step.memory_step.in_forward   # the step's meter is out
     assert "push_saved_tensor_hook" not in vars(pynative_executor)   # the meter's chain is unpatched
     for _, cell in model.cells_and_names():
-        assert not cell._forward_pre_hook and not cell._forward_hook   # pylint: disable=protected-access
+        # what stays is AC's own: a construct patch's copy guard (installed with the plan, not by the meter)
+        pre = [fn for fn in cell._forward_pre_hook.values()   # pylint: disable=protected-access
+               if not fn.__qualname__.startswith("ConstructPatch.")]
+        assert not pre and not cell._forward_hook   # pylint: disable=protected-access
     seen.clear()
     other = PATTERNS["int_bool_inputs"]
     alone = run_steps(other.build(), other.batch, steps=2)
@@ -221,7 +224,10 @@ def test_a_failure_in_backward_leaves_no_meter():
         handle.remove()
         pynative_executor.clear_res()
         assert "push_saved_tensor_hook" not in vars(pynative_executor)
-        assert all(not c._forward_pre_hook and not c._forward_hook for _, c in model.cells_and_names())
+        # what stays is AC's own: a construct patch's copy guard (installed with the plan, not by the meter)
+        assert all(not c._forward_hook and all(f.__qualname__.startswith("ConstructPatch.")
+                                               for f in c._forward_pre_hook.values())
+                   for _, c in model.cells_and_names())
         seen.clear()
         other = PATTERNS["int_bool_inputs"]
         run_steps(other.build(), other.batch, steps=2)

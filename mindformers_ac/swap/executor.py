@@ -17,6 +17,7 @@ import enum
 import logging
 import weakref
 
+from ..mindspore_compat import tensor_version
 from .backends import HostBufferPool, SwapBackend, UnsupportedTensorError, protocol_members, select_backend
 
 logger = logging.getLogger("mindformers_ac.swap")
@@ -214,7 +215,7 @@ class SwapHandle:
         if self.state is not HandleState.KEPT:   # checked inline: one call less per saved tensor
             self._refuse(HandleState.KEPT, "start an offload")
         self._ticket, self._device, self._buf, self._give_back = ticket, tensor, buf, give_back
-        self.version = tensor._version   # pylint: disable=protected-access
+        self.version = tensor_version(tensor)
         self.state = HandleState.COPYING
 
     def keep_on_device(self, tensor):
@@ -371,7 +372,7 @@ class SwapExecutor:
             return
         copied_now = self.backend.wait_d2h(handle.ticket)
         tensor = handle.finish_offload()
-        now = tensor._version   # pylint: disable=protected-access
+        now = tensor_version(tensor)
         if now != handle.version:   # written in place since the save: MindSpore refuses its backward (W6s)
             handle.written = (handle.version, now)
         if self.verify:
@@ -437,7 +438,7 @@ class SwapExecutor:
         offloaded), or if the tensor, still alive, was modified in place since its offload."""
         tensor = handle.loaded
         if handle.state is HandleState.KEPT and handle.version is not None:
-            now = tensor._version   # pylint: disable=protected-access  # kept by keep_on_device: a shared counter
+            now = tensor_version(tensor)   # kept by keep_on_device: a shared counter
             if now != handle.version:
                 handle.written = (handle.version, now)
         if handle.written is not None:
