@@ -50,9 +50,9 @@ class Layer(nn.Cell):
         return x + self.down(h) + ops.tanh(x) * 0.5
 
 
-def _train(wrap, stats=None, steps=4):
+def _train(wrap, stats=None, steps=4, layer_type=None, num_layers=3):
     ms.set_seed(3)
-    layers = nn.CellList([Layer() for _ in range(3)])
+    layers = nn.CellList([(layer_type or Layer)() for _ in range(num_layers)])
     for i, p in enumerate(layers.trainable_params()):
         p.set_data(Tensor(np.random.RandomState(i).uniform(-0.3, 0.3, p.shape).astype(np.float32)))
 
@@ -167,22 +167,9 @@ def test_no_early_stop_inside_a_cell_that_pushed_executor_state():
     read) decides: the re-run runs whole and training stays bitwise; the same layer without the type stops
     early."""
     def train(layer_type, stats=None):
-        ms.set_seed(3)
-        layers = nn.CellList([layer_type() for _ in range(2)])
-        for i, p in enumerate(layers.trainable_params()):
-            p.set_data(Tensor(np.random.RandomState(i).uniform(-0.3, 0.3, p.shape).astype(np.float32)))
-
-        def forward(v):
-            for layer in layers:
-                v = layer(v) if stats is None else mac.checkpoint(layer, v, stats=stats)
-            return (v * v).mean()
-
-        grad_fn = ms.value_and_grad(forward, None, layers.trainable_params())
-        history = []
-        for step in range(3):
-            loss, grads = grad_fn(Tensor(np.random.RandomState(step).randn(4, 16).astype(np.float32)))
-            history.append([loss.asnumpy().tobytes()] + [g.asnumpy().tobytes() for g in grads])
-        return history
+        wrap = (lambda layer, v, s: layer(v)) if stats is None else \
+            (lambda layer, v, s: mac.checkpoint(layer, v, stats=s))
+        return _train(wrap, stats, steps=3, layer_type=layer_type, num_layers=2)
 
     class PlainTail(TailLayer):
         def __init__(self):

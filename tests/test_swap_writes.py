@@ -62,16 +62,10 @@ _COPY_WRITTEN = '''
 import mindformers_ac as mac
 import write_cases as wc
 from model_patterns import hidden_batch
-from steps import run_steps
 model = wc.build_layers(wc.writes_input_by("copy_", {keeps_input}), first=wc.SavesOutputCellLayer)
 if {mode!r} != "plain":
     wc.swap_first_layer(model, {mode!r})
-try:
-    run_steps(model, hidden_batch, steps=1)
-except Exception as exc:
-    print("REFUSED", type(exc).__name__, exc)
-else:
-    print("TRAINED")
+wc.print_one_step_outcome(model, hidden_batch)
 '''
 
 
