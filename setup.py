@@ -22,7 +22,8 @@ setup(
         "psutil",
         "matplotlib",
     ],
-    # setuptools and wheel: tests/test_packaging.py builds the wheel offline (--no-build-isolation)
-    extras_require={"test": ["pytest", "hypothesis", "setuptools", "wheel", "ruff"]},
+    # setuptools and wheel: tests/test_packaging.py builds the wheel offline (--no-build-isolation);
+    # pytest-xdist: the suite runs on two workers (pytest.ini)
+    extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "setuptools", "wheel", "ruff"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )

@@ -7,6 +7,17 @@ from mindformers_ac.mindspore_compat import synchronous_pynative
 
 synchronous_pynative("CPU")
 
+# The modules that take longest, longest first (a `--durations` run): pytest.ini hands whole modules to two
+# workers in collection order, and a long module started last would keep one worker busy after the other ends.
+LONGEST_FIRST = ("test_three_runs.py", "test_tp.py", "test_data_parallel.py", "test_ep.py",
+                 "test_model_patterns.py", "test_training_run.py", "test_model_lifetimes.py",
+                 "test_pipeline_msrun.py", "test_failed_steps.py", "test_user_model.py", "test_moe.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: the rest keep their order
+
 
 def model_fingerprint(model):
     """Everything apply/plan could change: cell tree, instance attributes, hooks, parameter bytes."""
