@@ -13,12 +13,14 @@ Dropout masks and copies of written tensors, counted in ``RecomputeStats``
 and every failure raised instead (``RecomputeError`` in backward, TypeError /
 ValueError for bad arguments, naming the fix), is in docs/exactness.md.
 """
+import dataclasses
 import functools
 import re
 
 from mindspore import nn
 
 from ..checkpoint_policy import CheckpointPolicy, check_policy_fn
+from ..config import RecomputeConfig
 from ..construct_patch import (
     ConstructPatch,
     find_patch,
@@ -161,8 +163,14 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     if torch_options.debug:
         options["debug"] = True
     if not torch_options.early_stop:
-        options["early_stop"] = False
+        options["settings"] = region_settings(None, False)
     return run_region(fn, args, kwargs, **options)
+
+
+def region_settings(settings, early_stop):
+    """The ``recompute`` section a region reads (``Region.settings``): ``apply_ac``'s, or None for the
+    defaults; the ``early_stop`` keyword, when False, is that section's field."""
+    return settings if early_stop else dataclasses.replace(settings or RecomputeConfig(), early_stop=False)
 
 
 def _executor_or_managers(swap_executor):
@@ -257,8 +265,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
                    swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
     if debug:   # the op logs come from the intercepting path
         options["debug"] = True
-    if not early_stop:
-        options["early_stop"] = False
+    settings = region_settings(settings, early_stop)
     if settings is not None:
         options["settings"] = settings
     light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))

@@ -67,9 +67,9 @@ class Region(RegionBase):
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None, debug=False, early_stop=True, settings=None):
-        # the recompute section apply_ac was given (defaults without one): a setting of it the region reads
-        # is read from ``self.settings``, with nothing in between to hand it over
+                 path_check=None, chain=None, debug=False, settings=None):
+        # the recompute section apply_ac was given (defaults without one; the checkpoint API's ``early_stop``
+        # keyword is its field): a setting the region reads is read here, with nothing in between to hand it over
         self.settings = settings if settings is not None else RecomputeConfig()
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
@@ -129,7 +129,6 @@ class Region(RegionBase):
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
-        self.early_stop = early_stop
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
         self.stop_state = None    # ExecutorCalls.cell_state() when that re-run started (may_stop)
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
@@ -366,7 +365,7 @@ class Region(RegionBase):
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
         gradients computed inside the forward."""
-        if (not self.early_stop or self.path_check is not None or self.feeds_next or self.children
+        if (not self.settings.early_stop or self.path_check is not None or self.feeds_next or self.children
                 or "inner_grad" in self.intercept or not self.token_meta):
             return None
         return max(idx for idx, _ in self.token_meta)
