@@ -356,17 +356,10 @@ class LightRegion(RegionBase):
         """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every
         nn.Dropout of it."""
         sig = self.sig
-        got = [(t.shape, t.dtype) for t in saved]
         if run.keep_idx != len(self.kept):
             raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep)
-        if got == sig and run.dropout_idx == len(self.dropouts):
-            return
-        n = min(len(got), len(sig))
-        i = next((j for j in range(n) if got[j] != sig[j]), None)
-        where = self.check.describe_save if sig == self.check.fwd else (lambda j: f"saved tensor #{j}")
-        if i is not None:
-            raise messages.other_tensor(where(i), sig[i], got[i])
-        if len(saved) != len(sig):
-            raise messages.save_count(len(saved), len(sig), where(n))
-        raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
+        messages.check_saves([(t.shape, t.dtype) for t in saved], sig, self.check.describe_save
+                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"))
+        if run.dropout_idx != len(self.dropouts):
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
 

@@ -113,6 +113,17 @@ def save_count(rec, fwd, first_unmatched):
         f"{first_unmatched}. {SAME_PATH} It must read tensors only from its arguments.")
 
 
+def check_saves(got, expected, where):
+    """Raise at the first re-run save whose ``(shape, dtype)`` in ``got`` is not the forward's in ``expected``
+    (None there: not compared, a weight), or when the counts differ; ``where(i)`` names save ``i``. The one
+    check of a re-run that is matched to its forward by position (the light path, an op's output recompute)."""
+    i = next((j for j, (g, e) in enumerate(zip(got, expected)) if e is not None and g != e), None)
+    if i is not None:
+        raise other_tensor(where(i), expected[i], got[i])
+    if len(got) != len(expected):
+        raise save_count(len(got), len(expected), where(min(len(got), len(expected))))
+
+
 def other_tensor(where, fwd_meta, rec_meta):
     """A saved tensor (or a Dropout input) ``where`` had another shape or dtype in the recompute."""
     return RecomputeError(

@@ -241,7 +241,8 @@ class _OutputRecord:
             # The throw-away graph keeps nothing (pack returns None); the saves are collected in order.
             with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, keep_saved):
                 out = output_tensors(target.call_original(*args, **kwargs))
-            self._check(saved)
+            messages.check_saves([(tuple(t.shape), t.dtype) for t in saved], self.inner_meta,
+                                 lambda k: f"saved tensor #{k} of {target.name}")
             with no_grad():
                 self.rebuilt = [detached(t) if m is not None else None for t, m in zip(saved, self.inner_meta)]
         else:   # it saved nothing itself: no graph is needed
@@ -255,16 +256,6 @@ class _OutputRecord:
         self.out_left = list(self.out_tokens)
         target.stats.count_rerun(target.name)
         target.stats.recompute_calls += 1
-
-    def _check(self, saved):
-        meta = self.inner_meta
-        where = f"saved tensor #%d of {self.target.name}"
-        for k, (t, m) in enumerate(zip(saved, meta)):
-            if m is not None and (tuple(t.shape), t.dtype) != m:
-                raise messages.other_tensor(where % k, m, (tuple(t.shape), t.dtype))
-        if len(saved) != len(meta):
-            n = min(len(saved), len(meta))
-            raise messages.save_count(len(saved), len(meta), where % n)
 
 
 class _Token:
