@@ -168,6 +168,6 @@ class RegionDispatch(MsDispatchMode):
             region.serve_kept_args(idx, args)
         if idx in region.writes_arg:
             out = region.replay_write(run, idx, args, out)
-        if region.path_check is not None and idx in region.random_ops:
-            region.check_replay(run, idx, func, args, kwargs, out)
+        if region.recorder is not None and idx in region.random_ops:
+            region.recorder.check_replay(run, idx, func, args, kwargs, out)
         return out

@@ -11,7 +11,7 @@ attribute, or by a cell held in one (MindFormers' ``_comm_ops``): a legacy op
 is found there by identity, a pyboost op as the only one of its name. A site
 is an ``OpSlot`` with the keep role, which hands a light run's call to
 ``LightRegion.keep_call``; it qualifies only if every op dispatched under it
-in the checking call was kept (``Region.settle_sites``). An op reached through
+in the checking call was kept (``path_choice.CheckRecorder``). An op reached through
 no slot keeps its signature intercepted, with the reason. No Python frame is
 read and no user code is copied (docs/exactness.md, "The light path").
 """

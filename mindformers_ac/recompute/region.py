@@ -25,11 +25,11 @@ from ..errors import RecomputeError
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
+from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
 from . import messages
 from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
-from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
+from .keep_sites import decides_by_site
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import (
     RegionBase,
@@ -61,13 +61,15 @@ from .tracking import OpContext
 class Region(RegionBase):
     """One call on the op-intercepting path, from its forward to the end of its backward.
 
-    ``path_check``: a ``path_choice.PathCheck`` to fill when this call is the
-    first of its call signature (it notes every save of forward and recompute
-    and, after the recompute, whether later calls may take the light path).
+    ``recorder``: a ``path_choice.CheckRecorder`` when this call is the first
+    of its call signature: the region hands it what it observes (saves of
+    forward and re-run, keep sites, nn.Dropout calls, random ops' replays) and,
+    after the recompute, itself, whose result says whether later calls may take
+    the light path. The region builds none of the light path's data itself.
     """
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None, debug=False, settings=None):
+                 recorder=None, chain=None, debug=False, settings=None):
         # the recompute section apply_ac was given (defaults without one; the checkpoint API's ``early_stop``
         # keyword is its field): a setting the region reads is read here, with nothing in between to hand it over
         self.settings = settings if settings is not None else RecomputeConfig()
@@ -110,22 +112,19 @@ class Region(RegionBase):
         # reads only this. key -> reason, for the debug log.
         self.intercept = {}
         # A policy deciding by the op's name and place only (exclude_policy) may be installed at the ops'
-        # keep sites (keep_sites, settle_sites); any other decides per call.
+        # keep sites (keep_sites, path_choice.CheckRecorder); any other decides per call.
         self.site_policy = policy_fn is not None and decides_by_site(policy_fn)
         if policy_fn is not None and not self.site_policy:
             self.keep_intercepted("policy", "a policy_fn that decides per op call (not by the op's name and place)")
         self.policy_saves = set()     # op indices the policy keeps (MUST_SAVE / PREFER_SAVE)
-        self.op_sites = {}            # checking call with a site policy: op index -> keep_sites.Site / NoSite
-        self._cells = None            # (id -> cell, id -> path) of the root's cells, for find_site
         if swap_inputs:
             self.keep_intercepted("swap_inputs", "its inputs are swapped")
-        self.path_check = path_check
-        if path_check is not None:
-            path_check.attach(self)
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.attach(self)
         elif self.intercept:   # never checked: say why once per call (a per-call policy, swapped inputs)
             stats.note_intercepted(self.intercept.values())
         self.may_write_seen = False   # an op that may write tensors ran in forward
-        self.cell_dropouts = set()    # op indices of Dropouts run by an nn.Dropout's slot (dropout role)
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
@@ -161,8 +160,8 @@ class Region(RegionBase):
     def decide(self, run, idx, name, func, args, kwargs):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         policy = self.ask_policy(run, idx, name, func, args, kwargs) if self.policy_fn is not None else None
-        if self.site_policy and self.path_check is not None:
-            self.note_site(run, idx, name, args, policy is not None and not policy.recomputes)
+        if self.site_policy and self.recorder is not None:
+            self.recorder.note_site(run, idx, name, args, policy is not None and not policy.recomputes)
         if is_unreplayable_random_op(name, args):
             self.random_ops[idx] = args[0] if args and isinstance(args[0], Primitive) else None
             if name == "Dropout" and dropout_input(args)[0] is not None:
@@ -176,42 +175,6 @@ class Region(RegionBase):
             ENGINE.warnings.warning("must_swap", messages.MUST_SWAP_WITHOUT_EXECUTOR)
         self.policy_saves.add(idx)
         return SAVE
-
-    # -- keep sites: a site policy's decisions installed where the ops are reached (keep_sites) -----
-    def note_site(self, run, idx, name, args, kept):
-        """In a checking call: under which keep site op ``idx`` runs (looked up in full for a kept op)."""
-        if self._cells is None:
-            self._cells = region_cells(self.root)
-        self.op_sites[idx] = find_site(run, name, args, *self._cells, resolve=kept)
-
-    def settle_sites(self, installed):
-        """After the checking call's recompute: give the keep role to the slot of every kept op whose
-        site ran kept ops only; a kept op without one keeps the signature intercepted (its reason says
-        why). Returns the proxies the light path is to hand to the region, and the ops they keep."""
-        by_site = {}
-        for idx, site in self.op_sites.items():
-            by_site.setdefault(site.key, []).append(idx)
-        proxies, kept_ops = set(), set()
-        for idx in sorted(self.policy_saves):
-            site, name = self.op_sites.get(idx), self.op_names[idx]
-            if site is None or idx in self.random_ops or self.decisions.get(idx) != SAVE:
-                continue
-            others = [self.op_names[i] for i in by_site[site.key] if i not in self.policy_saves]
-            if isinstance(site, NoSite):
-                why = site.why
-            elif others:
-                why = f"{site.description} also runs {others[0]}, which is recomputed"
-            else:
-                proxy = install_site(site, installed)
-                if proxy is not None:
-                    proxies.add(proxy)
-                    kept_ops.add(idx)
-                    self.light_reproduces(("op", idx))
-                    continue
-                why = f"{site.description} can't hold a proxy for {name}"
-            self.intercept[("op", idx)] = f"op #{idx} {self.describe_op(idx)} is kept, but {why}"
-        self.op_sites, self._cells = {}, None   # they hold the checking call's primitives and cells
-        return frozenset(proxies), kept_ops
 
     # -- ops that write parameters (see side_effects) -----------------------------
     def guard_writes(self, run, idx, name, args, decision):
@@ -365,7 +328,7 @@ class Region(RegionBase):
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
         gradients computed inside the forward."""
-        if (not self.settings.early_stop or self.path_check is not None or self.feeds_next or self.children
+        if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
                 or "inner_grad" in self.intercept or not self.token_meta):
             return None
         return max(idx for idx, _ in self.token_meta)
@@ -520,31 +483,9 @@ class Region(RegionBase):
             out = prim(x)
         finally:
             run.in_cell_dropout = False
-        if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD:
-            self.cell_dropouts.add(run.op_idx)
-            self.light_reproduces(("op", run.op_idx))   # the light path's dropout slot keeps its mask bits
+        if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD and self.recorder is not None:
+            self.recorder.note_cell_dropout(self, run.op_idx)
         return out
-
-    def check_replay(self, run, idx, func, args, kwargs, out):
-        """In a checking call's re-run: does random op ``idx``, run again from the forward's random state,
-        draw what the forward drew? (``ops.dropout`` and other functional random ops make a fresh
-        primitive seeded from MindSpore's seed table, which the re-run starts from as the forward did;
-        whether the backend's kernel then repeats its draw is measured, not assumed.) The run's result
-        is ours, not the region's: its saves are not filed and its output is discarded."""
-        if idx in self.cell_dropouts or (args and args[0] is self.random_ops[idx]):
-            # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
-            # which no RandomState covers: its early launches may repeat, later ones do not.
-            return
-        run.in_hook = run.noting_replay = True
-        try:
-            again = func(*args, **kwargs)
-            run.noting_replay = False
-            if tensors_equal(out, again):
-                self.light_reproduces(("op", idx))   # a light re-run draws it again from the same state
-        except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
-            pass
-        finally:
-            run.in_hook = run.noting_replay = False
 
     def rebuild_dropout(self, run, idx, args):
         record = self.dropouts[idx]
@@ -565,10 +506,10 @@ class Region(RegionBase):
         if EXECUTOR_CALLS.grad_calls() > run.grad_calls:
             return self.inner_grad_save(t)
         decision = self.decisions.get(key[0]) if key is not None else SAVE
-        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
+        if self.recorder is not None and not (decision == REBUILD and run.in_cell_dropout):
             # as a light run numbers them: an nn.Dropout's apart, a functional dropout's as any op's (a kept
             # op's are filtered out when the check ends: whether it stays kept is known then, rule K2)
-            self.path_check.note_forward(t, key)
+            self.recorder.note_forward(t, key)
         ptr = t.data_ptr()
         if ptr in self.param_ptrs:
             return t
@@ -603,8 +544,8 @@ class Region(RegionBase):
     def pack_recompute(self, run, t):
         """Recompute pack hook: file each regenerated tensor under its forward key; the graph keeps nothing."""
         if run.in_hook:
-            if run.noting_replay:   # a random op run again by check_replay: saves as a light re-run's would
-                self.path_check.note_recompute(t)
+            if run.noting_replay:   # a random op run again by its replay check: saves as a light re-run's would
+                self.recorder.note_recompute(t)
             return None
         idx = run.current_op()
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
@@ -612,11 +553,11 @@ class Region(RegionBase):
         key = run.next_key()
         if EXECUTOR_CALLS.grad_calls() > run.grad_calls:
             return t   # as in forward (inner_grad_save)
-        if self.path_check is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
+        if self.recorder is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
                                                             and key[0] not in self.policy_saves)):
             # as in forward: a light run numbers Dropout packs apart and runs no kept op (a legacy op handed
             # its kept output here is still recorded, with its inputs)
-            self.path_check.note_recompute(t)
+            self.recorder.note_recompute(t)
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
             if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
@@ -733,9 +674,9 @@ class Region(RegionBase):
             self.stats.early_stops += 1
         else:
             self.keep_rerun_output(out)
-        if self.path_check is not None:   # this call checked its signature for the light path
-            check, self.path_check = self.path_check, None
-            check.validate(self)
+        if self.recorder is not None:   # this call checked its signature for the light path
+            recorder, self.recorder = self.recorder, None
+            recorder.finish(self)
 
 
 def run_region(fn, args, kwargs, **options):

@@ -122,7 +122,7 @@ class RegionRun:
         self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
         self.dropout_idx = 0   # nn.Dropout calls so far (light path)
         self.in_cell_dropout = False   # an nn.Dropout's kernel call through its slot is running
-        self.noting_replay = False     # Region.check_replay's run of a random op: note its saves
+        self.noting_replay = False     # CheckRecorder.check_replay's run of a random op: note its saves
         self.asked_marker = False      # a re-run whose code asked is_in_recompute(): may skip side effects
         self.keeps = None      # light path: the OpSlots whose calls this run keeps (keep_sites)
         self.keep_idx = 0      # light recompute: kept calls handed back so far
