@@ -29,7 +29,7 @@ from .random_ops import is_random_op_name, is_unreplayable_random_op
 from .rerun import SavedInput, keep_saved, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
-from .stats import RecomputeStats
+from .stats import RecomputeStats, RegionBytes
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -334,28 +334,29 @@ class _Scope:
         """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
         passed = run.alive_passed()
         kept = dict(passed)
-        # stats id -> [stats, bytes its targets' dropped calls freed]: summed as decided (a freed storage's
-        # address may be reused)
-        dropped = {}
+        # The region ledger (stats.RegionBytes) per stats object: what the scope keeps goes into the first
+        # target's (apply_ac gives a layer's targets one stats), what each target's dropped calls freed into
+        # its own, summed as decided (a freed storage's address may be reused).
+        ledgers = {}
         why = {}       # target -> the warning of its first kept call, while none was dropped
         for rec in records:
             target, freeable = rec.target, rec.freeable()
             gain = sum(n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes)
             cost, compact = rec.input_cost(kept, freeable)
-            entry = dropped.setdefault(id(target.stats), [target.stats, 0])
+            ledger = ledgers.setdefault(id(target.stats), (target.stats, RegionBytes(run.weights)))[1]
             if target.keep_output is not True and gain > cost:
                 kept.update(rec.settle(True, compact))
-                entry[1] += gain
+                ledger.rebuilt(gain)
                 why[target] = None
                 continue
             rec.settle(False)
             kept.update(freeable)
             if target.keep_output is not True and target not in why:
                 why[target] = _kept_warning(target.name, rec, freeable, gain, cost)
-        kept_total = sum(n for p, n in kept.items() if p not in passed)   # the meter counts what was passed
-        for stats, dropped_bytes in dropped.values():
-            stats.open_region(run, kept_total, dropped_bytes, 0)
-            kept_total = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
+        if ledgers:   # the meter counts what was passed
+            next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
+        for stats, ledger in ledgers.values():
+            ledger.close(stats, run)
         for warning in why.values():
             if warning is not None:
                 ENGINE.warnings.warning(*warning)
