@@ -194,6 +194,16 @@ class _WrapInfo:
         # the grad-call and cell-state counters its regions ask (EXECUTOR_CALLS), held until unwrap()
         self.release_calls = EXECUTOR_CALLS.acquire()
 
+    def remove(self):
+        """``unwrap``'s undo of what was installed besides the construct patch."""
+        if self.path_checks is not None:   # first: the tracker's slots hold the keep sites' proxies
+            self.path_checks.remove_sites()
+        if self.tracker is not None:
+            self.tracker.remove()
+        if self.remove_proxies is not None:
+            self.remove_proxies()
+        self.release_calls()
+
 
 def _wrap_info(obj):
     if isinstance(obj, nn.Cell):
@@ -309,24 +319,13 @@ def unwrap(cell_or_fn):
         patch = find_patch(cell_or_fn, _KIND)
         if patch is None:
             raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-        info = patch.info
-        if info.path_checks is not None:   # first: the tracker's slots hold the keep sites' proxies
-            info.path_checks.remove_sites()
-        if info.tracker is not None:
-            info.tracker.remove()
-        if info.remove_proxies is not None:
-            info.remove_proxies()
+        patch.info.remove()
         patch.remove()
-        info.release_calls()
         return cell_or_fn
     info = _wrap_info(cell_or_fn)
     if info is None:
         raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-    if info.path_checks is not None:
-        info.path_checks.remove_sites()
-    if info.tracker is not None:
-        info.tracker.remove()
-    info.release_calls()
+    info.remove()
     return info.original
 
 

@@ -1,31 +1,17 @@
-"""The light way into a region: saved-tensor hooks only, no per-op interception.
+"""The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md,
+"The light path": when a call goes light, what a light re-run checks and what it can't see).
 
-Taken by calls of a wrapped cell whose call signature a first, intercepted
-call showed to need no per-op decision (``path_choice``). It differs from
-the intercepting ``Region`` only in how it decides what to save: nothing, by
-position. The forward numbers every tensor saved for backward and keeps only
-its shape and dtype; the recompute runs the function again on the saved
-inputs and collects what it saves, in order; backward takes them by position.
-Inputs, Dropout mask bits, bytes and the once-only recompute are
-``rerun.RegionBase``'s, messages ``messages``'.
-
-``nn.Dropout``: its kernel call arrives through the dropout role of its slot
-(``op_slot``) as ``dropout_call``. The forward keeps the mask as bits
-(``RegionBase.keep_dropout``) and numbers the Dropout's own saves apart; the
-recompute rebuilds the output from the mask without calling the kernel (the
-rebuild's ops save nothing for the region) and those saves take the rebuilt
-output and mask.
-
-Ops ``exclude_op`` keeps: their calls arrive through the op slots the checking
-call gave the keep role (``keep_sites``) as ``keep_call``. The forward keeps their outputs and what they saved (numbered
-apart, as a Dropout's); the recompute hands the outputs back in call order
-without running them, and raises when it reaches another site, with inputs of
-other shapes, or another number of times.
-
-Failure modes (``RecomputeError``, the same texts as the intercepting path) and
-what a light re-run checks and can't see: docs/exactness.md, "The light path"
-(``_OutputProbe``: the output sample; ``side_effects.BufferGuard``: a late
-write undone).
+The forward numbers every tensor saved for backward and keeps only its shape
+and dtype; the recompute runs the function again on the saved inputs,
+collects what it saves, in order, and backward takes them by position.
+Everything else (inputs, Dropout mask bits, bytes, the once-only re-run) is
+``rerun.RegionBase``'s, the texts ``messages``'. Two kinds of call arrive
+through their ``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout``
+kernel call (``dropout_call``: mask bits in forward, the output rebuilt from
+them in the recompute) and a call at a keep site (``keep_call``: outputs kept
+in forward and handed back in the recompute, checked for site, shapes and
+count). ``_OutputProbe`` catches a re-run that took another code path;
+``side_effects.BufferGuard`` undoes a late write.
 """
 import mindspore as ms
 import numpy as np
@@ -76,17 +62,10 @@ class _Collector:
 
 
 class _OutputProbe:
-    """A few elements of a light forward's first floating output, copied, to compare with its re-run's.
-
-    The light path sees no op, so a re-run that takes another code path
-    whose saves have the same shapes (a branch on state changed since the
-    forward: Sin in forward, Cos in the re-run) would hand backward other
-    tensors silently. Such a re-run computes another output: ``PROBE_SIZE``
-    evenly spaced elements of it, compared bitwise, catch it. Cost: one small
-    ``GatherNd`` per forward and per re-run (one op on the output as it is: a
-    flattening view first would cost another, about 8 us at the small shape),
-    and a 256-byte host read.
-    """
+    """``PROBE_SIZE`` evenly spaced elements of a light forward's first floating output, copied, to compare
+    bitwise with its re-run's (docs/exactness.md, "The light path": another code path is detected). One
+    ``GatherNd`` on the output as it is: a flattening view first would cost another op (about 8 us at the
+    small shape)."""
 
     __slots__ = ("index", "values", "shape")
 

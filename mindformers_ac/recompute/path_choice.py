@@ -1,30 +1,21 @@
 """Which way into the engine a wrapped call takes: the light path, or the op-intercepting region.
 
-The intercepting path (``region`` + ``dispatch``) runs Python for every op;
-most regions need no per-op decision, and for those the light path
-(``light``) matches saved tensors by position alone. A call goes light only
-after the first call of its *call signature* ran intercepted and its
-``PathCheck`` showed it safe; what the signature holds (nothing of the
-arguments themselves) and what going light requires are docs/exactness.md,
-"The light path".
+A call goes light only after the first call of its *call signature* ran
+intercepted and showed it safe (what the signature holds and what going light
+requires: docs/exactness.md, "The light path"). That checking call's
+``Region`` hands what it observes to a ``CheckRecorder``; after its recompute
+the recorder fills the signature's ``PathCheck``, which the light path only
+reads. The verdict reads one mark, ``Region.intercept``, where whoever makes a
+per-op decision (``record_decision``) or finds something a light re-run can't
+reproduce says so (``keep_intercepted``), and a decision the light path does
+reproduce is taken back (``light_reproduces``): a new kind of decision keeps
+its region intercepted without an edit here.
 
-The checking call's ``Region`` hands what it observes to a ``CheckRecorder``
-(saves of forward and re-run, keep sites, nn.Dropout calls, whether a random
-op draws again what it drew); after its recompute the recorder fills the
-signature's ``PathCheck``, which the light path only reads. The verdict reads
-one mark: the checking call's ``Region.intercept``, where
-whoever makes a per-op decision (``record_decision``) or finds something a
-light re-run can't reproduce says so (``keep_intercepted``), and a decision
-the light path does reproduce is taken back (``light_reproduces``). So a new
-kind of decision keeps its region intercepted without an edit here.
-
-Failure modes: none raised here. A signature the check refused stays on the
-intercepting path; a checking call whose region died without a recompute (a
-forward without backward) is checked again by the next call; beyond
-``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay intercepted.
-The light path's counters that it can't measure without intercepting
-(``ops_forward``, ``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are the
-checking call's, which ran the same ops.
+Nothing is raised here. A refused signature stays intercepted; a checking
+call whose region died without a recompute is checked again by the next
+call; past ``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay
+intercepted. The counters a light call can't measure (``ops_forward``,
+``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are its checking call's.
 """
 import collections
 import enum

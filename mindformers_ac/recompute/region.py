@@ -108,7 +108,7 @@ class Region(RegionBase):
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.skipped = set()      # forward op indices the recompute skipped under the marker (skippable)
         # Why this call's signature must stay on the intercepting path: whoever makes a per-op decision, or
-        # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``PathCheck``
+        # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``CheckRecorder``
         # reads only this. key -> reason, for the debug log.
         self.intercept = {}
         # A policy deciding by the op's name and place only (exclude_policy) may be installed at the ops'
@@ -143,9 +143,6 @@ class Region(RegionBase):
             self._swap_holders[key] = holder
             self.bytes.swap(t)
         return holder
-
-    def _offload_input(self, run, t, ptr):
-        return self.offload(run, t, key=("input", ptr))
 
     # -- decisions --------------------------------------------------------------
     def ask_policy(self, run, idx, name, func, args, kwargs):
@@ -602,8 +599,8 @@ class Region(RegionBase):
             self.start_forward()
             if self.swap_inputs and self.swap_executor is None:
                 ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
-            offload = (functools.partial(self._offload_input, run)
-                       if self.swap_inputs and self.swap_executor is not None else None)
+            offload = (lambda t, ptr: self.offload(run, t, key=("input", ptr))) \
+                if self.swap_inputs and self.swap_executor is not None else None
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
@@ -636,11 +633,11 @@ class Region(RegionBase):
             ENGINE.pop(run)
 
     def _recompute(self):
-        if self.debug_log is None:
-            return self._rerun()
         try:
-            return self._rerun()
+            self._rerun()
         except RecomputeError as exc:
+            if self.debug_log is None:
+                raise
             raise RecomputeError(f"{exc}\n{self.debug_log.side_by_side()}") from exc
 
     def _rerun(self):

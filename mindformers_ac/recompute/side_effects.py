@@ -1,18 +1,11 @@
-"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md).
+"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md; why and at
+what cost: its "Stateful ops").
 
-Ops that write an argument (W1: ``side_effect_mem`` primitives such as
-BatchNorm in training, ``Assign*``, ``Scatter*``, ``Inplace*``, in-place
-collectives) write once per step: the re-run runs them on copies of what
-they write, taken before the forward's write (``StateSnapshot``), or keeps
-their outputs when those copies would cost more than the outputs (``KEEP``);
-a re-run op reading a written tensor reads the run's copy. All of a legacy
-op's Parameter arguments are copied, not only the written ones: the
-primitive's signature can't tell them apart (BatchNorm marks gamma and beta
-writable too). Parameters *rebound* in forward (``set_data``,
-``assign_value``, slice assignment: no op writes) are given back to the
-re-run by ``ReboundParameters`` (W4); a light re-run's late writes to buffers
-are undone by ``BufferGuard``. Why and at what cost: docs/exactness.md,
-"Stateful ops".
+Ops that write an argument (W1) run in the re-run on copies of what they
+write (``StateSnapshot``; all of a legacy op's Parameter arguments, which its
+signature can't tell apart), or keep their outputs when those copies would
+cost more (``KEEP``). Parameters rebound without an op are ``ReboundParameters``
+(W4); a light re-run's late writes to buffers are undone by ``BufferGuard``.
 """
 import contextlib
 import functools
@@ -180,17 +173,9 @@ def read_slots(args, ptrs):
 
 
 class BufferGuard:
-    """Copies of a region's non-trainable Parameters (its buffers) taken before a light re-run.
-
-    The light path runs a re-run without looking at its ops; its checking
-    call showed that the re-run writes nothing (a forward-time write guarded
-    by ``is_in_recompute()``, or none at all). A later call may still write
-    where the checking call did not (a write only some inputs trigger):
-    ``restore_if_written`` puts back what such a re-run wrote, so the write
-    lands once per step as without AC, and says so, so that the signature is
-    checked again. Cost: one copy per buffer and one comparison after the
-    re-run; nothing for a region without buffers.
-    """
+    """Copies of a region's non-trainable Parameters (its buffers) taken before a light re-run, whose
+    ``restore_if_written`` undoes a write its checking call did not show (docs/exactness.md, "The light
+    path": a late write is undone)."""
 
     __slots__ = ("params", "copies")
 
@@ -211,21 +196,9 @@ class BufferGuard:
 
 
 class ReboundParameters:
-    """A region's Parameters whose storage its forward replaced, with their values from before (rule W4).
-
-    A Parameter gets new storage without any op the dispatch sees: ``set_data``
-    (``self.count += 1`` and ``self.g = self.g * 0.999`` on a Cell go through it),
-    ``assign_value``, and slice assignment (``self.hist[1:4] = v``: a functional
-    ``TensorScatterUpdate``, then ``assign_value`` of its result). While the
-    forward runs, both methods are wrapped on each Parameter's instance (and put
-    back after, on every exit path); the first call per Parameter keeps a copy
-    of the value it replaces. The re-run starts from those copies, so it reads
-    what its forward read and rebinds them as the forward did, and each
-    Parameter then gets back what it held before the re-run: the update lands
-    once per step, as without AC, trainable weights included. Cost: four
-    attribute writes per Parameter and forward; one copy per rebound Parameter,
-    kept until backward. Nested regions chain their wrappers, so an enclosing
-    region sees the rebinding too.
+    """A region's Parameters whose storage its forward replaced (``set_data``, ``assign_value``, slice
+    assignment: no op the dispatch sees), with their values from before: rule W4 of docs/exactness.md.
+    Nested regions chain their wrappers, so an enclosing region sees the rebinding too.
     """
 
     __slots__ = ("params", "before")
