@@ -1,19 +1,15 @@
 """Where an excluded op is reached, so that the light path can keep it without intercepting every op.
 
-``exclude_op`` (an ``exclude_policy``) decides by the op's name and where it
-runs, nothing else, so a first intercepted call's decisions hold for every
-later call of its signature. The light path sees no op: the decision is
-installed where the op is reached, a *keep site*, one of the op slots the
-engine already tracks: ``attr``, an op attribute of a region's cell (its
-``OpSlot`` has the path tracker's track role; the innermost one running when
-the op is dispatched is its site), or ``item``, a Primitive held in a dict
-attribute, or by a cell held in one (MindFormers' ``_comm_ops``): a legacy op
-is found there by identity, a pyboost op as the only one of its name. A site
-is an ``OpSlot`` with the keep role, which hands a light run's call to
-``LightRegion.keep_call``; it qualifies only if every op dispatched under it
-in the checking call was kept (``path_choice.CheckRecorder``). An op reached through
-no slot keeps its signature intercepted, with the reason. No Python frame is
-read and no user code is copied (docs/exactness.md, "The light path").
+``exclude_op`` decides by the op's name and place only, so a first intercepted
+call's decisions hold for every later call of its signature, installed where
+the op is reached, a *keep site* (docs/exactness.md, "The light path"): ``attr``,
+an op attribute whose ``OpSlot`` has the track role (the innermost one running
+when the op is dispatched), or ``item``, a Primitive held in a dict attribute or
+by a dict-held cell (MindFormers' ``_comm_ops``; a legacy op by identity, a
+pyboost op as the only one of its name). The site's ``OpSlot`` gets the keep
+role (``LightRegion.keep_call``) when every op dispatched under it in the
+checking call was kept (``path_choice.CheckRecorder``). No Python frame is read
+and no user code is copied.
 """
 from mindspore import nn
 from mindspore.ops import Primitive

@@ -1,15 +1,12 @@
 """The op-intercepting way into a region: every op numbered and decided before it runs.
 
-What it shares with the light path (inputs, Dropout masks, bytes, the
-recompute itself) is ``rerun.RegionBase``; what is its own is the per-op
-decision (``decide``: a policy, random ops, ops that write parameters) and the
-per-op check of the recompute (``check_recompute``).
-
-Lifetime: a ``Region`` is created per call; the tokens left in the autograd
-graph hold it, so it dies with the graph after backward (nothing global keeps
-it). A region met inside another region's forward is recorded as that region's
-child, so that the parent's recompute *replays* it (same kept outputs, same
-dropout masks) instead of drawing new random numbers.
+What it shares with the light path is ``rerun.RegionBase``; what is its own is
+the per-op decision (``decide``: a policy, random ops, ops that write) and the
+per-op check of the recompute (``check_recompute``). A checking call hands what
+the light path needs to its ``path_choice.CheckRecorder``. Lifetime: the tokens
+left in the autograd graph hold the region, so it dies with the graph after
+backward. A region met inside another's forward is its child: the parent's
+recompute *replays* it (same kept outputs, same dropout masks).
 """
 import contextlib
 import functools

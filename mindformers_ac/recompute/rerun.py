@@ -1,21 +1,17 @@
 """What every recompute region shares, whichever way it was entered: one engine, two ways in.
 
 A region is one call of a checkpointed function, from its forward to the end
-of its backward. The op-intercepting ``Region`` numbers every op and decides
-per op (``dispatch``); the ``LightRegion`` numbers saved tensors only
-(``path_choice``). Everything else is here, once: the run record on the
-ENGINE stack (``RegionRun``); the region's inputs, saved detached and given
-back tracked as in forward; Dropout masks as bits; the once-only re-run in a
-throw-away graph under the forward's mixed-precision type (``recompute_graph``,
-which also refuses a higher-order gradient); nested regions replayed in call
-order; the user's ``context_fn`` and the marker's replay metadata
-(``markers``); MindSpore's random state set back for the re-run and restored
-after it; Parameters the forward rebound, set back for the re-run
-(``side_effects.ReboundParameters``); and what a region leaves in the graph
-instead of a tensor (``Token``, ``SwappedTensor``). The rules these keep are
-docs/exactness.md's (random state, W1-W7, mixed precision); the engine's own
-ops in a region (saved-input copies, copies of written tensors) run under
-``no_casts``.
+of its backward; the op-intercepting ``Region`` and the ``LightRegion`` differ
+only in how they decide what to save. Everything else is here, once: the run
+record on the ENGINE stack (``RegionRun``), saved inputs (``SavedInput``,
+``ChainedInput``), Dropout masks as bits, the once-only re-run
+(``recompute_graph``, ``refuse_higher_order``), nested regions replayed,
+the user's ``context_fn`` and replay metadata (``markers``), rebound
+Parameters (``side_effects.ReboundParameters``), writes after the forward
+(``stamp``: rule W6) and what a region leaves in the graph instead of a tensor
+(``Token``, ``SwappedTensor``). The invariants: docs/architecture.md, "The
+recompute engine's mechanisms"; the rules: docs/exactness.md (random state,
+W1-W7, mixed precision). The engine's own ops in a region run under ``no_casts``.
 """
 import contextlib
 import weakref
