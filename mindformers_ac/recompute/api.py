@@ -152,30 +152,31 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
-    torch_options = take_options("checkpoint", kwargs)
-    check_policy_fn("checkpoint", policy_fn)
-    check_context_fn(context_fn)
+    options = _region_options("checkpoint", take_options("checkpoint", kwargs), policy_fn, stats, swap_executor,
+                              swap_inputs, context_fn)
     root = root_cell_of(fn)
     EXECUTOR_CALLS.hold_for_process()   # what its regions ask; a function call has nothing to undo it with
+    return run_region(fn, args, kwargs, tracker=_tracker_for(root, policy_fn), **options)
+
+
+def _region_options(where, torch_options, policy_fn, stats, swap_executor, swap_inputs, context_fn, settings=None):
+    """The keywords of ``checkpoint`` / ``checkpoint_wrapper`` (``where``), checked, as a region's options.
+
+    ``swap_executor`` defaults to ``SwapManager``'s (stateless: one per call is as cheap as a shared one);
+    ``settings`` is the ``recompute`` section a region reads (``Region.settings``; None: the defaults), and
+    the ``early_stop`` keyword, when False, is that section's field."""
+    check_policy_fn(where, policy_fn)
+    check_context_fn(context_fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
-                   swap_executor=_executor_or_managers(swap_executor), swap_inputs=swap_inputs, context_fn=context_fn,
-                   tracker=_tracker_for(root, policy_fn))
-    if torch_options.debug:
+                   swap_executor=swap_executor if swap_executor is not None else ManagerSwapExecutor(),
+                   swap_inputs=swap_inputs, context_fn=context_fn)
+    if torch_options.debug:   # the op logs come from the intercepting path
         options["debug"] = True
     if not torch_options.early_stop:
-        options["settings"] = region_settings(None, False)
-    return run_region(fn, args, kwargs, **options)
-
-
-def region_settings(settings, early_stop):
-    """The ``recompute`` section a region reads (``Region.settings``): ``apply_ac``'s, or None for the
-    defaults; the ``early_stop`` keyword, when False, is that section's field."""
-    return settings if early_stop else dataclasses.replace(settings or RecomputeConfig(), early_stop=False)
-
-
-def _executor_or_managers(swap_executor):
-    # Stateless: one per call is as cheap as a shared one, and no module state.
-    return swap_executor if swap_executor is not None else ManagerSwapExecutor()
+        settings = dataclasses.replace(settings or RecomputeConfig(), early_stop=False)
+    if settings is not None:
+        options["settings"] = settings
+    return options
 
 
 def _tracker_for(root, policy_fn):
@@ -205,11 +206,16 @@ class _WrapInfo:
         self.release_calls()
 
 
-def _wrap_info(obj):
+def _wrap_info(obj, required=False):
+    """What ``checkpoint_wrapper`` set up for ``obj``; None, or (``required``) ValueError, when not wrapped."""
     if isinstance(obj, nn.Cell):
         patch = find_patch(obj, _KIND)
-        return patch.info if patch is not None else None
-    return wrapped_function_info(obj, _KIND)
+        info = patch.info if patch is not None else None
+    else:
+        info = wrapped_function_info(obj, _KIND)
+    if info is None and required:
+        raise ValueError(f"{type(obj).__name__} is not wrapped by checkpoint_wrapper")
+    return info
 
 
 def is_checkpoint_wrapped(cell_or_fn):
@@ -219,10 +225,7 @@ def is_checkpoint_wrapped(cell_or_fn):
 
 def get_checkpoint_stats(cell_or_fn):
     """The ``RecomputeStats`` a wrapped cell or function counts into."""
-    info = _wrap_info(cell_or_fn)
-    if info is None:
-        raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-    return info.stats
+    return _wrap_info(cell_or_fn, required=True).stats
 
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
@@ -263,69 +266,51 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
     region reads its settings from it (default: ``RecomputeConfig()``'s).
     """
-    CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
-                      early_stop)   # checks them
-    check_policy_fn("checkpoint_wrapper", policy_fn)
+    torch_options = CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check,
+                                      debug, early_stop)
+    options = _region_options("checkpoint_wrapper", torch_options, policy_fn, stats, swap_executor, swap_inputs,
+                              context_fn, settings)
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
                          "unwrap() it first to change its options")
-    check_context_fn(context_fn)
-    stats = stats if stats is not None else RecomputeStats()
-    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=_executor_or_managers(swap_executor),
-                   swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
-    if debug:   # the op logs come from the intercepting path
-        options["debug"] = True
-    settings = region_settings(settings, early_stop)
-    if settings is not None:
-        options["settings"] = settings
+    options["chain"] = chain
     light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
-    if not isinstance(cell_or_fn, nn.Cell):
-        if not callable(cell_or_fn):
-            raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+    is_cell = isinstance(cell_or_fn, nn.Cell)
+    if not is_cell and not callable(cell_or_fn):
+        raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+    if is_cell and uses_native_recompute(cell_or_fn):
+        raise ValueError(f"{type(cell_or_fn).__name__} already uses MindSpore's Cell.recompute(); "
+                         "the two recompute mechanisms can't be combined on one cell")
+    if not is_cell:
         refuse_wrapped_function(cell_or_fn, _KIND)
-        root = root_cell_of(cell_or_fn)
-        tracker = _tracker_for(root, policy_fn)
-        checks = PathChecks() if light else None
-
+    root = cell_or_fn if is_cell else root_cell_of(cell_or_fn)
+    tracker = _tracker_for(root, policy_fn)
+    checks = PathChecks() if light else None
+    if not is_cell:
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
             return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
-        mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
+        mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, options["stats"], options, checks))
         return wrapped_fn
-    return _wrap_cell(cell_or_fn, options, light)
-
-
-def _wrap_cell(cell, options, light):
-    if uses_native_recompute(cell):
-        raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
-                         "the two recompute mechanisms can't be combined on one cell")
-    tracker = _tracker_for(cell, options["policy_fn"])
-    checks = PathChecks() if light else None
 
     def around(inner, *args, **kwargs):
-        return run_checkpoint(inner, args, kwargs, checks, cell, tracker=tracker, **options)
+        return run_checkpoint(inner, args, kwargs, checks, root, tracker=tracker, **options)
 
-    patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
+    patch = ConstructPatch(root, _KIND, around, undo="unwrap()")
     patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options, checks,
-                           install_dropout_slots(cell) if light else None)
+                           install_dropout_slots(root) if light else None)
     if tracker is not None:
         tracker.install()
-    return cell
+    return root
 
 
 def unwrap(cell_or_fn):
     """Undo ``checkpoint_wrapper``: restore the cell's construct (returns the cell) or return the function."""
-    if isinstance(cell_or_fn, nn.Cell):
-        patch = find_patch(cell_or_fn, _KIND)
-        if patch is None:
-            raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-        patch.info.remove()
-        patch.remove()
-        return cell_or_fn
-    info = _wrap_info(cell_or_fn)
-    if info is None:
-        raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
+    info = _wrap_info(cell_or_fn, required=True)
     info.remove()
+    if isinstance(cell_or_fn, nn.Cell):
+        find_patch(cell_or_fn, _KIND).remove()
+        return cell_or_fn
     return info.original
 
 
