@@ -67,6 +67,15 @@ def _item(args, pos):
     return args[pos[0]] if len(pos) == 1 else args[pos[0]][pos[1]]
 
 
+def _positions(args):
+    """``(position, value)`` of each argument, and of each item of a tuple or list one: ``(i,)`` / ``(i, j)``."""
+    for i, a in enumerate(args):
+        if isinstance(a, (tuple, list)):
+            yield from (((i, j), b) for j, b in enumerate(a))
+        else:
+            yield (i,), a
+
+
 def written_slots(name, args, param_ptrs):
     """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write.
 
@@ -75,13 +84,7 @@ def written_slots(name, args, param_ptrs):
     ``param_ptrs`` (a parameter of the region). Empty for every other op.
     """
     if is_side_effect_op(args):
-        slots = []
-        for i, a in enumerate(args):
-            if isinstance(a, Parameter):
-                slots.append((i,))
-            elif isinstance(a, (tuple, list)):
-                slots.extend((i, j) for j, b in enumerate(a) if isinstance(b, Parameter))
-        return slots
+        return [pos for pos, a in _positions(args) if isinstance(a, Parameter)]
     if name.startswith(_WRITES_FIRST) and args and isinstance(args[0], Tensor) and args[0].data_ptr() in param_ptrs:
         return [(0,)]
     return []
@@ -91,11 +94,7 @@ def choose_handling(args, slots):
     """SNAPSHOT unless the written tensors are larger than the op's other tensor inputs (then KEEP)."""
     written = {id(_item(args, pos)) for pos in slots}
     param_bytes = sum(int(_item(args, pos).nbytes) for pos in slots)
-    other_bytes = 0
-    for a in args:
-        for b in (a if isinstance(a, (tuple, list)) else (a,)):
-            if isinstance(b, Tensor) and id(b) not in written:
-                other_bytes += int(b.nbytes)
+    other_bytes = sum(int(b.nbytes) for _, b in _positions(args) if isinstance(b, Tensor) and id(b) not in written)
     return SNAPSHOT if param_bytes <= other_bytes else KEEP
 
 
@@ -159,17 +158,7 @@ class StateSnapshot:
 
 def read_slots(args, ptrs):
     """``[(position, data_ptr)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
-    found = []
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            ptr = a.data_ptr()
-            if ptr in ptrs:
-                found.append(((i,), ptr))
-        elif isinstance(a, (tuple, list)):
-            for j, b in enumerate(a):
-                if isinstance(b, Tensor) and b.data_ptr() in ptrs:
-                    found.append(((i, j), b.data_ptr()))
-    return found
+    return [(pos, t.data_ptr()) for pos, t in _positions(args) if isinstance(t, Tensor) and t.data_ptr() in ptrs]
 
 
 class BufferGuard:
