@@ -38,16 +38,6 @@ class _ApartPack:
         self.region, self.tensor, self.drop, self.index, self.call = region, tensor, None, 0, None
 
 
-class _LightDropout:
-    """One ``nn.Dropout`` kernel call of a light forward: its mask as bits, or its outputs when kept."""
-
-    __slots__ = ("record", "kept", "meta", "rebuilt")
-
-    def __init__(self, x):
-        self.record = self.kept = self.rebuilt = None
-        self.meta = (tuple(x.shape), x.dtype)
-
-
 class _Collector:
     """The light recompute's pack hook; held by the recompute graph, so it holds no region."""
 
@@ -134,7 +124,7 @@ class LightRegion(RegionBase):
         self.precision = precision
         self._checks, self._key = checks, key
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
-        self.dropouts = []        # _LightDropout per nn.Dropout kernel call, in order
+        self.dropouts = []        # random_ops.DropoutRecord per nn.Dropout kernel call, in order
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
         self._pending = None      # _ApartPacks made inside a Dropout kernel call or a kept call in progress
         self.kept = []            # (OpSlot, its tensor arguments' (shape, dtype), outputs) per kept call
@@ -176,7 +166,7 @@ class LightRegion(RegionBase):
         try:
             self.start_forward()
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
-            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.watch_buffers():
+            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.replaced.watch():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
         finally:
@@ -214,7 +204,7 @@ class LightRegion(RegionBase):
             raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got)
         self._collector.skip = True   # the rebuild's own ops save nothing for this region
         try:
-            drop.rebuilt = drop.record.rebuild(x)
+            drop.rebuilt = drop.rebuild(x)
         finally:
             self._collector.skip = False
         return drop.rebuilt
@@ -225,16 +215,11 @@ class LightRegion(RegionBase):
             out = prim(x)
         finally:
             self._pending = None
-        drop = _LightDropout(x)
-        record, where = self.keep_dropout(len(self.dropouts), x, out, float(prim.keep_prob),
-                                          [p.tensor for p in pending])
-        if record is None:   # can't be rebuilt bitwise: keep its outputs (and whatever it saved)
-            drop.kept = out
-        else:
-            drop.record = record
-            for p, j in zip(pending, where):
-                if j is not None:
-                    p.drop, p.index, p.tensor = drop, j, None
+        drop, where = self.keep_dropout(len(self.dropouts), x, out, float(prim.keep_prob),
+                                        [p.tensor for p in pending])
+        for p, j in zip(pending, where):   # all None when it can't be rebuilt bitwise: kept (drop.kept)
+            if j is not None:
+                p.drop, p.index, p.tensor = drop, j, None
         self.dropouts.append(drop)
         return out
 
@@ -306,7 +291,7 @@ class LightRegion(RegionBase):
         guard = BufferGuard(self.check.buffers) if self.check.buffers else None
         args, kwargs = self.load_inputs()
         try:
-            with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state):
+            with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state):
                 args, kwargs = rerun_inputs(args, kwargs)   # in the graph: tracked as in forward
                 with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, keep_saved):
                     out = self.fn(*args, **kwargs)

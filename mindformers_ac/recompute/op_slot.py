@@ -12,7 +12,7 @@ and cleared independently, so none wraps another by hand:
 * **keep** (``mac_keep``, a description): in a light run that keeps this slot, the region takes the
   call (``LightRegion.keep_call``: ``exclude_op`` on the light path, ``keep_sites``);
 * **dropout** (``mac_dropout``, how many wrappers asked): an ``nn.Dropout`` cell's kernel, handed to
-  the running region (``run.dropout_call``), which keeps its mask as bits (``install_dropout_slots``);
+  the running region (``region.dropout_call``), which keeps its mask as bits (``install_dropout_slots``);
 * **output** (``mac_output``): output recompute of the op (``output._Target.observe``).
 
 A call goes through the roles in that order and ends in the op. Attribute reads the slot doesn't
@@ -51,7 +51,7 @@ class OpSlot:
             if self.mac_keep is not None and run.keeps is not None and self in run.keeps:
                 return run.region.keep_call(run, self, args, kwargs)
             if self.mac_dropout:
-                return run.dropout_call(self.mac_inner, *args)
+                return run.region.dropout_call(run, self.mac_inner, *args)
             return self.call_op(args, kwargs)
         finally:
             if tracked:

@@ -21,12 +21,12 @@ from ..meter import CHAIN_PASSED
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts, under_precision
-from ..tensors import detached, is_tracked, output_tensors, param_ptrs, storage_info, tensor_leaves
+from ..tensors import detached, output_tensors, param_ptrs, storage_info, tensor_leaves
 from . import messages
 from .dispatch import op_name_of
 from .op_slot import OpSlot, release, slot_at
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import SavedInput, keep_saved, recompute_graph, recompute_input, refuse_higher_order
+from .rerun import SavedInput, keep_saved, map_inputs, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats, RegionBytes
@@ -115,16 +115,16 @@ class _OutputRecord:
         self.views = []   # (storage pointer, SavedInput) of each tensor argument
         top = set()
 
-        def save(a):
+        def save(_, a):
             if not isinstance(a, Tensor) or isinstance(a, Parameter):
                 return a   # a Parameter is read at re-run time; a tensor nested in an argument is held as it is
-            saved = SavedInput(detached(a), is_tracked(a), a.data_ptr())
+            saved = SavedInput.of(a)
             self.views.append((storage_info(a)[0], saved))
             top.add(id(a))
             return saved
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
-            self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
+            self.inputs = map_inputs(save, args, kwargs)
         if len(leaves) > len(self.views):   # nested tensors: their storages can't be compacted
             nested = {storage_info(t)[0] for t in leaves if id(t) not in top}
             self.views = [(ptr, s) for ptr, s in self.views if ptr not in nested]
@@ -233,14 +233,12 @@ class _OutputRecord:
         """Run the op again on its inputs, once per backward: outputs, and its saves when it saved any."""
         refuse_higher_order()
         target = self.target
-        args, kwargs = self.inputs
-        args = tuple(recompute_input(a) for a in args)
-        kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
+        args, kwargs = map_inputs(lambda _, a: recompute_input(a), *self.inputs)
         if any(m is not None for m in self.inner_meta):
             saved = []
             # The throw-away graph keeps nothing (pack returns None); the saves are collected in order.
             with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, keep_saved):
-                out = output_tensors(target.call_original(*args, **kwargs))
+                out = output_tensors(target.op(*args, **kwargs))
             messages.check_saves([(tuple(t.shape), t.dtype) for t in saved], self.inner_meta,
                                  lambda k: f"saved tensor #{k} of {target.name}")
             with no_grad():
@@ -249,7 +247,7 @@ class _OutputRecord:
             ENGINE.enter_recompute()
             try:
                 with no_grad(), under_precision(self.precision):
-                    out = output_tensors(target.call_original(*args, **kwargs))
+                    out = output_tensors(target.op(*args, **kwargs))
             finally:
                 ENGINE.exit_recompute()
         self.result = [detached(t) if isinstance(t, Tensor) else t for t in out]
@@ -403,9 +401,6 @@ class _Target:
         self.op, self.name, self.owner, self.scope, self.stats = op, name, owner, scope, stats
         self.keep_output = None   # True: never re-run (random or writes parameters); decided on the first recorded call
 
-    def call_original(self, *args, **kwargs):
-        return self.op(*args, **kwargs)
-
     def active(self):
         scope = self.scope
         return (self.keep_output is not True and scope.run is not None and not scope.calling
@@ -446,14 +441,18 @@ class _Target:
 class OpOutputHandle:
     """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
 
-    def __init__(self, owner, attr, registry, original, target, patch, slot=None):
-        self.owner, self.attr, self.registry = owner, attr, registry
-        self.original, self.target, self._patch, self.slot = original, target, patch, slot
+    def __init__(self, holder, attr, target, patch, slot=None):
+        self.holder, self.attr, self.target, self._patch, self.slot = holder, attr, target, patch, slot
         self.removed = False
 
     @property
     def stats(self):
         return self.target.stats
+
+    @property
+    def original(self):
+        """The wrapped op itself."""
+        return self.target.op
 
     def remove(self):
         if self.removed:
@@ -463,8 +462,7 @@ class OpOutputHandle:
             self._patch.remove()
         else:
             self.slot.mac_output = None
-            release(self.owner if self.registry is None else getattr(self.owner, self.registry), self.attr,
-                    self.slot)
+            release(self.holder, self.attr, self.slot)
         self.target.scope.detach(self.target)
 
 
@@ -493,15 +491,15 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """
+    holder = owner_cell if registry is None else getattr(owner_cell, registry, None)
     if registry is None:
         if not hasattr(owner_cell, attr_name):
             raise AttributeError(f"{type(owner_cell).__name__} has no op attribute '{attr_name}'")
         op = getattr(owner_cell, attr_name)
     else:
-        slots = getattr(owner_cell, registry, None)
-        if not isinstance(slots, dict) or attr_name not in slots:
+        if not isinstance(holder, dict) or attr_name not in holder:
             raise AttributeError(f"{type(owner_cell).__name__}.{registry} has no op '{attr_name}'")
-        op = slots[attr_name]
+        op = holder[attr_name]
     slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
     if slot is not None:
         op = slot.mac_inner
@@ -525,7 +523,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         # returns, which a proxy around the call would see too late to drop.
         patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
                                undo="remove() its OpOutputHandle")
-        return OpOutputHandle(owner_cell, attr_name, registry, op, target, patch)
-    slot = slot_at(owner_cell if registry is None else getattr(owner_cell, registry), attr_name)
+        return OpOutputHandle(holder, attr_name, target, patch)
+    slot = slot_at(holder, attr_name)
     slot.mac_output = target
-    return OpOutputHandle(owner_cell, attr_name, registry, op, target, None, slot)
+    return OpOutputHandle(holder, attr_name, target, None, slot)

@@ -115,20 +115,21 @@ def dropout_formula(x, mask, keep_prob):
 
 
 class DropoutRecord:
-    """A Dropout result kept as 1 bit per element; rebuilds (output, mask) from the op's input."""
+    """One Dropout kernel call of a forward, on either path: its mask as 1 bit per element, from which
+    ``rebuild`` makes (output, mask) again from the op's input; or, when ``dropout_formula`` does not
+    reproduce the kernel bitwise (``rebuilds`` False), its outputs ``out``, ``kept``."""
 
-    __slots__ = ("bits", "shape", "dtype", "keep_prob", "pack_outputs")
+    __slots__ = ("bits", "shape", "dtype", "keep_prob", "meta", "kept", "pack_outputs", "rebuilt")
 
-    def __init__(self, mask, keep_prob):
-        m = mask.asnumpy()
-        self.shape, self.dtype = m.shape, m.dtype
-        self.bits = np.packbits(m != 0)
-        self.keep_prob = keep_prob
-        self.pack_outputs = []   # (pack number, output index) of the packs the op made in forward
-
-    @property
-    def nbytes(self):
-        return int(self.bits.nbytes)
+    def __init__(self, x, out, keep_prob, rebuilds):
+        self.meta = (tuple(x.shape), x.dtype)   # the input's, checked by a light re-run
+        self.keep_prob, self.kept, self.bits = keep_prob, None if rebuilds else out, None
+        self.pack_outputs = []   # intercepting path: (pack number, output index) of the packs the op made
+        self.rebuilt = None      # light path: the re-run's (output, mask), which its packs unpack
+        if rebuilds:
+            m = out[1].asnumpy()
+            self.shape, self.dtype = m.shape, m.dtype
+            self.bits = np.packbits(m != 0)
 
     def rebuild(self, x):
         n = int(np.prod(self.shape))

@@ -455,7 +455,7 @@ class Region(RegionBase):
             else:
                 record.pack_outputs.append((token.key[1], j))
                 self.bytes.drop(t)
-        if record is None:
+        if record.kept is not None:
             self.record_decision(idx, SAVE)
             self.cache_output(run, idx, out, name, args)
         else:
@@ -601,7 +601,7 @@ class Region(RegionBase):
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
-                    self.watch_buffers(run.engine_ops):
+                    self.replaced.watch(run.engine_ops):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
@@ -647,7 +647,7 @@ class Region(RegionBase):
 
         args, kwargs = self.load_inputs()
         outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
-        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state, outputs), \
+        with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region

@@ -227,10 +227,6 @@ class ReboundParameters:
                     p.__dict__[method] = outer
             self.before = tuple(before.values())
 
-    def copies(self):
-        """The kept copies (for the region's byte count)."""
-        return [c for _, c in self.before]
-
     @contextlib.contextmanager
     def rerun_from(self):
         """Around the re-run (outside its graph): the rebound Parameters hold their pre-forward values,
