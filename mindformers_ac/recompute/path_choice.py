@@ -201,7 +201,7 @@ class CheckRecorder:
                                                  if i not in cell_dropouts and i not in kept_ops)
         check.n_rerun = sum(check.rerun_counts.values())
         check.n_dropouts = len(cell_dropouts)
-        check.dropped = region.bytes.totals.dropped if region.bytes.totals is not None else 0
+        check.dropped = region.bytes.dropped_total
         check.param_ptrs = frozenset(region.param_ptrs)
         check._owner = None   # pylint: disable=protected-access
 

@@ -8,19 +8,10 @@ engine's report is its own (docs/architecture.md says why).
 """
 import collections
 import weakref
-from typing import NamedTuple
 
 from mindspore import Tensor
 
 from ..tensors import output_tensors, storage_info
-
-
-class RegionTotals(NamedTuple):
-    """What one closed region forward kept, dropped and swapped, in bytes (``RegionBytes.totals``)."""
-
-    kept: int
-    dropped: int
-    swapped: int
 
 
 class RegionBytes:
@@ -33,14 +24,14 @@ class RegionBytes:
     hands the totals to a ``RecomputeStats`` and frees the per-storage maps.
     """
 
-    __slots__ = ("param_ptrs", "kept", "dropped", "swapped", "producer", "totals", "rebuilt_bytes")
+    __slots__ = ("param_ptrs", "kept", "dropped", "swapped", "producer", "dropped_total", "rebuilt_bytes")
 
     def __init__(self, param_ptrs):
         self.param_ptrs = param_ptrs
         self.kept, self.dropped, self.swapped = {}, {}, {}
         self.rebuilt_bytes = None   # dropped bytes known as a sum (``rebuilt``), not per storage
         self.producer = {}   # storage ptr -> index of the latest op whose output lives there
-        self.totals = None   # a RegionTotals once closed
+        self.dropped_total = 0   # the dropped bytes, once closed (a checking call's, for its light calls)
 
     def keep(self, t):
         """``t`` stays alive until backward because the region keeps it."""
@@ -88,7 +79,7 @@ class RegionBytes:
             dropped = sum(n for (p, _), n in self.dropped.items() if p not in self.kept)
         swapped = sum(n for p, n in self.swapped.items() if p not in self.kept)
         self.kept = self.dropped = self.swapped = self.producer = None   # only the totals are needed now
-        self.totals = RegionTotals(kept, dropped, swapped)
+        self.dropped_total = dropped
         stats.open_region(owner, kept, dropped, swapped)
 
 
