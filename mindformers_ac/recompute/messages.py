@@ -1,17 +1,11 @@
 """The texts of what the recompute engine finds while it runs (in forward and backward), written once.
 
-The checks of a checkpoint's arguments (``options``, ``api``: a bad keyword, a
-``policy_fn`` that is not callable) raise their own ``ValueError`` /
-``TypeError`` at the call, naming the argument; everything found while a
-region runs is here. Both ways into a region (the op-intercepting path and the light path) report
-the same failures with the same words: each function here returns the
-exception to raise, built from what the caller knows (an op described by
-``describe_op``, a saved tensor by ``describe_meta``): a ``RecomputeError``
-for everything the engine finds in backward, a ``TypeError`` for a
-``policy_fn`` that returned something else than a ``CheckpointPolicy``. The
-upper-case constants are the texts of warnings logged once.
-
-A message starts with ``mindformers_ac:``, says what differed between the
+Both ways into a region report the same failure with the same words (a bad
+argument of ``checkpoint`` is not here: ``api`` raises it at the call,
+docs/architecture.md). Each function returns the exception to raise, built
+from what the caller knows (an op by ``describe_op``, a saved tensor by
+``describe_meta``); the upper-case constants are warnings logged once. A
+message starts with ``mindformers_ac:``, says what differed between the
 forward and its recompute, and what to change in the region; tests and users
 match on these texts, so a change of wording is a change of interface.
 """
