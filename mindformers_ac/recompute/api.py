@@ -52,9 +52,10 @@ TORCH_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "de
 
 
 class CheckpointOptions:
-    """PyTorch's checkpoint keywords, checked (see the comment above)."""
+    """PyTorch's checkpoint keywords, checked (see the comment above); only ``debug`` and ``early_stop``
+    change what a region does."""
 
-    __slots__ = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
+    __slots__ = ("debug", "early_stop")
 
     def __init__(self, where, use_reentrant=None, preserve_rng_state=True, determinism_check="default",
                  debug=False, early_stop=True):
@@ -72,7 +73,6 @@ class CheckpointOptions:
         if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
             raise ValueError(f"{where}: determinism_check must be one of {', '.join(map(repr, _DETERMINISM_CHECKS))}, "
                              f"got {quote(determinism_check)}")
-        self.preserve_rng_state, self.determinism_check = preserve_rng_state, determinism_check
         self.debug, self.early_stop = debug, early_stop
 
 
@@ -339,12 +339,8 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
         if any(n in name for n in lowered):
             return CheckpointPolicy.MUST_SAVE
         if compiled:
-            paths = [ctx.op_path]
-            attr = ctx.attr_path
-            if attr is not None:
-                paths.append(attr)
-            if path_prefix:
-                paths = [f"{path_prefix}.{p}" for p in paths]
+            paths = [p if not path_prefix else f"{path_prefix}.{p}" for p in (ctx.op_path, ctx.attr_path)
+                     if p is not None]
             if any(p.fullmatch(path) for p in compiled for path in paths):
                 return CheckpointPolicy.MUST_SAVE
         if base_policy is not None:
