@@ -42,11 +42,10 @@ class DebugLog:
     def __init__(self):
         self.forward_ops, self.rerun_ops = [], []
 
-    def forward(self, idx, name, path):
-        self.forward_ops.append(f"#{idx} {name}{f' ({path})' if path else ''} {_user_line()}")
-
-    def rerun(self, idx, name, path):
-        self.rerun_ops.append(f"#{idx} {name}{f' ({path})' if path else ''} {_user_line()}")
+    def note(self, rerun, idx, name, path):
+        """Op ``idx`` of the forward, or (``rerun``) of the re-run."""
+        (self.rerun_ops if rerun else self.forward_ops).append(f"#{idx} {name}{f' ({path})' if path else ''} "
+                                                               f"{_user_line()}")
 
     def side_by_side(self):
         """Both logs in two columns, ``<<`` on the first row where they differ (as ops, lines aside)."""

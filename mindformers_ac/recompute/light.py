@@ -4,14 +4,12 @@
 The forward numbers every tensor saved for backward and keeps only its shape
 and dtype; the recompute runs the function again on the saved inputs,
 collects what it saves, in order, and backward takes them by position.
-Everything else (inputs, Dropout mask bits, bytes, the once-only re-run) is
-``rerun.RegionBase``'s, the texts ``messages``'. Two kinds of call arrive
-through their ``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout``
-kernel call (``dropout_call``: mask bits in forward, the output rebuilt from
-them in the recompute) and a call at a keep site (``keep_call``: outputs kept
-in forward and handed back in the recompute, checked for site, shapes and
-count). ``_OutputProbe`` catches a re-run that took another code path;
-``side_effects.BufferGuard`` undoes a late write.
+Everything else (inputs, Dropout records, bytes, the once-only re-run) is
+``rerun.RegionBase``'s. Two kinds of call arrive through their
+``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout`` kernel call
+(``dropout_call``) and a call at a keep site (``keep_call``). ``_OutputProbe``
+catches a re-run that took another code path; ``side_effects.BufferGuard``
+undoes a late write.
 """
 import mindspore as ms
 import numpy as np
@@ -148,8 +146,7 @@ class LightRegion(RegionBase):
 
     def take(self, i):
         """The tensor the recompute saved at position ``i`` (single use: ``RecomputeError`` the second time)."""
-        if not self.done:
-            self.ensure_recomputed()
+        self.ensure_recomputed()
         recomputed = self.recomputed
         t = recomputed[i]
         if t is None:
@@ -181,7 +178,7 @@ class LightRegion(RegionBase):
             # Its code path changed since the checking call: this call's recompute is still checked
             # against its own forward, but the next call checks again.
             self._checks.forget(self._key)
-        stats.ops_forward += check.n_forward
+        stats.ops_forward += len(check.op_names)
         self.bytes.rebuilt(check.dropped)   # the light path sees no dropped tensor: its checking call's figure
         self.bytes.close(stats, self)
         return out

@@ -5,11 +5,7 @@ intercepted and showed it safe (what the signature holds and what going light
 requires: docs/exactness.md, "The light path"). That checking call's
 ``Region`` hands what it observes to a ``CheckRecorder``; after its recompute
 the recorder fills the signature's ``PathCheck``, which the light path only
-reads. The verdict reads one mark, ``Region.intercept``, where whoever makes a
-per-op decision (``record_decision``) or finds something a light re-run can't
-reproduce says so (``keep_intercepted``), and a decision the light path does
-reproduce is taken back (``light_reproduces``): a new kind of decision keeps
-its region intercepted without an edit here.
+reads, from one mark, ``Region.intercept`` (see ``CheckRecorder.finish``).
 
 Nothing is raised here. A refused signature stays intercepted; a checking
 call whose region died without a recompute is checked again by the next
@@ -49,7 +45,7 @@ class PathCheck:
     "diverged" message), op counts and the dropped bytes.
     """
 
-    __slots__ = ("fwd", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
+    __slots__ = ("fwd", "keys", "ok", "op_names", "op_paths", "n_rerun", "rerun_counts",
                  "n_dropouts", "dropped", "param_ptrs", "params", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
                  "n_kept", "checks", "saved_outputs", "kept_arg_plans", "_owner")
 
@@ -57,7 +53,7 @@ class PathCheck:
         self.fwd, self.keys = [], []  # (shape, dtype) and (op index, pack number) of each forward save, in order
         self.ok = None
         self.op_names, self.op_paths = [], {}
-        self.n_forward = self.n_rerun = self.n_dropouts = self.dropped = 0
+        self.n_rerun = self.n_dropouts = self.dropped = 0
         self.rerun_counts = collections.Counter()
         self.param_ptrs = frozenset()
         self.params = ()              # the root's Parameters, whose rebinding in forward is watched
@@ -186,9 +182,9 @@ class CheckRecorder:
             check.n_kept_ops = len(kept_ops)
         self.sites = self.cells = None   # they hold the checking call's primitives and cells
         # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
-        # (``Region.keep_intercepted``); a new kind of decision is covered without an edit here. Writes in
-        # forward only, to buffers, that no re-run op reads, leave no mark: a light re-run writes nothing
-        # either (BufferGuard checks it does not).
+        # (``Region.keep_intercepted``), taken back for one it does reproduce (``light_reproduces``); a new
+        # kind of decision is covered without an edit here. Writes in forward only, to buffers, that no
+        # re-run op reads, leave no mark: a light re-run writes nothing either (BufferGuard checks it does not).
         check.ok = not region.intercept
         if not check.ok:
             logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
@@ -196,7 +192,6 @@ class CheckRecorder:
         check.params, check.buffers = region.params, region.buffers
         check.saved_outputs = region.saved_outputs
         check.op_names, check.op_paths = list(region.op_names), dict(region.op_paths)
-        check.n_forward = len(check.op_names)
         check.rerun_counts = collections.Counter(n for i, n in enumerate(check.op_names)
                                                  if i not in cell_dropouts and i not in kept_ops)
         check.n_rerun = sum(check.rerun_counts.values())

@@ -3,10 +3,9 @@
 What it shares with the light path is ``rerun.RegionBase``; what is its own is
 the per-op decision (``decide``: a policy, random ops, ops that write) and the
 per-op check of the recompute (``check_recompute``). A checking call hands what
-the light path needs to its ``path_choice.CheckRecorder``. Lifetime: the tokens
-left in the autograd graph hold the region, so it dies with the graph after
-backward. A region met inside another's forward is its child: the parent's
-recompute *replays* it (same kept outputs, same dropout masks).
+the light path needs to its ``path_choice.CheckRecorder``. A region met inside
+another's forward is its child: the parent's recompute *replays* it (same kept
+outputs, same dropout masks).
 """
 import contextlib
 import functools
@@ -56,14 +55,9 @@ from .tracking import OpContext
 
 
 class Region(RegionBase):
-    """One call on the op-intercepting path, from its forward to the end of its backward.
-
-    ``recorder``: a ``path_choice.CheckRecorder`` when this call is the first
-    of its call signature: the region hands it what it observes (saves of
-    forward and re-run, keep sites, nn.Dropout calls, random ops' replays) and,
-    after the recompute, itself, whose result says whether later calls may take
-    the light path. The region builds none of the light path's data itself.
-    """
+    """One call on the op-intercepting path, from its forward to the end of its backward. ``recorder``: a
+    ``path_choice.CheckRecorder`` when this call is the first of its call signature, handed what the region
+    observes and, after the recompute, the region itself (which builds none of the light path's data)."""
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
                  recorder=None, chain=None, debug=False, settings=None):
@@ -220,15 +214,10 @@ class Region(RegionBase):
         it as it is now, for the re-run."""
         kept, j = self.kept_ptrs.pop(ptr)
         out = self.cache[kept]
+        single = isinstance(out, Tensor)
         with no_grad(), no_casts():
-            if isinstance(out, Tensor):
-                out = ops.deepcopy(out)
-                copy = out
-            else:
-                items = list(out)
-                copy = items[j] = ops.deepcopy(items[j])
-                out = type(out)(items)
-        self.cache[kept] = out
+            copy = ops.deepcopy(out if single else out[j])
+        self.cache[kept] = copy if single else type(out)((*out[:j], copy, *out[j + 1:]))
         self.bytes.keep(copy)
         self.keep_intercepted(("writes_kept", kept), f"op #{idx} {name} writes the kept output of op #{kept} "
                                                      f"{self.op_names[kept]} in place")
@@ -266,10 +255,8 @@ class Region(RegionBase):
     # -- aligning a re-run that skips ops ---------------------------------------------
     def skippable(self, idx, run):
         """May ``run`` skip forward op ``idx``? Only under the marker (its code asked it, or the region has
-        a ``context_fn``), and only an op whose output is not kept (a one-shot side effect under
-        ``is_in_recompute()``). What a skipped op saved for backward is not rebuilt: its tokens raise if
-        the backward ever reaches them (rule W7 of docs/exactness.md: a tracker that keeps an attached loss
-        is never differentiated, so its saves are never asked for)."""
+        a ``context_fn``), and only an op whose output is not kept: rule W7 of docs/exactness.md (what a
+        skipped op saved is not rebuilt; its tokens raise if the backward ever reaches them)."""
         return (run.asked_marker or self.context_fn is not None) and idx not in self.decisions
 
     def align(self, run, idx, name, args):
@@ -337,13 +324,10 @@ class Region(RegionBase):
         return True
 
     def check_recompute(self, run, stopped=False):
-        """After a recompute: raise ``RecomputeError`` unless it ran every op and re-saved what was dropped.
-
-        Each re-run op that left tokens must save as many tensors as in forward,
-        and each dropped tensor must come back with its shape and dtype. A
-        mismatch means the tokens would take the wrong tensors: the error names
-        the op and what differed, instead of failing later or silently.
-        """
+        """After a recompute: raise ``RecomputeError`` naming the op and what differed unless it ran every op,
+        each re-run op that left tokens saved as many tensors as in forward, and each dropped tensor came back
+        with its shape and dtype (else the tokens would take the wrong tensors: docs/exactness.md, "Int and
+        bool inputs")."""
         n = len(self.op_names)
         missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)),
                                             None)
@@ -381,10 +365,9 @@ class Region(RegionBase):
                                                         f"in place")
 
     def release_unread_kept(self):
-        """K2, at the end of the forward: when what the region keeps is more than its forward saved (what
-        the model keeps without AC), policy-kept ops none of whose outputs a backward saved are re-run
-        instead of kept, largest first, until it is not. A kept op that communicates (``is_comm_op``:
-        exclude_op on a collective keeps it out of backward) or writes stays kept."""
+        """Rule K2 of docs/exactness.md, at the end of the forward: unread policy-kept ops are re-run instead,
+        largest first, while the region keeps more than its forward saved; a collective (``is_comm_op``) or
+        a writer (W3) stays kept."""
         kept, budget = sum(self.bytes.kept.values()), sum(self.packed.values())
         unread = []
         for idx in self.policy_saves:
@@ -462,13 +445,9 @@ class Region(RegionBase):
             self.dropouts[idx] = record
 
     def dropout_call(self, run, prim, x):
-        """An ``nn.Dropout`` cell's kernel call through its slot's dropout role: run it, note it for the path
-        check.
-
-        The Dropout op itself goes through the dispatch as usual; a Dropout
-        the region rebuilds from its mask and that was the only op of this
-        call can be handled by the light path's proxy in later calls.
-        """
+        """An ``nn.Dropout`` cell's kernel call through its slot's dropout role: the op goes through the
+        dispatch as usual; one the region rebuilds from its mask, the only op of this call, is noted for the
+        path check (the light path's dropout slot takes it in later calls)."""
         if run.mode != FORWARD or run.in_hook:
             return prim(x)
         start = run.op_idx
