@@ -3,15 +3,13 @@
 ``checkpoint(fn, *args)`` runs ``fn`` so that only what a policy says is kept
 for backward; everything else is rebuilt, on the first unpack in backward, by
 running ``fn`` again on its saved inputs, bitwise equal to a run without
-recompute: random ops are not drawn again (Dropout keeps its mask as bits;
-a primitive marked ``mac_replayable = True`` is recomputed like any op),
-what the forward writes is written once per step (rules W1-W7), and inputs
-are tracked by autograd in the re-run exactly as in forward. What stays alive
-between forward and backward is the region's inputs, what the policy keeps,
-Dropout masks and copies of written tensors, counted in ``RecomputeStats``
-(an outer saved-tensor hook does not see inside a region). Every guarantee,
-and every failure raised instead (``RecomputeError`` in backward, TypeError /
-ValueError for bad arguments, naming the fix), is in docs/exactness.md.
+recompute. What stays alive between forward and backward (the region's
+inputs, what the policy keeps, Dropout masks and copies of written tensors)
+is counted in ``RecomputeStats`` (an outer saved-tensor hook does not see
+inside a region). Every guarantee (random ops, writes: rules W1-W7, inputs
+tracked as in forward), and every failure raised instead (``RecomputeError``
+in backward, TypeError / ValueError for bad arguments, naming the fix), is in
+docs/exactness.md.
 """
 import dataclasses
 import functools
@@ -245,15 +243,11 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     (see ``get_checkpoint_stats``).
 
     ``light_path`` (default True): without ``swap_inputs``, and without a
-    ``policy_fn`` or with one marked ``decides_by_site = True`` (its answers
-    depend on the op's name and place only, as ``exclude_policy``'s; its kept
-    ops are then installed where they are reached, see ``keep_sites``),
-    the first call per call signature runs the op-intercepting path and
-    checks the region (``path_choice.PathCheck``); later calls the check
-    shows safe run with saved-tensor hooks only (see ``light``): same results,
-    bitwise, and the same errors on a diverging recompute, without Python per
-    op. ``RecomputeStats.light_calls`` / ``intercepted_calls`` count which
-    path each call took.
+    ``policy_fn`` or with one marked ``decides_by_site = True`` (as
+    ``exclude_policy``'s), later calls of a call signature whose first call
+    the op-intercepting path showed safe run with saved-tensor hooks only:
+    same results and errors, without Python per op (docs/exactness.md, "The
+    light path"; ``RecomputeStats.light_calls`` / ``intercepted_calls``).
 
     ``chain``: ``(LayerChain, index)`` when the cell is member ``index`` of a
     layer group (``recompute.group_layers``, see ``chain``): its first argument

@@ -9,10 +9,9 @@ when that module is loaded (``default_context_fn``). ``save_for_recompute`` /
 ``get_recompute_metadata`` have MindFormers' semantics. Both, with what the
 engine accepts of a re-run under the marker (fewer ops than its forward, never
 other or extra ones; ``messages.SAME_PATH``): docs/exactness.md, "Model code
-that asks the recompute marker", and rule W7. Each run reads the metadata queue
-from its start (``RegionRun.metadata_read``): a region nested in another is run
-again twice, as a replay inside the enclosing region's recompute and by its
-own recompute, and both read what its forward saved.
+that asks the recompute marker", and rule W7; a nested region's two runs each
+read the metadata from its start (``RegionRun.metadata_read``; the same page,
+after rule K2).
 """
 import collections
 import importlib

@@ -37,13 +37,10 @@ _SCOPE_ATTR = "_mac_output_scope"
 _OUTPUT_KIND = "wrap_op_output"
 
 class _RerunProbe(MsDispatchMode):
-    """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged).
-
-    ``random_ops``: a second call would draw other numbers. ``side_effect_ops``:
-    a second call would write again (BatchNorm's moving statistics,
-    ``AssignAdd``, any ``Inplace*`` op); the re-run calls the whole op or cell
-    and can't hand it copies of what it writes, unlike a checkpoint region.
-    """
+    """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged):
+    ``random_ops`` would draw other numbers, ``side_effect_ops`` write again (BatchNorm's moving statistics,
+    ``AssignAdd``, any ``Inplace*`` op): the re-run calls the whole op or cell and can't hand it copies of
+    what it writes, unlike a checkpoint region."""
 
     def __init__(self):
         super().__init__()

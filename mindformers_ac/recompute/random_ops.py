@@ -5,9 +5,8 @@ it again in a recompute: ``Dropout`` (the only random kernel the CPU build has
 on this path) keeps its mask as packed bits and its output is rebuilt as
 ``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel
 once per dtype and keep_prob (if the check fails the outputs are kept
-instead); other random ops keep their outputs. A primitive marked
-``mac_replayable = True`` promises that a second call draws the same output
-and is recomputed like any other op.
+instead); other random ops keep their outputs, unless marked replayable
+(``REPLAYABLE_ATTR``; docs/exactness.md, "Random ops").
 """
 import logging
 import re
@@ -41,12 +40,8 @@ def is_random_op_name(name):
 
 
 def is_unreplayable_random_op(name, args):
-    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat.
-
-    Legacy ops are dispatched with their primitive as the first argument; a
-    primitive marked ``mac_replayable = True`` is recomputed like any other op
-    instead of keeping its output or mask.
-    """
+    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers that a
+    second call would not repeat: not one marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
     if not is_random_op_name(name):
         return False
     return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)

@@ -2,16 +2,10 @@
 
 A region is one call of a checkpointed function, from its forward to the end
 of its backward; the op-intercepting ``Region`` and the ``LightRegion`` differ
-only in how they decide what to save. Everything else is here, once: the run
-record on the ENGINE stack (``RegionRun``), saved inputs (``SavedInput``,
-``ChainedInput``), Dropout masks as bits, the once-only re-run
-(``recompute_graph``, ``refuse_higher_order``), nested regions replayed,
-the user's ``context_fn`` and replay metadata (``markers``), rebound
-Parameters (``side_effects.ReboundParameters``), writes after the forward
-(``stamp``: rule W6) and what a region leaves in the graph instead of a tensor
-(``Token``, ``SwappedTensor``). The invariants: docs/architecture.md, "The
-recompute engine's mechanisms"; the rules: docs/exactness.md (random state,
-W1-W7, mixed precision). The engine's own ops in a region run under ``no_casts``.
+only in how they decide what to save. Everything else is here, once (what,
+and the invariants: docs/architecture.md, "The recompute engine's
+mechanisms"; the rules: docs/exactness.md). The engine's own ops in a region
+run under ``no_casts``.
 """
 import contextlib
 import weakref
@@ -282,10 +276,9 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
     on the engine stack (an op output's re-run, whose forward had no run either).
 
     ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that
-    makes grad calls of its own (gradients computed inside its forward): MindSpore 2.10 loses the
-    empty graph's top cell at the first such call made inside a backward (the second fails: "The
-    pointer[top_cell_] is null"), so the re-run records in a top cell of its own (``new_graph``),
-    ended with the output the caller appends to ``outputs``.
+    makes grad calls of its own (docs/exactness.md, "Higher-order gradients"; without it the second
+    such call fails: "The pointer[top_cell_] is null"): a top cell of its own (``new_graph``), ended
+    with the output the caller appends to ``outputs``.
     """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
@@ -507,9 +500,6 @@ class RegionBase:
             if j is None:
                 self.bytes.keep(t)
         return record, where
-
-    def dropout_call(self, run, prim, x):
-        raise NotImplementedError
 
     # -- runs ------------------------------------------------------------------------------------------
     def run_context(self, mode):
