@@ -141,7 +141,7 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     PyTorch's and HyperParallel's keywords ``use_reentrant`` (False),
     ``preserve_rng_state``, ``determinism_check`` (``"default"`` /
     ``"none"``), ``debug`` and ``early_stop`` are taken here, not passed to
-    ``fn`` (see ``options``; a bad value is a ValueError naming it); every
+    ``fn`` (see ``CheckpointOptions``; a bad value is a ValueError naming it); every
     other keyword argument is passed to ``fn``. A ``policy_fn`` that is not
     callable is a TypeError naming it, raised here.
 
@@ -255,7 +255,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
     ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
     ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
-    ``checkpoint`` (see ``options``), checked here.
+    ``checkpoint`` (see ``CheckpointOptions``), checked here.
 
     ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
     region reads its settings from it (default: ``RecomputeConfig()``'s).
