@@ -193,7 +193,8 @@ def test_the_registry_order_is_the_install_order(monkeypatch):
 def test_each_section_reaches_its_engine_whole(monkeypatch):
     """Settings reach the engines in one place: the recompute regions and the swap scheduler hold the section
     ``apply_ac`` was given (``Region.settings``, ``SwapScheduler.settings``), so a new field one of them
-    reads needs no line in between (docs/architecture.md's change-cost table)."""
+    reads needs no line in between (docs/architecture.md's change-cost table); ``early_stop`` is read from it,
+    with no keyword of its own on the way."""
     import mindformers_ac.recompute.region as region_module
     import mindformers_ac.swap.scheduler as scheduler_module
 
@@ -213,6 +214,7 @@ def test_each_section_reaches_its_engine_whole(monkeypatch):
     run_steps(model, _batch, steps=1)
     given = mac.ac_state(model).config
     assert seen and {id(s) for s in seen} == {id(given.recompute), id(given.swap)}
+    assert "early_stop" not in region_module.Region.__init__.__code__.co_varnames   # read from the section
     mac.remove_ac(model)
 
 

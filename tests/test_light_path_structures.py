@@ -115,3 +115,48 @@ def test_an_argument_the_signature_cannot_describe_takes_the_full_path(light_cal
     assert key != path_choice.PathChecks.key(None, ((Tensor(np.zeros(2, np.float32)), True, 1.0, True, ms.float16),),
                                           {"d": {"a": [None, "s"]}})
     assert not light_calls
+
+
+class _KeptTanhLayer(nn.Cell):
+    """An nn.Dropout and a kept op in an attribute slot: what a checking call records for the light path."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = mint.nn.Linear(H, H)
+        self.drop = nn.Dropout(p=0.2)
+        self.act = ops.Tanh()
+
+    def construct(self, x):
+        return x + self.fc(self.act(self.drop(x)) * x)
+
+
+def test_the_checking_call_is_recorded_apart_from_the_region(monkeypatch):
+    """Issue 37: the checking call's Region hands what it observes to a CheckRecorder (saves, the nn.Dropout
+    kernel call, the kept op's site), whose ``finish`` fills the PathCheck the light path then only reads;
+    the Region builds no light-path data of its own."""
+    finished = []
+    real = path_choice.CheckRecorder.finish
+
+    def finish(self, region):
+        real(self, region)
+        finished.append((self, region.policy_saves, {a for a in ("cell_dropouts", "op_sites", "_cells",
+                                                                   "path_check") if hasattr(region, a)}))
+    monkeypatch.setattr(path_choice.CheckRecorder, "finish", finish)
+    ms.set_seed(3)
+    net = _KeptTanhLayer()
+    net.set_train(True)
+    mac.checkpoint_wrapper(net, policy_fn=mac.recompute.exclude_policy(names=["Tanh"]))
+    stats = mac.recompute.get_checkpoint_stats(net)
+    grad = ms.grad(lambda v: net(v).sum(), grad_position=None, weights=net.trainable_params())
+    x = Tensor(np.random.default_rng(0).standard_normal((B, H)).astype(np.float32))
+    for _ in range(3):
+        grad(x)
+    assert len(finished) == 1, "one checking call for the one signature"
+    recorder, kept, region_fields = finished[0]
+    check = recorder.check
+    assert check.ok and (stats.intercepted_calls, stats.light_calls) == (1, 2)
+    assert len(recorder.cell_dropouts) == check.n_dropouts == 1
+    assert len(kept) == 1 and check.n_kept_ops == 1 and len(check.keep_proxies) == 1
+    assert check.fwd == [m for m, key in zip(recorder.fwd, recorder.keys) if key is None or key[0] not in kept]
+    assert region_fields == set()
+    mac.recompute.unwrap(net)

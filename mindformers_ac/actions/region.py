@@ -59,8 +59,7 @@ class RegionAction(Action):
 def region_options(state):
     """What every region ``apply_ac`` installs is given besides its policy: the context and the ``recompute``
     section itself (a setting of it the engine reads needs nothing here)."""
-    rc = state.config.recompute
-    return dict(context_fn=state.context_fn, early_stop=rc.early_stop, settings=rc)
+    return dict(context_fn=state.context_fn, settings=state.config.recompute)
 
 
 def install_region(state, cell, policy_fn, stats, chain=None):

@@ -1,28 +1,14 @@
 """The recompute engine: drop activations in forward, rebuild them exactly in backward.
 
-* ``api``: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy``
-  (HyperParallel's checkpoint API), with PyTorch's checkpoint keywords;
-* ``debug_log``: ``debug=True``'s op logs of forward and re-run, side by side in a divergence error;
-* ``markers``: ``is_in_recompute``, ``save_for_recompute`` / ``get_recompute_metadata``
-  (MindFormers' marker API) and the bridge to MindFormers' own marker;
-* ``CheckpointPolicy``, the per-op decision, is defined in ``mindformers_ac.checkpoint_policy`` (the swap
-  engine reads it too) and re-exported here;
-* ``rerun``: what every region shares (run record, saved inputs, Dropout mask bits, the once-only recompute,
-  and what a region leaves in the autograd graph instead of a tensor);
-* ``region``: the op-intercepting way into a region, with ``dispatch`` (op numbering and decisions);
-* ``light``: the light way in (saved-tensor hooks only, tensors matched by position);
-* ``path_choice``: which way a wrapped call takes (per call signature, checked by a first call);
-* ``keep_sites``: the op slots where a name-based policy's kept ops are kept on the light path;
-* ``chain``: layer groups (``recompute.group_layers``), each member rebuilding the next one's input;
-* ``messages``: every error and warning text, and ``RecomputeError``'s uses;
-* ``tracking``: the cell path and op attribute a policy sees;
-* ``op_slot``: ``OpSlot``, the one object standing in an op slot, with its roles (track, keep, dropout,
-  output recompute), and the dropout role of ``nn.Dropout`` kernels handed to the running region;
-* ``random_ops``: which ops can't be run again, and Dropout's exact rebuild;
-* ``side_effects``: what a forward writes (rules W1-W7 of docs/exactness.md): ops that write an argument,
-  Parameters rebound in forward, each written once per step;
-* ``output``: output recompute of one op (``recompute_comm``, op paths);
-* ``stats``: ``RecomputeStats``, ``RegionBytes``; ``state``: the per-thread engine state.
+Public: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy``
+(HyperParallel's checkpoint API, with PyTorch's checkpoint keywords),
+MindFormers' marker API (``is_in_recompute``, ``save_for_recompute`` /
+``get_recompute_metadata``), output recompute of one op (``wrap_op_output``)
+and ``RecomputeStats``; ``CheckpointPolicy`` is defined in
+``mindformers_ac.checkpoint_policy`` (the swap engine reads it too) and
+re-exported here. Each mechanism of the engine, what it exists for and the
+invariant it keeps, with its module: docs/architecture.md, "The recompute
+engine's mechanisms" (one list, not repeated here).
 
 A recompute that can't rebuild what its forward dropped raises
 ``RecomputeError`` (a ``RuntimeError``) in backward.

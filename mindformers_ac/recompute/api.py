@@ -3,22 +3,22 @@
 ``checkpoint(fn, *args)`` runs ``fn`` so that only what a policy says is kept
 for backward; everything else is rebuilt, on the first unpack in backward, by
 running ``fn`` again on its saved inputs, bitwise equal to a run without
-recompute: random ops are not drawn again (Dropout keeps its mask as bits;
-a primitive marked ``mac_replayable = True`` is recomputed like any op),
-what the forward writes is written once per step (rules W1-W7), and inputs
-are tracked by autograd in the re-run exactly as in forward. What stays alive
-between forward and backward is the region's inputs, what the policy keeps,
-Dropout masks and copies of written tensors, counted in ``RecomputeStats``
-(an outer saved-tensor hook does not see inside a region). Every guarantee,
-and every failure raised instead (``RecomputeError`` in backward, TypeError /
-ValueError for bad arguments, naming the fix), is in docs/exactness.md.
+recompute. What stays alive between forward and backward (the region's
+inputs, what the policy keeps, Dropout masks and copies of written tensors)
+is counted in ``RecomputeStats`` (an outer saved-tensor hook does not see
+inside a region). Every guarantee (random ops, writes: rules W1-W7, inputs
+tracked as in forward), and every failure raised instead (``RecomputeError``
+in backward, TypeError / ValueError for bad arguments, naming the fix), is in
+docs/exactness.md.
 """
+import dataclasses
 import functools
 import re
 
 from mindspore import nn
 
 from ..checkpoint_policy import CheckpointPolicy, check_policy_fn
+from ..config import RecomputeConfig
 from ..construct_patch import (
     ConstructPatch,
     find_patch,
@@ -50,9 +50,10 @@ TORCH_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "de
 
 
 class CheckpointOptions:
-    """PyTorch's checkpoint keywords, checked (see the comment above)."""
+    """PyTorch's checkpoint keywords, checked (see the comment above); only ``debug`` and ``early_stop``
+    change what a region does."""
 
-    __slots__ = ("preserve_rng_state", "determinism_check", "debug", "early_stop")
+    __slots__ = ("debug", "early_stop")
 
     def __init__(self, where, use_reentrant=None, preserve_rng_state=True, determinism_check="default",
                  debug=False, early_stop=True):
@@ -70,7 +71,6 @@ class CheckpointOptions:
         if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
             raise ValueError(f"{where}: determinism_check must be one of {', '.join(map(repr, _DETERMINISM_CHECKS))}, "
                              f"got {quote(determinism_check)}")
-        self.preserve_rng_state, self.determinism_check = preserve_rng_state, determinism_check
         self.debug, self.early_stop = debug, early_stop
 
 
@@ -141,7 +141,7 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     PyTorch's and HyperParallel's keywords ``use_reentrant`` (False),
     ``preserve_rng_state``, ``determinism_check`` (``"default"`` /
     ``"none"``), ``debug`` and ``early_stop`` are taken here, not passed to
-    ``fn`` (see ``options``; a bad value is a ValueError naming it); every
+    ``fn`` (see ``CheckpointOptions``; a bad value is a ValueError naming it); every
     other keyword argument is passed to ``fn``. A ``policy_fn`` that is not
     callable is a TypeError naming it, raised here.
 
@@ -150,24 +150,31 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
-    torch_options = take_options("checkpoint", kwargs)
-    check_policy_fn("checkpoint", policy_fn)
-    check_context_fn(context_fn)
+    options = _region_options("checkpoint", take_options("checkpoint", kwargs), policy_fn, stats, swap_executor,
+                              swap_inputs, context_fn)
     root = root_cell_of(fn)
     EXECUTOR_CALLS.hold_for_process()   # what its regions ask; a function call has nothing to undo it with
+    return run_region(fn, args, kwargs, tracker=_tracker_for(root, policy_fn), **options)
+
+
+def _region_options(where, torch_options, policy_fn, stats, swap_executor, swap_inputs, context_fn, settings=None):
+    """The keywords of ``checkpoint`` / ``checkpoint_wrapper`` (``where``), checked, as a region's options.
+
+    ``swap_executor`` defaults to ``SwapManager``'s (stateless: one per call is as cheap as a shared one);
+    ``settings`` is the ``recompute`` section a region reads (``Region.settings``; None: the defaults), and
+    the ``early_stop`` keyword, when False, is that section's field."""
+    check_policy_fn(where, policy_fn)
+    check_context_fn(context_fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
-                   swap_executor=_executor_or_managers(swap_executor), swap_inputs=swap_inputs, context_fn=context_fn,
-                   tracker=_tracker_for(root, policy_fn))
-    if torch_options.debug:
+                   swap_executor=swap_executor if swap_executor is not None else ManagerSwapExecutor(),
+                   swap_inputs=swap_inputs, context_fn=context_fn)
+    if torch_options.debug:   # the op logs come from the intercepting path
         options["debug"] = True
     if not torch_options.early_stop:
-        options["early_stop"] = False
-    return run_region(fn, args, kwargs, **options)
-
-
-def _executor_or_managers(swap_executor):
-    # Stateless: one per call is as cheap as a shared one, and no module state.
-    return swap_executor if swap_executor is not None else ManagerSwapExecutor()
+        settings = dataclasses.replace(settings or RecomputeConfig(), early_stop=False)
+    if settings is not None:
+        options["settings"] = settings
+    return options
 
 
 def _tracker_for(root, policy_fn):
@@ -186,12 +193,27 @@ class _WrapInfo:
         # the grad-call and cell-state counters its regions ask (EXECUTOR_CALLS), held until unwrap()
         self.release_calls = EXECUTOR_CALLS.acquire()
 
+    def remove(self):
+        """``unwrap``'s undo of what was installed besides the construct patch."""
+        if self.path_checks is not None:   # first: the tracker's slots hold the keep sites' proxies
+            self.path_checks.remove_sites()
+        if self.tracker is not None:
+            self.tracker.remove()
+        if self.remove_proxies is not None:
+            self.remove_proxies()
+        self.release_calls()
 
-def _wrap_info(obj):
+
+def _wrap_info(obj, required=False):
+    """What ``checkpoint_wrapper`` set up for ``obj``; None, or (``required``) ValueError, when not wrapped."""
     if isinstance(obj, nn.Cell):
         patch = find_patch(obj, _KIND)
-        return patch.info if patch is not None else None
-    return wrapped_function_info(obj, _KIND)
+        info = patch.info if patch is not None else None
+    else:
+        info = wrapped_function_info(obj, _KIND)
+    if info is None and required:
+        raise ValueError(f"{type(obj).__name__} is not wrapped by checkpoint_wrapper")
+    return info
 
 
 def is_checkpoint_wrapped(cell_or_fn):
@@ -201,10 +223,7 @@ def is_checkpoint_wrapped(cell_or_fn):
 
 def get_checkpoint_stats(cell_or_fn):
     """The ``RecomputeStats`` a wrapped cell or function counts into."""
-    info = _wrap_info(cell_or_fn)
-    if info is None:
-        raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-    return info.stats
+    return _wrap_info(cell_or_fn, required=True).stats
 
 
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
@@ -224,15 +243,11 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
     (see ``get_checkpoint_stats``).
 
     ``light_path`` (default True): without ``swap_inputs``, and without a
-    ``policy_fn`` or with one marked ``decides_by_site = True`` (its answers
-    depend on the op's name and place only, as ``exclude_policy``'s; its kept
-    ops are then installed where they are reached, see ``keep_sites``),
-    the first call per call signature runs the op-intercepting path and
-    checks the region (``path_choice.PathCheck``); later calls the check
-    shows safe run with saved-tensor hooks only (see ``light``): same results,
-    bitwise, and the same errors on a diverging recompute, without Python per
-    op. ``RecomputeStats.light_calls`` / ``intercepted_calls`` count which
-    path each call took.
+    ``policy_fn`` or with one marked ``decides_by_site = True`` (as
+    ``exclude_policy``'s), later calls of a call signature whose first call
+    the op-intercepting path showed safe run with saved-tensor hooks only:
+    same results and errors, without Python per op (docs/exactness.md, "The
+    light path"; ``RecomputeStats.light_calls`` / ``intercepted_calls``).
 
     ``chain``: ``(LayerChain, index)`` when the cell is member ``index`` of a
     layer group (``recompute.group_layers``, see ``chain``): its first argument
@@ -240,86 +255,56 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
     ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
     ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
-    ``checkpoint`` (see ``options``), checked here.
+    ``checkpoint`` (see ``CheckpointOptions``), checked here.
 
     ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
     region reads its settings from it (default: ``RecomputeConfig()``'s).
     """
-    CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check, debug,
-                      early_stop)   # checks them
-    check_policy_fn("checkpoint_wrapper", policy_fn)
+    torch_options = CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check,
+                                      debug, early_stop)
+    options = _region_options("checkpoint_wrapper", torch_options, policy_fn, stats, swap_executor, swap_inputs,
+                              context_fn, settings)
     if is_checkpoint_wrapped(cell_or_fn):
         raise ValueError(f"{type(cell_or_fn).__name__} is already wrapped by checkpoint_wrapper; "
                          "unwrap() it first to change its options")
-    check_context_fn(context_fn)
-    stats = stats if stats is not None else RecomputeStats()
-    options = dict(policy_fn=policy_fn, stats=stats, swap_executor=_executor_or_managers(swap_executor),
-                   swap_inputs=swap_inputs, context_fn=context_fn, chain=chain)
-    if debug:   # the op logs come from the intercepting path
-        options["debug"] = True
-    if not early_stop:
-        options["early_stop"] = False
-    if settings is not None:
-        options["settings"] = settings
+    options["chain"] = chain
     light = light_path and not swap_inputs and not debug and (policy_fn is None or decides_by_site(policy_fn))
-    if not isinstance(cell_or_fn, nn.Cell):
-        if not callable(cell_or_fn):
-            raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+    is_cell = isinstance(cell_or_fn, nn.Cell)
+    if not is_cell and not callable(cell_or_fn):
+        raise TypeError(f"checkpoint_wrapper needs an nn.Cell or a callable, got {type(cell_or_fn).__name__}")
+    if is_cell and uses_native_recompute(cell_or_fn):
+        raise ValueError(f"{type(cell_or_fn).__name__} already uses MindSpore's Cell.recompute(); "
+                         "the two recompute mechanisms can't be combined on one cell")
+    if not is_cell:
         refuse_wrapped_function(cell_or_fn, _KIND)
-        root = root_cell_of(cell_or_fn)
-        tracker = _tracker_for(root, policy_fn)
-        checks = PathChecks() if light else None
-
+    root = cell_or_fn if is_cell else root_cell_of(cell_or_fn)
+    tracker = _tracker_for(root, policy_fn)
+    checks = PathChecks() if light else None
+    if not is_cell:
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
             return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
-        mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, stats, options, checks))
+        mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, options["stats"], options, checks))
         return wrapped_fn
-    return _wrap_cell(cell_or_fn, options, light)
-
-
-def _wrap_cell(cell, options, light):
-    if uses_native_recompute(cell):
-        raise ValueError(f"{type(cell).__name__} already uses MindSpore's Cell.recompute(); "
-                         "the two recompute mechanisms can't be combined on one cell")
-    tracker = _tracker_for(cell, options["policy_fn"])
-    checks = PathChecks() if light else None
 
     def around(inner, *args, **kwargs):
-        return run_checkpoint(inner, args, kwargs, checks, cell, tracker=tracker, **options)
+        return run_checkpoint(inner, args, kwargs, checks, root, tracker=tracker, **options)
 
-    patch = ConstructPatch(cell, _KIND, around, undo="unwrap()")
+    patch = ConstructPatch(root, _KIND, around, undo="unwrap()")
     patch.info = _WrapInfo(patch.inner, tracker, options["stats"], options, checks,
-                           install_dropout_slots(cell) if light else None)
+                           install_dropout_slots(root) if light else None)
     if tracker is not None:
         tracker.install()
-    return cell
+    return root
 
 
 def unwrap(cell_or_fn):
     """Undo ``checkpoint_wrapper``: restore the cell's construct (returns the cell) or return the function."""
+    info = _wrap_info(cell_or_fn, required=True)
+    info.remove()
     if isinstance(cell_or_fn, nn.Cell):
-        patch = find_patch(cell_or_fn, _KIND)
-        if patch is None:
-            raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-        info = patch.info
-        if info.path_checks is not None:   # first: the tracker's slots hold the keep sites' proxies
-            info.path_checks.remove_sites()
-        if info.tracker is not None:
-            info.tracker.remove()
-        if info.remove_proxies is not None:
-            info.remove_proxies()
-        patch.remove()
-        info.release_calls()
+        find_patch(cell_or_fn, _KIND).remove()
         return cell_or_fn
-    info = _wrap_info(cell_or_fn)
-    if info is None:
-        raise ValueError(f"{type(cell_or_fn).__name__} is not wrapped by checkpoint_wrapper")
-    if info.path_checks is not None:
-        info.path_checks.remove_sites()
-    if info.tracker is not None:
-        info.tracker.remove()
-    info.release_calls()
     return info.original
 
 
@@ -348,12 +333,8 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
         if any(n in name for n in lowered):
             return CheckpointPolicy.MUST_SAVE
         if compiled:
-            paths = [ctx.op_path]
-            attr = ctx.attr_path
-            if attr is not None:
-                paths.append(attr)
-            if path_prefix:
-                paths = [f"{path_prefix}.{p}" for p in paths]
+            paths = [p if not path_prefix else f"{path_prefix}.{p}" for p in (ctx.op_path, ctx.attr_path)
+                     if p is not None]
             if any(p.fullmatch(path) for p in compiled for path in paths):
                 return CheckpointPolicy.MUST_SAVE
         if base_policy is not None:

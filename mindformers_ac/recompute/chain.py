@@ -14,9 +14,8 @@ a member receives (masks, rotary tuples, keyword arguments) is kept as it receiv
 ``LayerChain`` is the forward's bookkeeping of one group: which member ran last and its output, held
 weakly (a failed forward leaves nothing alive), with the output's stamp (``tensor_stamp``). A member none
 of whose arguments is the previous member's output, or that runs out of order, is refused with a
-``RecomputeError`` naming the layers. One whose chained argument was written in place or rebound between
-the two members (``x[:, 0] = 0`` in the model's loop) keeps that argument as an ungrouped layer does
-(rule W5 of docs/exactness.md): the previous member's re-run would not see the write.
+``RecomputeError`` naming the layers. One whose chained argument was written between the two members
+keeps it as an ungrouped layer does (rule W5 of docs/exactness.md).
 """
 import weakref
 

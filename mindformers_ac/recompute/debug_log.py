@@ -4,27 +4,33 @@ PyTorch's ``debug=True`` prints the operator traces of the original forward
 and of the recomputation when they differ. Here a region with ``debug``
 records, per op its intercepting path dispatches, ``#index name (cell path)``
 and the Python line of the model code that ran it (the nearest frame outside
-MindSpore and this package); when its re-run raises ``RecomputeError`` (other
+MindSpore and this package, from ``traceback.extract_stack``: no frame is
+walked by hand); when its re-run raises ``RecomputeError`` (other
 op, missing ops, other saves), the error carries both logs in two columns,
 the first differing row marked, so a user finds the branch that differs.
-Costs a frame walk per op: for finding a bug, not for training. The only
+Costs a stack summary per op: for finding a bug, not for training. The only
 place the package reads the Python stack, and only when the user asked for
-``debug`` (``tests/test_layout.py::test_only_the_debug_log_reads_python_frames``).
+``debug`` (``tests/test_layout.py::test_no_frame_walking_in_the_package``).
 """
+import contextlib
+import functools
 import os
-import sys
+import traceback
 
-_SKIPPED = ("mindspore", "mindformers_ac", "contextlib", "functools")
+import mindspore
+
+# where the frames between the model's line and the op come from (by file: a stack summary has no module names)
+_SKIPPED = (os.path.dirname(mindspore.__file__) + os.sep,
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,   # mindformers_ac
+            contextlib.__file__, functools.__file__)
+_DEPTH = 200   # innermost frames summarised per op: the engine's and MindSpore's own calls fit many times over
 _WINDOW = 40   # rows shown around the first difference of a long log
 
 
 def _user_line():
-    frame = sys._getframe(1)   # pylint: disable=protected-access
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(_SKIPPED):
-            return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
-        frame = frame.f_back
+    for frame in reversed(traceback.extract_stack(limit=_DEPTH)):
+        if not frame.filename.startswith(_SKIPPED):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
     return "?"
 
 
@@ -36,11 +42,10 @@ class DebugLog:
     def __init__(self):
         self.forward_ops, self.rerun_ops = [], []
 
-    def forward(self, idx, name, path):
-        self.forward_ops.append(f"#{idx} {name}{f' ({path})' if path else ''} {_user_line()}")
-
-    def rerun(self, idx, name, path):
-        self.rerun_ops.append(f"#{idx} {name}{f' ({path})' if path else ''} {_user_line()}")
+    def note(self, rerun, idx, name, path):
+        """Op ``idx`` of the forward, or (``rerun``) of the re-run."""
+        (self.rerun_ops if rerun else self.forward_ops).append(f"#{idx} {name}{f' ({path})' if path else ''} "
+                                                               f"{_user_line()}")
 
     def side_by_side(self):
         """Both logs in two columns, ``<<`` on the first row where they differ (as ops, lines aside)."""

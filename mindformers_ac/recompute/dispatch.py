@@ -1,28 +1,17 @@
 """Op dispatch inside a region run: number every op, apply the region's decision before it runs.
 
-How a region works (see ``checkpoint`` for the user contract):
-
-* Forward: the region's function runs under a ``MsDispatchMode`` that numbers
-  every op and asks the region, *before* the op runs (legacy ops such as
-  LayerNorm or Dropout pack their saved tensors inside the call), whether to
-  keep it, and under ``saved_tensors_hooks`` whose pack replaces every tensor
-  saved by a recomputed op with a ``Token`` (op index, pack number) that does
-  not hold the tensor (it records the tensor's shape and dtype;
-  ``Region.pack_forward``). An op that
-  writes parameters is shown to the region first (``Region.guard_writes``:
-  copies of what it writes, or its output kept).
-* Backward: the first unpack of a token re-runs the function on the saved
-  inputs, in a throw-away graph, under the same numbering (a re-run may skip
-  forward ops that left nothing for backward, one-shot side effects guarded
-  by ``is_in_recompute()``: ``Region.align`` numbers each re-run op as the
-  forward op it is); the recompute pack
-  hook files each regenerated tensor under its key and the token takes it.
-  Kept ops are not run again: their cached outputs are returned in place; ops
-  that write run on copies (``Region.rerun_args``). The region then checks
-  that every dropped tensor came back alike (``Region.check_recompute``).
-
-The dispatch only numbers ops and asks its region (``Region.decide``,
-``cache_output``, ``cached_output``, ...); the region owns every decision.
+Forward: the region's function runs under a ``MsDispatchMode`` that numbers
+every op and asks the region, *before* the op runs (legacy ops such as
+LayerNorm or Dropout pack their saved tensors inside the call), whether to
+keep it (``Region.decide``; an op that writes is shown to ``guard_writes``
+first), under saved-tensor hooks that leave a ``Token`` for each tensor a
+recomputed op saves (``Region.pack_forward``). Backward: the first unpack of a
+token re-runs the function on the saved inputs in a throw-away graph, under
+the same numbering (``Region.align``: a re-run may skip one-shot side effects
+under ``is_in_recompute()``); kept ops return their cached outputs, ops that
+write run on copies (``Region.rerun_args``), and ``Region.check_recompute``
+checks that every dropped tensor came back alike. The dispatch only numbers
+ops and asks its region; the region owns every decision.
 """
 from mindspore import Tensor
 from mindspore.utils import MsDispatchMode
@@ -116,7 +105,7 @@ class RegionDispatch(MsDispatchMode):
         name = op_name_of(func, args)
         region.op_names.append(name)
         if region.debug_log is not None:
-            region.debug_log.forward(idx, name, run.cell_path())
+            region.debug_log.note(False, idx, name, run.cell_path())
         region.stats.ops_forward += 1
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
@@ -140,7 +129,7 @@ class RegionDispatch(MsDispatchMode):
         region = run.region
         name = op_name_of(func, args)
         if region.debug_log is not None:
-            region.debug_log.rerun(idx, name, run.cell_path())
+            region.debug_log.note(True, idx, name, run.cell_path())
         idx = run.op_idx = region.align(run, idx, name, args)
         if region.stop_after is not None and idx > region.stop_after and region.may_stop():
             raise StopRerun()   # no later op left a tensor for backward (early_stop)
@@ -168,6 +157,6 @@ class RegionDispatch(MsDispatchMode):
             region.serve_kept_args(idx, args)
         if idx in region.writes_arg:
             out = region.replay_write(run, idx, args, out)
-        if region.path_check is not None and idx in region.random_ops:
-            region.check_replay(run, idx, func, args, kwargs, out)
+        if region.recorder is not None and idx in region.random_ops:
+            region.recorder.check_replay(run, idx, func, args, kwargs, out)
         return out

@@ -1,19 +1,10 @@
-"""Where an excluded op is reached, so that the light path can keep it without intercepting every op.
+"""Where an excluded op is reached, a *keep site*, so that the light path can keep it without intercepting
+every op (what qualifies, and why no Python frame is read: docs/exactness.md, "The light path").
 
-``exclude_op`` (an ``exclude_policy``) decides by the op's name and where it
-runs, nothing else, so a first intercepted call's decisions hold for every
-later call of its signature. The light path sees no op: the decision is
-installed where the op is reached, a *keep site*, one of the op slots the
-engine already tracks: ``attr``, an op attribute of a region's cell (its
-``OpSlot`` has the path tracker's track role; the innermost one running when
-the op is dispatched is its site), or ``item``, a Primitive held in a dict
-attribute, or by a cell held in one (MindFormers' ``_comm_ops``): a legacy op
-is found there by identity, a pyboost op as the only one of its name. A site
-is an ``OpSlot`` with the keep role, which hands a light run's call to
-``LightRegion.keep_call``; it qualifies only if every op dispatched under it
-in the checking call was kept (``Region.settle_sites``). An op reached through
-no slot keeps its signature intercepted, with the reason. No Python frame is
-read and no user code is copied (docs/exactness.md, "The light path").
+The two kinds: ``attr``, an op attribute whose ``OpSlot`` has the track role (the innermost one running
+when the op is dispatched), and ``item``, a Primitive held in a dict attribute or by a dict-held cell
+(MindFormers' ``_comm_ops``; a legacy op by identity, a pyboost op as the only one of its name). The
+site's ``OpSlot`` gets the keep role (``LightRegion.keep_call``) from ``path_choice.CheckRecorder``.
 """
 from mindspore import nn
 from mindspore.ops import Primitive
@@ -109,15 +100,9 @@ def _held_site(name, args, cells, paths):
 
 
 def find_site(run, name, args, cells, paths, resolve):
-    """The ``Site`` (or ``NoSite``) of op ``name`` being dispatched now in ``run``, from the slots that hold
-    ops, never from the Python stack.
-
-    The innermost op attribute slot running (``run.attrs``, kept by the path
-    tracker's ``OpSlot``), else a Primitive held in a dict attribute of a
-    region cell or by a dict-held cell (``_held_site``; ``cells``: ``id`` ->
-    cell; ``paths``: ``id`` -> its path, for descriptions). Without
-    ``resolve`` only the key is sure: enough to tell which site a recomputed
-    op runs under.
+    """The ``Site`` (or ``NoSite``) of op ``name`` being dispatched now in ``run``: the innermost op attribute
+    slot running (``run.attrs``), else a held Primitive (``_held_site``; ``cells`` / ``paths``: ``id`` -> cell /
+    its path). Without ``resolve`` only the key is sure: enough to tell which site a recomputed op runs under.
     """
     if run.attrs:
         slot, path = run.attrs[-1]

@@ -1,31 +1,15 @@
-"""The light way into a region: saved-tensor hooks only, no per-op interception.
+"""The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md,
+"The light path": when a call goes light, what a light re-run checks and what it can't see).
 
-Taken by calls of a wrapped cell whose call signature a first, intercepted
-call showed to need no per-op decision (``path_choice``). It differs from
-the intercepting ``Region`` only in how it decides what to save: nothing, by
-position. The forward numbers every tensor saved for backward and keeps only
-its shape and dtype; the recompute runs the function again on the saved
-inputs and collects what it saves, in order; backward takes them by position.
-Inputs, Dropout mask bits, bytes and the once-only recompute are
-``rerun.RegionBase``'s, messages ``messages``'.
-
-``nn.Dropout``: its kernel call arrives through the dropout role of its slot
-(``op_slot``) as ``dropout_call``. The forward keeps the mask as bits
-(``RegionBase.keep_dropout``) and numbers the Dropout's own saves apart; the
-recompute rebuilds the output from the mask without calling the kernel (the
-rebuild's ops save nothing for the region) and those saves take the rebuilt
-output and mask.
-
-Ops ``exclude_op`` keeps: their calls arrive through the op slots the checking
-call gave the keep role (``keep_sites``) as ``keep_call``. The forward keeps their outputs and what they saved (numbered
-apart, as a Dropout's); the recompute hands the outputs back in call order
-without running them, and raises when it reaches another site, with inputs of
-other shapes, or another number of times.
-
-Failure modes (``RecomputeError``, the same texts as the intercepting path) and
-what a light re-run checks and can't see: docs/exactness.md, "The light path"
-(``_OutputProbe``: the output sample; ``side_effects.BufferGuard``: a late
-write undone).
+The forward numbers every tensor saved for backward and keeps only its shape
+and dtype; the recompute runs the function again on the saved inputs,
+collects what it saves, in order, and backward takes them by position.
+Everything else (inputs, Dropout records, bytes, the once-only re-run) is
+``rerun.RegionBase``'s. Two kinds of call arrive through their
+``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout`` kernel call
+(``dropout_call``) and a call at a keep site (``keep_call``). ``_OutputProbe``
+catches a re-run that took another code path; ``side_effects.BufferGuard``
+undoes a late write.
 """
 import mindspore as ms
 import numpy as np
@@ -52,16 +36,6 @@ class _ApartPack:
         self.region, self.tensor, self.drop, self.index, self.call = region, tensor, None, 0, None
 
 
-class _LightDropout:
-    """One ``nn.Dropout`` kernel call of a light forward: its mask as bits, or its outputs when kept."""
-
-    __slots__ = ("record", "kept", "meta", "rebuilt")
-
-    def __init__(self, x):
-        self.record = self.kept = self.rebuilt = None
-        self.meta = (tuple(x.shape), x.dtype)
-
-
 class _Collector:
     """The light recompute's pack hook; held by the recompute graph, so it holds no region."""
 
@@ -76,17 +50,10 @@ class _Collector:
 
 
 class _OutputProbe:
-    """A few elements of a light forward's first floating output, copied, to compare with its re-run's.
-
-    The light path sees no op, so a re-run that takes another code path
-    whose saves have the same shapes (a branch on state changed since the
-    forward: Sin in forward, Cos in the re-run) would hand backward other
-    tensors silently. Such a re-run computes another output: ``PROBE_SIZE``
-    evenly spaced elements of it, compared bitwise, catch it. Cost: one small
-    ``GatherNd`` per forward and per re-run (one op on the output as it is: a
-    flattening view first would cost another, about 8 us at the small shape),
-    and a 256-byte host read.
-    """
+    """``PROBE_SIZE`` evenly spaced elements of a light forward's first floating output, copied, to compare
+    bitwise with its re-run's (docs/exactness.md, "The light path": another code path is detected). One
+    ``GatherNd`` on the output as it is: a flattening view first would cost another op (about 8 us at the
+    small shape)."""
 
     __slots__ = ("index", "values", "shape")
 
@@ -155,7 +122,7 @@ class LightRegion(RegionBase):
         self.precision = precision
         self._checks, self._key = checks, key
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
-        self.dropouts = []        # _LightDropout per nn.Dropout kernel call, in order
+        self.dropouts = []        # random_ops.DropoutRecord per nn.Dropout kernel call, in order
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
         self._pending = None      # _ApartPacks made inside a Dropout kernel call or a kept call in progress
         self.kept = []            # (OpSlot, its tensor arguments' (shape, dtype), outputs) per kept call
@@ -179,8 +146,7 @@ class LightRegion(RegionBase):
 
     def take(self, i):
         """The tensor the recompute saved at position ``i`` (single use: ``RecomputeError`` the second time)."""
-        if not self.done:
-            self.ensure_recomputed()
+        self.ensure_recomputed()
         recomputed = self.recomputed
         t = recomputed[i]
         if t is None:
@@ -197,7 +163,7 @@ class LightRegion(RegionBase):
         try:
             self.start_forward()
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
-            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.watch_buffers():
+            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.replaced.watch():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
         finally:
@@ -212,8 +178,9 @@ class LightRegion(RegionBase):
             # Its code path changed since the checking call: this call's recompute is still checked
             # against its own forward, but the next call checks again.
             self._checks.forget(self._key)
-        stats.ops_forward += check.n_forward
-        self.bytes.close(stats, self, dropped=check.dropped)
+        stats.ops_forward += len(check.op_names)
+        self.bytes.rebuilt(check.dropped)   # the light path sees no dropped tensor: its checking call's figure
+        self.bytes.close(stats, self)
         return out
 
     def dropout_call(self, run, prim, x):
@@ -234,7 +201,7 @@ class LightRegion(RegionBase):
             raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got)
         self._collector.skip = True   # the rebuild's own ops save nothing for this region
         try:
-            drop.rebuilt = drop.record.rebuild(x)
+            drop.rebuilt = drop.rebuild(x)
         finally:
             self._collector.skip = False
         return drop.rebuilt
@@ -245,16 +212,11 @@ class LightRegion(RegionBase):
             out = prim(x)
         finally:
             self._pending = None
-        drop = _LightDropout(x)
-        record, where = self.keep_dropout(len(self.dropouts), x, out, float(prim.keep_prob),
-                                          [p.tensor for p in pending])
-        if record is None:   # can't be rebuilt bitwise: keep its outputs (and whatever it saved)
-            drop.kept = out
-        else:
-            drop.record = record
-            for p, j in zip(pending, where):
-                if j is not None:
-                    p.drop, p.index, p.tensor = drop, j, None
+        drop, where = self.keep_dropout(len(self.dropouts), x, out, float(prim.keep_prob),
+                                        [p.tensor for p in pending])
+        for p, j in zip(pending, where):   # all None when it can't be rebuilt bitwise: kept (drop.kept)
+            if j is not None:
+                p.drop, p.index, p.tensor = drop, j, None
         self.dropouts.append(drop)
         return out
 
@@ -326,7 +288,7 @@ class LightRegion(RegionBase):
         guard = BufferGuard(self.check.buffers) if self.check.buffers else None
         args, kwargs = self.load_inputs()
         try:
-            with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state):
+            with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state):
                 args, kwargs = rerun_inputs(args, kwargs)   # in the graph: tracked as in forward
                 with self.run_context(RECOMPUTE), ms.saved_tensors_hooks(collector.pack, keep_saved):
                     out = self.fn(*args, **kwargs)
@@ -356,17 +318,10 @@ class LightRegion(RegionBase):
         """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every
         nn.Dropout of it."""
         sig = self.sig
-        got = [(t.shape, t.dtype) for t in saved]
         if run.keep_idx != len(self.kept):
             raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep)
-        if got == sig and run.dropout_idx == len(self.dropouts):
-            return
-        n = min(len(got), len(sig))
-        i = next((j for j in range(n) if got[j] != sig[j]), None)
-        where = self.check.describe_save if sig == self.check.fwd else (lambda j: f"saved tensor #{j}")
-        if i is not None:
-            raise messages.other_tensor(where(i), sig[i], got[i])
-        if len(saved) != len(sig):
-            raise messages.save_count(len(saved), len(sig), where(n))
-        raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
+        messages.check_saves([(t.shape, t.dtype) for t in saved], sig, self.check.describe_save
+                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"))
+        if run.dropout_idx != len(self.dropouts):
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
 

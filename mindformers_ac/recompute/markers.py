@@ -1,34 +1,17 @@
 """What model code may ask a recompute: whether this is the re-run, and what its own forward left for it.
 
-Model code may branch on a recompute marker to skip one-shot side effects in
-the backward-time re-run (an aux-loss tracker, a counter, a host copy), and
-may hand small host values from a forward to its own re-run (MindFormers'
-expert parallelism keeps its host-side split lists so the replay needs no
-second device-to-host copy). Two markers answer:
-
-* ours, ``is_in_recompute()``: true while any region of this engine re-runs a
-  forward (a recompute, or a nested region's replay inside one), on this
-  thread;
-* MindFormers' ``mindformers.pynative.distributed.activation_checkpoint.
-  is_in_recompute()``: true inside the recompute context of its
-  ``recompute_context_fn``. ``apply_ac`` passes that ``context_fn`` to every
-  region by default when the module is loaded (``default_context_fn``), so
-  MindFormers' own models see their marker, and their ``save_for_recompute``
-  / ``get_recompute_metadata`` work, under this engine.
-
-``save_for_recompute(key, value)`` / ``get_recompute_metadata(key)`` have
-MindFormers' semantics: values are queued per key, per region call, in call
-order; saving outside a region's forward does nothing (returns False);
-asking outside a re-run returns None; asking in a re-run for a key the
-forward never saved (or saved fewer times) raises ``RecomputeError``. Each
-run reads the queue from its start (``RegionRun.metadata_read``): a region
-nested in another is run again twice, as a replay inside the enclosing
-region's recompute and by its own recompute, and both read what its forward
-saved.
-
-What the engine accepts of a re-run under the marker (fewer ops than its forward,
-never other or extra ones; ``messages.SAME_PATH``): docs/exactness.md, "Model code
-that asks the recompute marker", and rule W7.
+Two markers answer: ours, ``is_in_recompute()`` (true while any region of this
+engine re-runs a forward, a recompute or a nested region's replay inside one,
+on this thread), and MindFormers' ``is_in_recompute()`` of
+``MINDFORMERS_MARKER_MODULE``, true inside the recompute context of its
+``recompute_context_fn``, which ``apply_ac`` passes to every region by default
+when that module is loaded (``default_context_fn``). ``save_for_recompute`` /
+``get_recompute_metadata`` have MindFormers' semantics. Both, with what the
+engine accepts of a re-run under the marker (fewer ops than its forward, never
+other or extra ones; ``messages.SAME_PATH``): docs/exactness.md, "Model code
+that asks the recompute marker", and rule W7; a nested region's two runs each
+read the metadata from its start (``RegionRun.metadata_read``; the same page,
+after rule K2).
 """
 import collections
 import importlib

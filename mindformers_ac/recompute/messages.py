@@ -1,17 +1,11 @@
 """The texts of what the recompute engine finds while it runs (in forward and backward), written once.
 
-The checks of a checkpoint's arguments (``options``, ``api``: a bad keyword, a
-``policy_fn`` that is not callable) raise their own ``ValueError`` /
-``TypeError`` at the call, naming the argument; everything found while a
-region runs is here. Both ways into a region (the op-intercepting path and the light path) report
-the same failures with the same words: each function here returns the
-exception to raise, built from what the caller knows (an op described by
-``describe_op``, a saved tensor by ``describe_meta``): a ``RecomputeError``
-for everything the engine finds in backward, a ``TypeError`` for a
-``policy_fn`` that returned something else than a ``CheckpointPolicy``. The
-upper-case constants are the texts of warnings logged once.
-
-A message starts with ``mindformers_ac:``, says what differed between the
+Both ways into a region report the same failure with the same words (a bad
+argument of ``checkpoint`` is not here: ``api`` raises it at the call,
+docs/architecture.md). Each function returns the exception to raise, built
+from what the caller knows (an op by ``describe_op``, a saved tensor by
+``describe_meta``); the upper-case constants are warnings logged once. A
+message starts with ``mindformers_ac:``, says what differed between the
 forward and its recompute, and what to change in the region; tests and users
 match on these texts, so a change of wording is a change of interface.
 """
@@ -111,6 +105,17 @@ def save_count(rec, fwd, first_unmatched):
     return RecomputeError(
         f"{_DIVERGED}: it saved {rec} tensor(s) for backward, the forward {fwd}; the first unmatched one is "
         f"{first_unmatched}. {SAME_PATH} It must read tensors only from its arguments.")
+
+
+def check_saves(got, expected, where):
+    """Raise at the first re-run save whose ``(shape, dtype)`` in ``got`` is not the forward's in ``expected``
+    (None there: not compared, a weight), or when the counts differ; ``where(i)`` names save ``i``. The one
+    check of a re-run that is matched to its forward by position (the light path, an op's output recompute)."""
+    i = next((j for j, (g, e) in enumerate(zip(got, expected)) if e is not None and g != e), None)
+    if i is not None:
+        raise other_tensor(where(i), expected[i], got[i])
+    if len(got) != len(expected):
+        raise save_count(len(got), len(expected), where(min(len(got), len(expected))))
 
 
 def other_tensor(where, fwd_meta, rec_meta):

@@ -12,7 +12,7 @@ and cleared independently, so none wraps another by hand:
 * **keep** (``mac_keep``, a description): in a light run that keeps this slot, the region takes the
   call (``LightRegion.keep_call``: ``exclude_op`` on the light path, ``keep_sites``);
 * **dropout** (``mac_dropout``, how many wrappers asked): an ``nn.Dropout`` cell's kernel, handed to
-  the running region (``run.dropout_call``), which keeps its mask as bits (``install_dropout_slots``);
+  the running region (``region.dropout_call``), which keeps its mask as bits (``install_dropout_slots``);
 * **output** (``mac_output``): output recompute of the op (``output._Target.observe``).
 
 A call goes through the roles in that order and ends in the op. Attribute reads the slot doesn't
@@ -51,7 +51,7 @@ class OpSlot:
             if self.mac_keep is not None and run.keeps is not None and self in run.keeps:
                 return run.region.keep_call(run, self, args, kwargs)
             if self.mac_dropout:
-                return run.dropout_call(self.mac_inner, *args)
+                return run.region.dropout_call(run, self.mac_inner, *args)
             return self.call_op(args, kwargs)
         finally:
             if tracked:
@@ -105,13 +105,11 @@ def release(holder, key, slot):
 def install_dropout_slots(root):
     """The dropout role on the kernel slot of every ``nn.Dropout`` under ``root``; returns an undo callable.
 
-    The light path intercepts no op, so it can't see a Dropout kernel run; yet a Dropout must never be run
-    again in a recompute (it would draw another mask). Its kernel call is handed to the innermost running
-    region: the light region keeps the mask as bits in forward and rebuilds the output in the recompute;
-    the intercepting region runs the kernel through its dispatch as usual and notes that this Dropout
-    belongs to an ``nn.Dropout`` cell (which the path check requires before going light). A cell whose
-    ``dropout`` is not the plain ``Dropout`` primitive (replaced by the user or another tool) is left
-    alone: its kernel then goes through the dispatch only, and the region stays intercepted.
+    The light path intercepts no op, yet a Dropout must never be run again in a recompute (it would draw
+    another mask): the slot hands its kernel call to the innermost running region (``dropout_call`` of
+    either path, ``rerun.RegionBase.keep_dropout``). A cell whose ``dropout`` is not the plain ``Dropout``
+    primitive (replaced by the user or another tool) is left alone: its kernel goes through the dispatch
+    only, and the region stays intercepted.
     """
     slots = []
     for _, cell in root.cells_and_names():

@@ -21,15 +21,15 @@ from ..meter import CHAIN_PASSED
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts, under_precision
-from ..tensors import detached, is_tracked, output_tensors, param_ptrs, storage_info, tensor_leaves
+from ..tensors import detached, output_tensors, param_ptrs, storage_info, tensor_leaves
 from . import messages
 from .dispatch import op_name_of
 from .op_slot import OpSlot, release, slot_at
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import SavedInput, keep_saved, recompute_graph, recompute_input, refuse_higher_order
+from .rerun import SavedInput, keep_saved, map_inputs, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
-from .stats import RecomputeStats
+from .stats import RecomputeStats, RegionBytes
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -37,13 +37,10 @@ _SCOPE_ATTR = "_mac_output_scope"
 _OUTPUT_KIND = "wrap_op_output"
 
 class _RerunProbe(MsDispatchMode):
-    """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged).
-
-    ``random_ops``: a second call would draw other numbers. ``side_effect_ops``:
-    a second call would write again (BatchNorm's moving statistics,
-    ``AssignAdd``, any ``Inplace*`` op); the re-run calls the whole op or cell
-    and can't hand it copies of what it writes, unlike a checkpoint region.
-    """
+    """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged):
+    ``random_ops`` would draw other numbers, ``side_effect_ops`` write again (BatchNorm's moving statistics,
+    ``AssignAdd``, any ``Inplace*`` op): the re-run calls the whole op or cell and can't hand it copies of
+    what it writes, unlike a checkpoint region."""
 
     def __init__(self):
         super().__init__()
@@ -115,16 +112,16 @@ class _OutputRecord:
         self.views = []   # (storage pointer, SavedInput) of each tensor argument
         top = set()
 
-        def save(a):
+        def save(_, a):
             if not isinstance(a, Tensor) or isinstance(a, Parameter):
                 return a   # a Parameter is read at re-run time; a tensor nested in an argument is held as it is
-            saved = SavedInput(detached(a), is_tracked(a), a.data_ptr())
+            saved = SavedInput.of(a)
             self.views.append((storage_info(a)[0], saved))
             top.add(id(a))
             return saved
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
-            self.inputs = (tuple(save(a) for a in args), {k: save(v) for k, v in kwargs.items()})
+            self.inputs = map_inputs(save, args, kwargs)
         if len(leaves) > len(self.views):   # nested tensors: their storages can't be compacted
             nested = {storage_info(t)[0] for t in leaves if id(t) not in top}
             self.views = [(ptr, s) for ptr, s in self.views if ptr not in nested]
@@ -233,38 +230,27 @@ class _OutputRecord:
         """Run the op again on its inputs, once per backward: outputs, and its saves when it saved any."""
         refuse_higher_order()
         target = self.target
-        args, kwargs = self.inputs
-        args = tuple(recompute_input(a) for a in args)
-        kwargs = {k: recompute_input(v) for k, v in kwargs.items()}
+        args, kwargs = map_inputs(lambda _, a: recompute_input(a), *self.inputs)
         if any(m is not None for m in self.inner_meta):
             saved = []
             # The throw-away graph keeps nothing (pack returns None); the saves are collected in order.
             with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, keep_saved):
-                out = output_tensors(target.call_original(*args, **kwargs))
-            self._check(saved)
+                out = output_tensors(target.op(*args, **kwargs))
+            messages.check_saves([(tuple(t.shape), t.dtype) for t in saved], self.inner_meta,
+                                 lambda k: f"saved tensor #{k} of {target.name}")
             with no_grad():
                 self.rebuilt = [detached(t) if m is not None else None for t, m in zip(saved, self.inner_meta)]
         else:   # it saved nothing itself: no graph is needed
             ENGINE.enter_recompute()
             try:
                 with no_grad(), under_precision(self.precision):
-                    out = output_tensors(target.call_original(*args, **kwargs))
+                    out = output_tensors(target.op(*args, **kwargs))
             finally:
                 ENGINE.exit_recompute()
         self.result = [detached(t) if isinstance(t, Tensor) else t for t in out]
         self.out_left = list(self.out_tokens)
         target.stats.count_rerun(target.name)
         target.stats.recompute_calls += 1
-
-    def _check(self, saved):
-        meta = self.inner_meta
-        where = f"saved tensor #%d of {self.target.name}"
-        for k, (t, m) in enumerate(zip(saved, meta)):
-            if m is not None and (tuple(t.shape), t.dtype) != m:
-                raise messages.other_tensor(where % k, m, (tuple(t.shape), t.dtype))
-        if len(saved) != len(meta):
-            n = min(len(saved), len(meta))
-            raise messages.save_count(len(saved), len(meta), where % n)
 
 
 class _Token:
@@ -343,28 +329,29 @@ class _Scope:
         """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
         passed = run.alive_passed()
         kept = dict(passed)
-        # stats id -> [stats, bytes its targets' dropped calls freed]: summed as decided (a freed storage's
-        # address may be reused)
-        dropped = {}
+        # The region ledger (stats.RegionBytes) per stats object: what the scope keeps goes into the first
+        # target's (apply_ac gives a layer's targets one stats), what each target's dropped calls freed into
+        # its own, summed as decided (a freed storage's address may be reused).
+        ledgers = {}
         why = {}       # target -> the warning of its first kept call, while none was dropped
         for rec in records:
             target, freeable = rec.target, rec.freeable()
             gain = sum(n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes)
             cost, compact = rec.input_cost(kept, freeable)
-            entry = dropped.setdefault(id(target.stats), [target.stats, 0])
+            ledger = ledgers.setdefault(id(target.stats), (target.stats, RegionBytes(run.weights)))[1]
             if target.keep_output is not True and gain > cost:
                 kept.update(rec.settle(True, compact))
-                entry[1] += gain
+                ledger.rebuilt(gain)
                 why[target] = None
                 continue
             rec.settle(False)
             kept.update(freeable)
             if target.keep_output is not True and target not in why:
                 why[target] = _kept_warning(target.name, rec, freeable, gain, cost)
-        kept_total = sum(n for p, n in kept.items() if p not in passed)   # the meter counts what was passed
-        for stats, dropped_bytes in dropped.values():
-            stats.open_region(run, kept_total, dropped_bytes, 0)
-            kept_total = 0   # once, with the first target's stats (apply_ac gives a layer's targets one stats)
+        if ledgers:   # the meter counts what was passed
+            next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
+        for stats, ledger in ledgers.values():
+            ledger.close(stats, run)
         for warning in why.values():
             if warning is not None:
                 ENGINE.warnings.warning(*warning)
@@ -411,9 +398,6 @@ class _Target:
         self.op, self.name, self.owner, self.scope, self.stats = op, name, owner, scope, stats
         self.keep_output = None   # True: never re-run (random or writes parameters); decided on the first recorded call
 
-    def call_original(self, *args, **kwargs):
-        return self.op(*args, **kwargs)
-
     def active(self):
         scope = self.scope
         return (self.keep_output is not True and scope.run is not None and not scope.calling
@@ -454,14 +438,18 @@ class _Target:
 class OpOutputHandle:
     """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
 
-    def __init__(self, owner, attr, registry, original, target, patch, slot=None):
-        self.owner, self.attr, self.registry = owner, attr, registry
-        self.original, self.target, self._patch, self.slot = original, target, patch, slot
+    def __init__(self, holder, attr, target, patch, slot=None):
+        self.holder, self.attr, self.target, self._patch, self.slot = holder, attr, target, patch, slot
         self.removed = False
 
     @property
     def stats(self):
         return self.target.stats
+
+    @property
+    def original(self):
+        """The wrapped op itself."""
+        return self.target.op
 
     def remove(self):
         if self.removed:
@@ -471,8 +459,7 @@ class OpOutputHandle:
             self._patch.remove()
         else:
             self.slot.mac_output = None
-            release(self.owner if self.registry is None else getattr(self.owner, self.registry), self.attr,
-                    self.slot)
+            release(self.holder, self.attr, self.slot)
         self.target.scope.detach(self.target)
 
 
@@ -501,15 +488,15 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """
+    holder = owner_cell if registry is None else getattr(owner_cell, registry, None)
     if registry is None:
         if not hasattr(owner_cell, attr_name):
             raise AttributeError(f"{type(owner_cell).__name__} has no op attribute '{attr_name}'")
         op = getattr(owner_cell, attr_name)
     else:
-        slots = getattr(owner_cell, registry, None)
-        if not isinstance(slots, dict) or attr_name not in slots:
+        if not isinstance(holder, dict) or attr_name not in holder:
             raise AttributeError(f"{type(owner_cell).__name__}.{registry} has no op '{attr_name}'")
-        op = slots[attr_name]
+        op = holder[attr_name]
     slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
     if slot is not None:
         op = slot.mac_inner
@@ -533,7 +520,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         # returns, which a proxy around the call would see too late to drop.
         patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
                                undo="remove() its OpOutputHandle")
-        return OpOutputHandle(owner_cell, attr_name, registry, op, target, patch)
-    slot = slot_at(owner_cell if registry is None else getattr(owner_cell, registry), attr_name)
+        return OpOutputHandle(holder, attr_name, target, patch)
+    slot = slot_at(holder, attr_name)
     slot.mac_output = target
-    return OpOutputHandle(owner_cell, attr_name, registry, op, target, None, slot)
+    return OpOutputHandle(holder, attr_name, target, None, slot)

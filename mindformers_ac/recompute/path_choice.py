@@ -1,26 +1,17 @@
 """Which way into the engine a wrapped call takes: the light path, or the op-intercepting region.
 
-The intercepting path (``region`` + ``dispatch``) runs Python for every op;
-most regions need no per-op decision, and for those the light path
-(``light``) matches saved tensors by position alone. A call goes light only
-after the first call of its *call signature* ran intercepted and its
-``PathCheck`` showed it safe; what the signature holds (nothing of the
-arguments themselves) and what going light requires are docs/exactness.md,
-"The light path".
+A call goes light only after the first call of its *call signature* ran
+intercepted and showed it safe (what the signature holds and what going light
+requires: docs/exactness.md, "The light path"). That checking call's
+``Region`` hands what it observes to a ``CheckRecorder``; after its recompute
+the recorder fills the signature's ``PathCheck``, which the light path only
+reads, from one mark, ``Region.intercept`` (see ``CheckRecorder.finish``).
 
-The check reads one mark: the checking call's ``Region.intercept``, where
-whoever makes a per-op decision (``record_decision``) or finds something a
-light re-run can't reproduce says so (``keep_intercepted``), and a decision
-the light path does reproduce is taken back (``light_reproduces``). So a new
-kind of decision keeps its region intercepted without an edit here.
-
-Failure modes: none raised here. A signature the check refused stays on the
-intercepting path; a checking call whose region died without a recompute (a
-forward without backward) is checked again by the next call; beyond
-``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay intercepted.
-The light path's counters that it can't measure without intercepting
-(``ops_forward``, ``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are the
-checking call's, which ran the same ops.
+Nothing is raised here. A refused signature stays intercepted; a checking
+call whose region died without a recompute is checked again by the next
+call; past ``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay
+intercepted. The counters a light call can't measure (``ops_forward``,
+``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are its checking call's.
 """
 import collections
 import enum
@@ -33,9 +24,10 @@ from mindspore import Parameter, Tensor
 
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision
-from ..tensors import is_tracked
+from ..tensors import is_tracked, tensors_equal
 from . import messages
-from .dispatch import REBUILD
+from .dispatch import REBUILD, SAVE
+from .keep_sites import NoSite, find_site, install_site, region_cells
 from .light import LightRegion
 from .region import run_region
 from .state import ENGINE
@@ -44,7 +36,8 @@ logger = logging.getLogger("mindformers_ac")
 
 
 class PathCheck:
-    """What the first (intercepted) call of one call signature showed about the region.
+    """What the first (intercepted) call of one call signature showed about the region (filled by its
+    ``CheckRecorder``; the light path only reads it).
 
     ``ok`` is None until that call's recompute finished, then whether later
     calls with this signature may take the light path. It also keeps what the
@@ -52,16 +45,15 @@ class PathCheck:
     "diverged" message), op counts and the dropped bytes.
     """
 
-    __slots__ = ("fwd", "rec", "keys", "ok", "op_names", "op_paths", "n_forward", "n_rerun", "rerun_counts",
+    __slots__ = ("fwd", "keys", "ok", "op_names", "op_paths", "n_rerun", "rerun_counts",
                  "n_dropouts", "dropped", "param_ptrs", "params", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
                  "n_kept", "checks", "saved_outputs", "kept_arg_plans", "_owner")
 
     def __init__(self):
-        self.fwd, self.rec = [], []   # (shape, dtype) of every save of forward / recompute, in order
-        self.keys = []                # (op index, pack number) of each forward save, for messages
+        self.fwd, self.keys = [], []  # (shape, dtype) and (op index, pack number) of each forward save, in order
         self.ok = None
         self.op_names, self.op_paths = [], {}
-        self.n_forward = self.n_rerun = self.n_dropouts = self.dropped = 0
+        self.n_rerun = self.n_dropouts = self.dropped = 0
         self.rerun_counts = collections.Counter()
         self.param_ptrs = frozenset()
         self.params = ()              # the root's Parameters, whose rebinding in forward is watched
@@ -73,55 +65,7 @@ class PathCheck:
         self.checks = None            # the PathChecks holding this check (its installed keep sites)
         self.saved_outputs = ()       # positions of the outputs an op of the region saved (stamped: rule W6)
         self.kept_arg_plans = {}      # kept call number -> (saves' metas, argument position per save): K1
-        self._owner = None
-
-    def attach(self, region):
-        self._owner = weakref.ref(region)
-
-    def note_forward(self, t, key):
-        self.fwd.append((tuple(t.shape), t.dtype))
-        self.keys.append(key)
-
-    def note_recompute(self, t):
-        self.rec.append((tuple(t.shape), t.dtype))
-
-    def validate(self, region):
-        """After the checking call's recompute: may this signature take the light path?"""
-        decisions = region.decisions
-        # nn.Dropout kernels the light path's dropout slots handle (mask bits): not re-run ops.
-        cell_dropouts = {i for i in region.cell_dropouts if decisions.get(i) == REBUILD}
-        kept = region.policy_saves
-        if kept:   # a kept op's saves are numbered apart by a light run (its slot's call)
-            self.fwd = [m for m, key in zip(self.fwd, self.keys) if key is None or key[0] not in kept]
-            self.keys = [key for key in self.keys if key is None or key[0] not in kept]
-        if self.fwd != self.rec:
-            region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
-        kept_ops = set()
-        if region.policy_saves and all(isinstance(k, tuple) and k[0] == "op" and k[1] in region.policy_saves
-                                       for k in region.intercept):
-            # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
-            self.keep_proxies, kept_ops = region.settle_sites(self.checks.installed)
-            self.n_kept_ops = len(kept_ops)
-        # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
-        # (``Region.keep_intercepted``); a new kind of decision is covered without an edit here. Writes in
-        # forward only, to buffers, that no re-run op reads, leave no mark: a light re-run writes nothing
-        # either (BufferGuard checks it does not).
-        self.ok = not region.intercept
-        if not self.ok:
-            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
-            region.stats.note_intercepted(region.intercept.values())
-        self.params, self.buffers = region.params, region.buffers
-        self.saved_outputs = region.saved_outputs
-        self.op_names, self.op_paths = list(region.op_names), dict(region.op_paths)
-        self.n_forward = len(self.op_names)
-        self.rerun_counts = collections.Counter(n for i, n in enumerate(self.op_names)
-                                                if i not in cell_dropouts and i not in kept_ops)
-        self.n_rerun = sum(self.rerun_counts.values())
-        self.n_dropouts = len(cell_dropouts)
-        self.dropped = region.bytes.totals.dropped if region.bytes.totals is not None else 0
-        self.param_ptrs = frozenset(region.param_ptrs)
-        self.rec = None
-        self._owner = None
+        self._owner = None            # weak reference to the checking call's region
 
     def abandoned(self):
         """A checking call whose region died without a recompute (a forward without backward)."""
@@ -135,6 +79,126 @@ class PathCheck:
             return f"saved tensor #{i}"
         idx, k = key
         return f"op #{idx} {messages.describe_op(self.op_names, self.op_paths, idx)}, its saved tensor #{k}"
+
+
+class CheckRecorder:
+    """Records the checking call of one signature for the light path, apart from the region's per-op
+    decisions and replay: the region hands it observations, ``finish`` fills ``check`` from them."""
+
+    __slots__ = ("check", "fwd", "rec", "keys", "sites", "cells", "cell_dropouts")
+
+    def __init__(self, check):
+        self.check = check
+        self.fwd, self.rec, self.keys = [], [], []   # saves of forward / re-run ((shape, dtype)), forward keys
+        self.sites = {}             # with a site policy: op index -> keep_sites.Site / NoSite it ran under
+        self.cells = None           # (id -> cell, id -> path) of the root's cells, for find_site
+        self.cell_dropouts = set()  # op indices of Dropouts an nn.Dropout's slot ran and the region rebuilds
+
+    def attach(self, region):
+        self.check._owner = weakref.ref(region)   # pylint: disable=protected-access
+
+    def note_forward(self, t, key):
+        self.fwd.append((tuple(t.shape), t.dtype))
+        self.keys.append(key)
+
+    def note_recompute(self, t):
+        self.rec.append((tuple(t.shape), t.dtype))
+
+    def note_site(self, run, idx, name, args, kept):
+        """Under which keep site op ``idx`` runs (looked up in full for a kept op)."""
+        if self.cells is None:
+            self.cells = region_cells(run.region.root)
+        self.sites[idx] = find_site(run, name, args, *self.cells, resolve=kept)
+
+    def note_cell_dropout(self, region, idx):
+        """Op ``idx`` is an nn.Dropout kernel call the region rebuilds: the light path's dropout slot keeps its
+        mask bits too, so it does not keep the signature intercepted."""
+        self.cell_dropouts.add(idx)
+        region.light_reproduces(("op", idx))
+
+    def check_replay(self, run, idx, func, args, kwargs, out):
+        """In the re-run: does random op ``idx``, run again from the forward's random state, draw what the
+        forward drew? (``ops.dropout`` and other functional random ops make a fresh primitive seeded from
+        MindSpore's seed table, which the re-run starts from as the forward did; whether the backend's
+        kernel then repeats its draw is measured, not assumed.) The run's result is ours, not the region's:
+        its saves are not filed and its output is discarded."""
+        if idx in self.cell_dropouts or (args and args[0] is run.region.random_ops[idx]):
+            # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
+            # which no RandomState covers: its early launches may repeat, later ones do not.
+            return
+        run.in_hook = run.noting_replay = True
+        try:
+            again = func(*args, **kwargs)
+            run.noting_replay = False
+            if tensors_equal(out, again):
+                run.region.light_reproduces(("op", idx))   # a light re-run draws it again from the same state
+        except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
+            pass
+        finally:
+            run.in_hook = run.noting_replay = False
+
+    def _settle_sites(self, region):
+        """Give the keep role to the slot of every kept op whose site ran kept ops only; a kept op without
+        one keeps the signature intercepted (its reason says why). Returns the proxies the light path is
+        to hand to the region, and the ops they keep."""
+        by_site = {}
+        for idx, site in self.sites.items():
+            by_site.setdefault(site.key, []).append(idx)
+        proxies, kept_ops = set(), set()
+        for idx in sorted(region.policy_saves):
+            site, name = self.sites.get(idx), region.op_names[idx]
+            if site is None or idx in region.random_ops or region.decisions.get(idx) != SAVE:
+                continue
+            others = [region.op_names[i] for i in by_site[site.key] if i not in region.policy_saves]
+            if isinstance(site, NoSite):
+                why = site.why
+            elif others:
+                why = f"{site.description} also runs {others[0]}, which is recomputed"
+            else:
+                proxy = install_site(site, self.check.checks.installed)
+                if proxy is not None:
+                    proxies.add(proxy)
+                    kept_ops.add(idx)
+                    region.light_reproduces(("op", idx))
+                    continue
+                why = f"{site.description} can't hold a proxy for {name}"
+            region.intercept[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
+        return frozenset(proxies), kept_ops
+
+    def finish(self, region):
+        """After the checking call's recompute: may this signature take the light path? Fills ``check``."""
+        check, decisions, kept = self.check, region.decisions, region.policy_saves
+        # nn.Dropout kernels the light path's dropout slots handle (mask bits): not re-run ops.
+        cell_dropouts = {i for i in self.cell_dropouts if decisions.get(i) == REBUILD}
+        # a kept op's saves are numbered apart by a light run (its slot's call)
+        check.fwd = [m for m, key in zip(self.fwd, self.keys) if key is None or key[0] not in kept]
+        check.keys = [key for key in self.keys if key is None or key[0] not in kept]
+        if check.fwd != self.rec:
+            region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
+        kept_ops = set()
+        if kept and all(isinstance(k, tuple) and k[0] == "op" and k[1] in kept for k in region.intercept):
+            # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
+            check.keep_proxies, kept_ops = self._settle_sites(region)
+            check.n_kept_ops = len(kept_ops)
+        self.sites = self.cells = None   # they hold the checking call's primitives and cells
+        # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
+        # (``Region.keep_intercepted``), taken back for one it does reproduce (``light_reproduces``); a new
+        # kind of decision is covered without an edit here. Writes in forward only, to buffers, that no
+        # re-run op reads, leave no mark: a light re-run writes nothing either (BufferGuard checks it does not).
+        check.ok = not region.intercept
+        if not check.ok:
+            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
+            region.stats.note_intercepted(region.intercept.values())
+        check.params, check.buffers = region.params, region.buffers
+        check.saved_outputs = region.saved_outputs
+        check.op_names, check.op_paths = list(region.op_names), dict(region.op_paths)
+        check.rerun_counts = collections.Counter(n for i, n in enumerate(check.op_names)
+                                                 if i not in cell_dropouts and i not in kept_ops)
+        check.n_rerun = sum(check.rerun_counts.values())
+        check.n_dropouts = len(cell_dropouts)
+        check.dropped = region.bytes.dropped_total
+        check.param_ptrs = frozenset(region.param_ptrs)
+        check._owner = None   # pylint: disable=protected-access
 
 
 # Arguments keyed by value: immutable, and holding no tensor.
@@ -237,9 +301,11 @@ def run_checkpoint(fn, args, kwargs, checks, root, **options):
         return LightRegion(fn, check, checks, key, options["stats"], options["context_fn"],
                            cell_precision(root), options.get("chain")).run_forward(args, kwargs)
     if key is not None and check is None:
-        options["path_check"] = checks.start(key)
-        if options["path_check"] is None:
+        check = checks.start(key)
+        if check is None:
             options["stats"].note_intercepted((_TOO_MANY,))
+        else:
+            options["recorder"] = CheckRecorder(check)
     elif key is not None and check.ok is None:
         options["stats"].note_intercepted((_IN_CHECK,))
     return run_region(fn, args, kwargs, root=root, **options)

@@ -5,9 +5,8 @@ it again in a recompute: ``Dropout`` (the only random kernel the CPU build has
 on this path) keeps its mask as packed bits and its output is rebuilt as
 ``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel
 once per dtype and keep_prob (if the check fails the outputs are kept
-instead); other random ops keep their outputs. A primitive marked
-``mac_replayable = True`` promises that a second call draws the same output
-and is recomputed like any other op.
+instead); other random ops keep their outputs, unless marked replayable
+(``REPLAYABLE_ATTR``; docs/exactness.md, "Random ops").
 """
 import logging
 import re
@@ -41,12 +40,8 @@ def is_random_op_name(name):
 
 
 def is_unreplayable_random_op(name, args):
-    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat.
-
-    Legacy ops are dispatched with their primitive as the first argument; a
-    primitive marked ``mac_replayable = True`` is recomputed like any other op
-    instead of keeping its output or mask.
-    """
+    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers that a
+    second call would not repeat: not one marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
     if not is_random_op_name(name):
         return False
     return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
@@ -115,20 +110,21 @@ def dropout_formula(x, mask, keep_prob):
 
 
 class DropoutRecord:
-    """A Dropout result kept as 1 bit per element; rebuilds (output, mask) from the op's input."""
+    """One Dropout kernel call of a forward, on either path: its mask as 1 bit per element, from which
+    ``rebuild`` makes (output, mask) again from the op's input; or, when ``dropout_formula`` does not
+    reproduce the kernel bitwise (``rebuilds`` False), its outputs ``out``, ``kept``."""
 
-    __slots__ = ("bits", "shape", "dtype", "keep_prob", "pack_outputs")
+    __slots__ = ("bits", "shape", "dtype", "keep_prob", "meta", "kept", "pack_outputs", "rebuilt")
 
-    def __init__(self, mask, keep_prob):
-        m = mask.asnumpy()
-        self.shape, self.dtype = m.shape, m.dtype
-        self.bits = np.packbits(m != 0)
-        self.keep_prob = keep_prob
-        self.pack_outputs = []   # (pack number, output index) of the packs the op made in forward
-
-    @property
-    def nbytes(self):
-        return int(self.bits.nbytes)
+    def __init__(self, x, out, keep_prob, rebuilds):
+        self.meta = (tuple(x.shape), x.dtype)   # the input's, checked by a light re-run
+        self.keep_prob, self.kept, self.bits = keep_prob, None if rebuilds else out, None
+        self.pack_outputs = []   # intercepting path: (pack number, output index) of the packs the op made
+        self.rebuilt = None      # light path: the re-run's (output, mask), which its packs unpack
+        if rebuilds:
+            m = out[1].asnumpy()
+            self.shape, self.dtype = m.shape, m.dtype
+            self.bits = np.packbits(m != 0)
 
     def rebuild(self, x):
         n = int(np.prod(self.shape))

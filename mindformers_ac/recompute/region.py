@@ -1,15 +1,11 @@
 """The op-intercepting way into a region: every op numbered and decided before it runs.
 
-What it shares with the light path (inputs, Dropout masks, bytes, the
-recompute itself) is ``rerun.RegionBase``; what is its own is the per-op
-decision (``decide``: a policy, random ops, ops that write parameters) and the
-per-op check of the recompute (``check_recompute``).
-
-Lifetime: a ``Region`` is created per call; the tokens left in the autograd
-graph hold it, so it dies with the graph after backward (nothing global keeps
-it). A region met inside another region's forward is recorded as that region's
-child, so that the parent's recompute *replays* it (same kept outputs, same
-dropout masks) instead of drawing new random numbers.
+What it shares with the light path is ``rerun.RegionBase``; what is its own is
+the per-op decision (``decide``: a policy, random ops, ops that write) and the
+per-op check of the recompute (``check_recompute``). A checking call hands what
+the light path needs to its ``path_choice.CheckRecorder``. A region met inside
+another's forward is its child: the parent's recompute *replays* it (same kept
+outputs, same dropout masks).
 """
 import contextlib
 import functools
@@ -25,11 +21,11 @@ from ..errors import RecomputeError
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves, tensors_equal
+from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
 from . import messages
 from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
-from .keep_sites import NoSite, decides_by_site, find_site, install_site, region_cells
+from .keep_sites import decides_by_site
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import (
     RegionBase,
@@ -59,17 +55,14 @@ from .tracking import OpContext
 
 
 class Region(RegionBase):
-    """One call on the op-intercepting path, from its forward to the end of its backward.
-
-    ``path_check``: a ``path_choice.PathCheck`` to fill when this call is the
-    first of its call signature (it notes every save of forward and recompute
-    and, after the recompute, whether later calls may take the light path).
-    """
+    """One call on the op-intercepting path, from its forward to the end of its backward. ``recorder``: a
+    ``path_choice.CheckRecorder`` when this call is the first of its call signature, handed what the region
+    observes and, after the recompute, the region itself (which builds none of the light path's data)."""
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 path_check=None, chain=None, debug=False, early_stop=True, settings=None):
-        # the recompute section apply_ac was given (defaults without one): a setting of it the region reads
-        # is read from ``self.settings``, with nothing in between to hand it over
+                 recorder=None, chain=None, debug=False, settings=None):
+        # the recompute section apply_ac was given (defaults without one; the checkpoint API's ``early_stop``
+        # keyword is its field): a setting the region reads is read here, with nothing in between to hand it over
         self.settings = settings if settings is not None else RecomputeConfig()
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
@@ -106,30 +99,26 @@ class Region(RegionBase):
         self.recomputed = {}      # key -> regenerated tensor, filled by the recompute
         self.skipped = set()      # forward op indices the recompute skipped under the marker (skippable)
         # Why this call's signature must stay on the intercepting path: whoever makes a per-op decision, or
-        # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``PathCheck``
+        # finds a fact the light path can't reproduce, says so here (``keep_intercepted``); ``CheckRecorder``
         # reads only this. key -> reason, for the debug log.
         self.intercept = {}
         # A policy deciding by the op's name and place only (exclude_policy) may be installed at the ops'
-        # keep sites (keep_sites, settle_sites); any other decides per call.
+        # keep sites (keep_sites, path_choice.CheckRecorder); any other decides per call.
         self.site_policy = policy_fn is not None and decides_by_site(policy_fn)
         if policy_fn is not None and not self.site_policy:
             self.keep_intercepted("policy", "a policy_fn that decides per op call (not by the op's name and place)")
         self.policy_saves = set()     # op indices the policy keeps (MUST_SAVE / PREFER_SAVE)
-        self.op_sites = {}            # checking call with a site policy: op index -> keep_sites.Site / NoSite
-        self._cells = None            # (id -> cell, id -> path) of the root's cells, for find_site
         if swap_inputs:
             self.keep_intercepted("swap_inputs", "its inputs are swapped")
-        self.path_check = path_check
-        if path_check is not None:
-            path_check.attach(self)
+        self.recorder = recorder
+        if recorder is not None:
+            recorder.attach(self)
         elif self.intercept:   # never checked: say why once per call (a per-call policy, swapped inputs)
             stats.note_intercepted(self.intercept.values())
         self.may_write_seen = False   # an op that may write tensors ran in forward
-        self.cell_dropouts = set()    # op indices of Dropouts run by an nn.Dropout's slot (dropout role)
         self.random_ops = {}          # op index of a random op kept (or rebuilt) -> its primitive, or None
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
-        self.early_stop = early_stop
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
         self.stop_state = None    # ExecutorCalls.cell_state() when that re-run started (may_stop)
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
@@ -146,9 +135,6 @@ class Region(RegionBase):
             self.bytes.swap(t)
         return holder
 
-    def _offload_input(self, run, t, ptr):
-        return self.offload(run, t, key=("input", ptr))
-
     # -- decisions --------------------------------------------------------------
     def ask_policy(self, run, idx, name, func, args, kwargs):
         ctx = OpContext(name, run.cell_path(), run.mode != FORWARD, idx, run.cell(),
@@ -162,8 +148,8 @@ class Region(RegionBase):
     def decide(self, run, idx, name, func, args, kwargs):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         policy = self.ask_policy(run, idx, name, func, args, kwargs) if self.policy_fn is not None else None
-        if self.site_policy and self.path_check is not None:
-            self.note_site(run, idx, name, args, policy is not None and not policy.recomputes)
+        if self.site_policy and self.recorder is not None:
+            self.recorder.note_site(run, idx, name, args, policy is not None and not policy.recomputes)
         if is_unreplayable_random_op(name, args):
             self.random_ops[idx] = args[0] if args and isinstance(args[0], Primitive) else None
             if name == "Dropout" and dropout_input(args)[0] is not None:
@@ -177,42 +163,6 @@ class Region(RegionBase):
             ENGINE.warnings.warning("must_swap", messages.MUST_SWAP_WITHOUT_EXECUTOR)
         self.policy_saves.add(idx)
         return SAVE
-
-    # -- keep sites: a site policy's decisions installed where the ops are reached (keep_sites) -----
-    def note_site(self, run, idx, name, args, kept):
-        """In a checking call: under which keep site op ``idx`` runs (looked up in full for a kept op)."""
-        if self._cells is None:
-            self._cells = region_cells(self.root)
-        self.op_sites[idx] = find_site(run, name, args, *self._cells, resolve=kept)
-
-    def settle_sites(self, installed):
-        """After the checking call's recompute: give the keep role to the slot of every kept op whose
-        site ran kept ops only; a kept op without one keeps the signature intercepted (its reason says
-        why). Returns the proxies the light path is to hand to the region, and the ops they keep."""
-        by_site = {}
-        for idx, site in self.op_sites.items():
-            by_site.setdefault(site.key, []).append(idx)
-        proxies, kept_ops = set(), set()
-        for idx in sorted(self.policy_saves):
-            site, name = self.op_sites.get(idx), self.op_names[idx]
-            if site is None or idx in self.random_ops or self.decisions.get(idx) != SAVE:
-                continue
-            others = [self.op_names[i] for i in by_site[site.key] if i not in self.policy_saves]
-            if isinstance(site, NoSite):
-                why = site.why
-            elif others:
-                why = f"{site.description} also runs {others[0]}, which is recomputed"
-            else:
-                proxy = install_site(site, installed)
-                if proxy is not None:
-                    proxies.add(proxy)
-                    kept_ops.add(idx)
-                    self.light_reproduces(("op", idx))
-                    continue
-                why = f"{site.description} can't hold a proxy for {name}"
-            self.intercept[("op", idx)] = f"op #{idx} {self.describe_op(idx)} is kept, but {why}"
-        self.op_sites, self._cells = {}, None   # they hold the checking call's primitives and cells
-        return frozenset(proxies), kept_ops
 
     # -- ops that write parameters (see side_effects) -----------------------------
     def guard_writes(self, run, idx, name, args, decision):
@@ -264,15 +214,10 @@ class Region(RegionBase):
         it as it is now, for the re-run."""
         kept, j = self.kept_ptrs.pop(ptr)
         out = self.cache[kept]
+        single = isinstance(out, Tensor)
         with no_grad(), no_casts():
-            if isinstance(out, Tensor):
-                out = ops.deepcopy(out)
-                copy = out
-            else:
-                items = list(out)
-                copy = items[j] = ops.deepcopy(items[j])
-                out = type(out)(items)
-        self.cache[kept] = out
+            copy = ops.deepcopy(out if single else out[j])
+        self.cache[kept] = copy if single else type(out)((*out[:j], copy, *out[j + 1:]))
         self.bytes.keep(copy)
         self.keep_intercepted(("writes_kept", kept), f"op #{idx} {name} writes the kept output of op #{kept} "
                                                      f"{self.op_names[kept]} in place")
@@ -310,10 +255,8 @@ class Region(RegionBase):
     # -- aligning a re-run that skips ops ---------------------------------------------
     def skippable(self, idx, run):
         """May ``run`` skip forward op ``idx``? Only under the marker (its code asked it, or the region has
-        a ``context_fn``), and only an op whose output is not kept (a one-shot side effect under
-        ``is_in_recompute()``). What a skipped op saved for backward is not rebuilt: its tokens raise if
-        the backward ever reaches them (rule W7 of docs/exactness.md: a tracker that keeps an attached loss
-        is never differentiated, so its saves are never asked for)."""
+        a ``context_fn``), and only an op whose output is not kept: rule W7 of docs/exactness.md (what a
+        skipped op saved is not rebuilt; its tokens raise if the backward ever reaches them)."""
         return (run.asked_marker or self.context_fn is not None) and idx not in self.decisions
 
     def align(self, run, idx, name, args):
@@ -366,7 +309,7 @@ class Region(RegionBase):
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
         gradients computed inside the forward."""
-        if (not self.early_stop or self.path_check is not None or self.feeds_next or self.children
+        if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
                 or "inner_grad" in self.intercept or not self.token_meta):
             return None
         return max(idx for idx, _ in self.token_meta)
@@ -381,13 +324,10 @@ class Region(RegionBase):
         return True
 
     def check_recompute(self, run, stopped=False):
-        """After a recompute: raise ``RecomputeError`` unless it ran every op and re-saved what was dropped.
-
-        Each re-run op that left tokens must save as many tensors as in forward,
-        and each dropped tensor must come back with its shape and dtype. A
-        mismatch means the tokens would take the wrong tensors: the error names
-        the op and what differed, instead of failing later or silently.
-        """
+        """After a recompute: raise ``RecomputeError`` naming the op and what differed unless it ran every op,
+        each re-run op that left tokens saved as many tensors as in forward, and each dropped tensor came back
+        with its shape and dtype (else the tokens would take the wrong tensors: docs/exactness.md, "Int and
+        bool inputs")."""
         n = len(self.op_names)
         missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)),
                                             None)
@@ -425,10 +365,9 @@ class Region(RegionBase):
                                                         f"in place")
 
     def release_unread_kept(self):
-        """K2, at the end of the forward: when what the region keeps is more than its forward saved (what
-        the model keeps without AC), policy-kept ops none of whose outputs a backward saved are re-run
-        instead of kept, largest first, until it is not. A kept op that communicates (``is_comm_op``:
-        exclude_op on a collective keeps it out of backward) or writes stays kept."""
+        """Rule K2 of docs/exactness.md, at the end of the forward: unread policy-kept ops are re-run instead,
+        largest first, while the region keeps more than its forward saved; a collective (``is_comm_op``) or
+        a writer (W3) stays kept."""
         kept, budget = sum(self.bytes.kept.values()), sum(self.packed.values())
         unread = []
         for idx in self.policy_saves:
@@ -499,20 +438,16 @@ class Region(RegionBase):
             else:
                 record.pack_outputs.append((token.key[1], j))
                 self.bytes.drop(t)
-        if record is None:
+        if record.kept is not None:
             self.record_decision(idx, SAVE)
             self.cache_output(run, idx, out, name, args)
         else:
             self.dropouts[idx] = record
 
     def dropout_call(self, run, prim, x):
-        """An ``nn.Dropout`` cell's kernel call through its slot's dropout role: run it, note it for the path
-        check.
-
-        The Dropout op itself goes through the dispatch as usual; a Dropout
-        the region rebuilds from its mask and that was the only op of this
-        call can be handled by the light path's proxy in later calls.
-        """
+        """An ``nn.Dropout`` cell's kernel call through its slot's dropout role: the op goes through the
+        dispatch as usual; one the region rebuilds from its mask, the only op of this call, is noted for the
+        path check (the light path's dropout slot takes it in later calls)."""
         if run.mode != FORWARD or run.in_hook:
             return prim(x)
         start = run.op_idx
@@ -521,31 +456,9 @@ class Region(RegionBase):
             out = prim(x)
         finally:
             run.in_cell_dropout = False
-        if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD:
-            self.cell_dropouts.add(run.op_idx)
-            self.light_reproduces(("op", run.op_idx))   # the light path's dropout slot keeps its mask bits
+        if run.op_idx == start + 1 and self.decisions.get(run.op_idx) == REBUILD and self.recorder is not None:
+            self.recorder.note_cell_dropout(self, run.op_idx)
         return out
-
-    def check_replay(self, run, idx, func, args, kwargs, out):
-        """In a checking call's re-run: does random op ``idx``, run again from the forward's random state,
-        draw what the forward drew? (``ops.dropout`` and other functional random ops make a fresh
-        primitive seeded from MindSpore's seed table, which the re-run starts from as the forward did;
-        whether the backend's kernel then repeats its draw is measured, not assumed.) The run's result
-        is ours, not the region's: its saves are not filed and its output is discarded."""
-        if idx in self.cell_dropouts or (args and args[0] is self.random_ops[idx]):
-            # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
-            # which no RandomState covers: its early launches may repeat, later ones do not.
-            return
-        run.in_hook = run.noting_replay = True
-        try:
-            again = func(*args, **kwargs)
-            run.noting_replay = False
-            if tensors_equal(out, again):
-                self.light_reproduces(("op", idx))   # a light re-run draws it again from the same state
-        except Exception:   # noqa: BLE001  (a kernel that can't be run again simply does not replay)
-            pass
-        finally:
-            run.in_hook = run.noting_replay = False
 
     def rebuild_dropout(self, run, idx, args):
         record = self.dropouts[idx]
@@ -566,10 +479,10 @@ class Region(RegionBase):
         if EXECUTOR_CALLS.grad_calls() > run.grad_calls:
             return self.inner_grad_save(t)
         decision = self.decisions.get(key[0]) if key is not None else SAVE
-        if self.path_check is not None and not (decision == REBUILD and run.in_cell_dropout):
+        if self.recorder is not None and not (decision == REBUILD and run.in_cell_dropout):
             # as a light run numbers them: an nn.Dropout's apart, a functional dropout's as any op's (a kept
             # op's are filtered out when the check ends: whether it stays kept is known then, rule K2)
-            self.path_check.note_forward(t, key)
+            self.recorder.note_forward(t, key)
         ptr = t.data_ptr()
         if ptr in self.param_ptrs:
             return t
@@ -604,8 +517,8 @@ class Region(RegionBase):
     def pack_recompute(self, run, t):
         """Recompute pack hook: file each regenerated tensor under its forward key; the graph keeps nothing."""
         if run.in_hook:
-            if run.noting_replay:   # a random op run again by check_replay: saves as a light re-run's would
-                self.path_check.note_recompute(t)
+            if run.noting_replay:   # a random op run again by its replay check: saves as a light re-run's would
+                self.recorder.note_recompute(t)
             return None
         idx = run.current_op()
         if idx is not None and not self.fwd_npacks.get(idx) and idx not in self.decisions:
@@ -613,11 +526,11 @@ class Region(RegionBase):
         key = run.next_key()
         if EXECUTOR_CALLS.grad_calls() > run.grad_calls:
             return t   # as in forward (inner_grad_save)
-        if self.path_check is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
+        if self.recorder is not None and (key is None or (self.decisions.get(key[0]) != REBUILD
                                                             and key[0] not in self.policy_saves)):
             # as in forward: a light run numbers Dropout packs apart and runs no kept op (a legacy op handed
             # its kept output here is still recorded, with its inputs)
-            self.path_check.note_recompute(t)
+            self.recorder.note_recompute(t)
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
             if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
@@ -662,12 +575,12 @@ class Region(RegionBase):
             self.start_forward()
             if self.swap_inputs and self.swap_executor is None:
                 ENGINE.warnings.warning("swap_inputs", messages.SWAP_INPUTS_WITHOUT_EXECUTOR)
-            offload = (functools.partial(self._offload_input, run)
-                       if self.swap_inputs and self.swap_executor is not None else None)
+            offload = (lambda t, ptr: self.offload(run, t, key=("input", ptr))) \
+                if self.swap_inputs and self.swap_executor is not None else None
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
-                    self.watch_buffers(run.engine_ops):
+                    self.replaced.watch(run.engine_ops):
                 out = self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
@@ -696,11 +609,11 @@ class Region(RegionBase):
             ENGINE.pop(run)
 
     def _recompute(self):
-        if self.debug_log is None:
-            return self._rerun()
         try:
-            return self._rerun()
+            self._rerun()
         except RecomputeError as exc:
+            if self.debug_log is None:
+                raise
             raise RecomputeError(f"{exc}\n{self.debug_log.side_by_side()}") from exc
 
     def _rerun(self):
@@ -713,7 +626,7 @@ class Region(RegionBase):
 
         args, kwargs = self.load_inputs()
         outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
-        with self.buffers_as_before(), recompute_graph(run, self.precision, self.random_state, outputs), \
+        with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
@@ -734,9 +647,9 @@ class Region(RegionBase):
             self.stats.early_stops += 1
         else:
             self.keep_rerun_output(out)
-        if self.path_check is not None:   # this call checked its signature for the light path
-            check, self.path_check = self.path_check, None
-            check.validate(self)
+        if self.recorder is not None:   # this call checked its signature for the light path
+            recorder, self.recorder = self.recorder, None
+            recorder.finish(self)
 
 
 def run_region(fn, args, kwargs, **options):

@@ -1,21 +1,11 @@
 """What every recompute region shares, whichever way it was entered: one engine, two ways in.
 
 A region is one call of a checkpointed function, from its forward to the end
-of its backward. The op-intercepting ``Region`` numbers every op and decides
-per op (``dispatch``); the ``LightRegion`` numbers saved tensors only
-(``path_choice``). Everything else is here, once: the run record on the
-ENGINE stack (``RegionRun``); the region's inputs, saved detached and given
-back tracked as in forward; Dropout masks as bits; the once-only re-run in a
-throw-away graph under the forward's mixed-precision type (``recompute_graph``,
-which also refuses a higher-order gradient); nested regions replayed in call
-order; the user's ``context_fn`` and the marker's replay metadata
-(``markers``); MindSpore's random state set back for the re-run and restored
-after it; Parameters the forward rebound, set back for the re-run
-(``side_effects.ReboundParameters``); and what a region leaves in the graph
-instead of a tensor (``Token``, ``SwappedTensor``). The rules these keep are
-docs/exactness.md's (random state, W1-W7, mixed precision); the engine's own
-ops in a region (saved-input copies, copies of written tensors) run under
-``no_casts``.
+of its backward; the op-intercepting ``Region`` and the ``LightRegion`` differ
+only in how they decide what to save. Everything else is here, once (what,
+and the invariants: docs/architecture.md, "The recompute engine's
+mechanisms"; the rules: docs/exactness.md). The engine's own ops in a region
+run under ``no_casts``.
 """
 import contextlib
 import weakref
@@ -122,16 +112,12 @@ class RegionRun:
         self.written = {}      # recompute/replay: data_ptr of a tensor the region writes -> this run's copy
         self.dropout_idx = 0   # nn.Dropout calls so far (light path)
         self.in_cell_dropout = False   # an nn.Dropout's kernel call through its slot is running
-        self.noting_replay = False     # Region.check_replay's run of a random op: note its saves
+        self.noting_replay = False     # CheckRecorder.check_replay's run of a random op: note its saves
         self.asked_marker = False      # a re-run whose code asked is_in_recompute(): may skip side effects
         self.keeps = None      # light path: the OpSlots whose calls this run keeps (keep_sites)
         self.keep_idx = 0      # light recompute: kept calls handed back so far
         self.metadata_read = {}   # re-run or replay: key -> replay metadata values read so far (markers)
         self.grad_calls = EXECUTOR_CALLS.grad_calls()   # more while a save is made: a grad call of the run's own
-
-    def dropout_call(self, prim, x):
-        """An ``nn.Dropout`` kernel call through its slot's dropout role: the region decides."""
-        return self.region.dropout_call(self, prim, x)
 
     @contextlib.contextmanager
     def engine_ops(self):
@@ -172,6 +158,16 @@ class SavedInput:
     def __init__(self, value, tracked, ptr):
         self.value, self.tracked, self.ptr, self.written = value, tracked, ptr, False
 
+    @classmethod
+    def of(cls, a):
+        """``a`` detached (the re-run makes its own graph), with whether autograd tracked it."""
+        return cls(detached(a), is_tracked(a), a.data_ptr())
+
+
+def map_inputs(fn, args, kwargs):
+    """``(args, kwargs)`` with each argument ``a`` (at position or keyword ``key``) replaced by ``fn(key, a)``."""
+    return tuple(fn(i, a) for i, a in enumerate(args)), {k: fn(k, v) for k, v in kwargs.items()}
+
 
 class ChainedInput:
     """A layer group member's first argument, not kept: the previous member's region rebuilds it (``chain``).
@@ -208,15 +204,9 @@ class _Held:
 
 
 def recompute_input(a):
-    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward.
-
-    Ops save for backward only what their *tracked* inputs' gradients need (and
-    record nothing when no input is tracked), whatever the dtype: int position
-    ids or a bool mask passed to the grad function are tracked, a float
-    constant is not. An input tracked in only one of the two runs makes its
-    consumers save a different number of tensors, and the forward's tokens
-    would take the wrong ones (or none).
-    """
+    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward (why,
+    for int and bool inputs too: docs/exactness.md, "Int and bool inputs"; an input tracked in only one run
+    makes its consumers save another number of tensors, and the forward's tokens would take the wrong ones)."""
     if not isinstance(a, SavedInput):
         return a   # not a tensor, or a Parameter: passed as is
     tracked, a = a.tracked, a.value
@@ -263,24 +253,13 @@ class _RerunInput:
 
 def rerun_inputs(args, kwargs):
     """``load_inputs``' arguments with each ``_RerunInput`` made: call inside ``recompute_graph``."""
-    def made(a):
-        return a.made() if isinstance(a, _RerunInput) else a
-    return tuple(made(a) for a in args), {k: made(v) for k, v in kwargs.items()}
+    return map_inputs(lambda _, a: a.made() if isinstance(a, _RerunInput) else a, args, kwargs)
 
 
 def refuse_higher_order():
-    """Raise ``RecomputeError`` when this backward is itself being recorded for a gradient (grad of grad).
-
-    The outer gradient differentiates the inner backward, which reads every
-    saved tensor a second time; a recomputed tensor is handed out once, and an
-    output re-run under ``no_grad`` would silently cut the second-order path.
-    Inside a recompute the engine records a throw-away graph on purpose, so
-    only the outermost re-run checks. "Recorded" is decided from what is
-    running now (a grad call's forward in progress on this thread,
-    ``ExecutorCalls.grad_forward_running``), not from the executor's grad flag
-    alone, which a grad call that raised leaves set: the next first-order step
-    must train.
-    """
+    """Raise ``RecomputeError`` when this backward is itself being recorded for a gradient (grad of grad;
+    why, and what "recorded" means: docs/exactness.md, "Higher-order gradients"). Inside a recompute the
+    engine records a throw-away graph on purpose, so only the outermost re-run checks."""
     if not ENGINE.in_recompute() and _executor.requires_grad() and EXECUTOR_CALLS.grad_forward_running():
         raise messages.higher_order()
 
@@ -297,10 +276,9 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
     on the engine stack (an op output's re-run, whose forward had no run either).
 
     ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that
-    makes grad calls of its own (gradients computed inside its forward): MindSpore 2.10 loses the
-    empty graph's top cell at the first such call made inside a backward (the second fails: "The
-    pointer[top_cell_] is null"), so the re-run records in a top cell of its own (``new_graph``),
-    ended with the output the caller appends to ``outputs``.
+    makes grad calls of its own (docs/exactness.md, "Higher-order gradients"; without it the second
+    such call fails: "The pointer[top_cell_] is null"): a top cell of its own (``new_graph``), ended
+    with the output the caller appends to ``outputs``.
     """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
@@ -350,7 +328,9 @@ class RegionBase:
         self.chain = chain           # (LayerChain, member index) of a layer group, or None
         self.feeds_next = False      # a group's next member rebuilds its first argument from this re-run's output
         self._rerun_out = None
-        self.replaced = ReboundParameters(params) if params else None   # None: the root has no Parameters
+        # the root's Parameters, whose rebinding the forward watches (``replaced.watch``) and the re-run
+        # undoes around itself (``replaced.rerun_from``)
+        self.replaced = ReboundParameters(params)
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
         self.metadata = None      # key -> list of values the forward saved for the re-run (markers)
@@ -367,19 +347,10 @@ class RegionBase:
         (so an enclosing region's dispatch does not number the snapshot's op)."""
         self.random_state = RandomState()
 
-    def watch_buffers(self, hidden=contextlib.nullcontext):
-        """Around the forward's call: note the Parameters it rebinds (``ReboundParameters.watch``)."""
-        return _NO_CONTEXT if self.replaced is None else self.replaced.watch(hidden)
-
     def keep_replaced(self):
         """After the forward: count the pre-forward copies of rebound Parameters as kept."""
-        if self.replaced is not None:
-            for i, c in enumerate(self.replaced.copies()):
-                self.bytes.add(("replaced", i), int(c.nbytes))
-
-    def buffers_as_before(self):
-        """Around the re-run, outside its graph: rebound Parameters as before the forward, then as now."""
-        return _NO_CONTEXT if self.replaced is None else self.replaced.rerun_from()
+        for i, (_, c) in enumerate(self.replaced.before):
+            self.bytes.add(("replaced", i), int(c.nbytes))
 
     # -- writes after the forward (rule W6) -------------------------------------------------------------
     def stamp(self, args, kwargs, out, saved_outputs):
@@ -472,20 +443,21 @@ class RegionBase:
             value = args[where] if isinstance(where, int) else kwargs[where]
             link = ChainedInput(region, is_tracked(value), value.data_ptr())
 
-        def save(a):
+        def save(key, a):
+            if key == where:
+                return link
             if not isinstance(a, Tensor) or isinstance(a, Parameter):
                 return a
-            ptr = a.data_ptr()
-            ptrs.append(ptr)
-            kept = detached(a)
+            saved = SavedInput.of(a)
+            ptrs.append(saved.ptr)
             if offload is not None:
-                return SavedInput(offload(kept, ptr), is_tracked(a), ptr)
-            self.bytes.keep(a)
-            return SavedInput(kept, is_tracked(a), ptr)
+                saved.value = offload(saved.value, saved.ptr)
+            else:
+                self.bytes.keep(a)
+            return saved
 
         with no_casts():   # the engine's own op: a saved input keeps its dtype
-            saved = tuple(link if i == where else save(a) for i, a in enumerate(args))
-            self.inputs = (saved, {k: link if k == where else save(v) for k, v in kwargs.items()})
+            self.inputs = map_inputs(save, args, kwargs)
         return ptrs
 
     def protect_input(self, ptr):
@@ -506,44 +478,28 @@ class RegionBase:
     def load_inputs(self):
         """The saved arguments for the recompute: loaded if swapped, tracked as in forward; pass them
         through ``rerun_inputs`` inside the re-run's graph."""
-        args, kwargs = self.inputs
-        return tuple(_region_input(a) for a in args), {k: _region_input(v) for k, v in kwargs.items()}
+        return map_inputs(lambda _, a: _region_input(a), *self.inputs)
 
     # -- Dropout ------------------------------------------------------------------------------------
     def keep_dropout(self, key, x, out, keep_prob, packed):
-        """Settle one Dropout kernel call of the forward: mask bits if its output rebuilds bitwise.
-
-        ``out``: the kernel's ``(output, mask)``; ``packed``: the tensors the
-        call saved for backward, in order. Returns ``(record, where)``:
-        ``record`` is a ``DropoutRecord`` (1 bit per element, counted under
-        ``("bits", key)``), or None when the formula does not reproduce this
-        dtype and keep_prob bitwise: then the outputs and everything packed
-        are kept (counted here; the caller keeps the outputs for the
-        recompute). ``where[i]`` is the index in ``(output, mask)`` that
-        ``packed[i]`` is rebuilt as, or None when it is something else, kept
-        as it is (and counted).
-        """
-        output, mask = out
-        bytes_ = self.bytes
-        if not ENGINE.dropout_formula_ok(x, output, mask, keep_prob):
-            for t in (output, mask, *packed):
-                bytes_.keep(t)
-            return None, [None] * len(packed)
-        record = DropoutRecord(mask, keep_prob)
-        bytes_.add(("bits", key), record.nbytes)
-        ptrs = [output.data_ptr(), mask.data_ptr()]
-        where = []
-        for t in packed:
-            ptr = t.data_ptr()
-            if ptr in ptrs:
-                where.append(ptrs.index(ptr))
-            else:
-                bytes_.keep(t)
-                where.append(None)
+        """Settle one Dropout kernel call of the forward, on either path (``out``: its ``(output, mask)``;
+        ``packed``: the tensors it saved for backward, in order): a ``DropoutRecord`` of its mask bits
+        (counted under ``("bits", key)``), or of its outputs, ``kept`` and counted, when the formula does
+        not reproduce this dtype and keep_prob bitwise. Returns it and, per packed tensor, the index in
+        ``(output, mask)`` it is rebuilt as, or None: kept as it is (and counted)."""
+        record = DropoutRecord(x, out, keep_prob, ENGINE.dropout_formula_ok(x, *out, keep_prob))
+        ptrs = []
+        if record.kept is not None:
+            for t in out:
+                self.bytes.keep(t)
+        else:
+            self.bytes.add(("bits", key), int(record.bits.nbytes))
+            ptrs = [t.data_ptr() for t in out]
+        where = [ptrs.index(t.data_ptr()) if t.data_ptr() in ptrs else None for t in packed]
+        for t, j in zip(packed, where):
+            if j is None:
+                self.bytes.keep(t)
         return record, where
-
-    def dropout_call(self, run, prim, x):
-        raise NotImplementedError
 
     # -- runs ------------------------------------------------------------------------------------------
     def run_context(self, mode):

@@ -1,18 +1,11 @@
-"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md).
+"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md; why and at
+what cost: its "Stateful ops").
 
-Ops that write an argument (W1: ``side_effect_mem`` primitives such as
-BatchNorm in training, ``Assign*``, ``Scatter*``, ``Inplace*``, in-place
-collectives) write once per step: the re-run runs them on copies of what
-they write, taken before the forward's write (``StateSnapshot``), or keeps
-their outputs when those copies would cost more than the outputs (``KEEP``);
-a re-run op reading a written tensor reads the run's copy. All of a legacy
-op's Parameter arguments are copied, not only the written ones: the
-primitive's signature can't tell them apart (BatchNorm marks gamma and beta
-writable too). Parameters *rebound* in forward (``set_data``,
-``assign_value``, slice assignment: no op writes) are given back to the
-re-run by ``ReboundParameters`` (W4); a light re-run's late writes to buffers
-are undone by ``BufferGuard``. Why and at what cost: docs/exactness.md,
-"Stateful ops".
+Ops that write an argument (W1) run in the re-run on copies of what they
+write (``StateSnapshot``; all of a legacy op's Parameter arguments, which its
+signature can't tell apart), or keep their outputs when those copies would
+cost more (``KEEP``). Parameters rebound without an op are ``ReboundParameters``
+(W4); a light re-run's late writes to buffers are undone by ``BufferGuard``.
 """
 import contextlib
 import functools
@@ -74,6 +67,15 @@ def _item(args, pos):
     return args[pos[0]] if len(pos) == 1 else args[pos[0]][pos[1]]
 
 
+def _positions(args):
+    """``(position, value)`` of each argument, and of each item of a tuple or list one: ``(i,)`` / ``(i, j)``."""
+    for i, a in enumerate(args):
+        if isinstance(a, (tuple, list)):
+            yield from (((i, j), b) for j, b in enumerate(a))
+        else:
+            yield (i,), a
+
+
 def written_slots(name, args, param_ptrs):
     """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write.
 
@@ -82,13 +84,7 @@ def written_slots(name, args, param_ptrs):
     ``param_ptrs`` (a parameter of the region). Empty for every other op.
     """
     if is_side_effect_op(args):
-        slots = []
-        for i, a in enumerate(args):
-            if isinstance(a, Parameter):
-                slots.append((i,))
-            elif isinstance(a, (tuple, list)):
-                slots.extend((i, j) for j, b in enumerate(a) if isinstance(b, Parameter))
-        return slots
+        return [pos for pos, a in _positions(args) if isinstance(a, Parameter)]
     if name.startswith(_WRITES_FIRST) and args and isinstance(args[0], Tensor) and args[0].data_ptr() in param_ptrs:
         return [(0,)]
     return []
@@ -98,11 +94,7 @@ def choose_handling(args, slots):
     """SNAPSHOT unless the written tensors are larger than the op's other tensor inputs (then KEEP)."""
     written = {id(_item(args, pos)) for pos in slots}
     param_bytes = sum(int(_item(args, pos).nbytes) for pos in slots)
-    other_bytes = 0
-    for a in args:
-        for b in (a if isinstance(a, (tuple, list)) else (a,)):
-            if isinstance(b, Tensor) and id(b) not in written:
-                other_bytes += int(b.nbytes)
+    other_bytes = sum(int(b.nbytes) for _, b in _positions(args) if isinstance(b, Tensor) and id(b) not in written)
     return SNAPSHOT if param_bytes <= other_bytes else KEEP
 
 
@@ -166,31 +158,13 @@ class StateSnapshot:
 
 def read_slots(args, ptrs):
     """``[(position, data_ptr)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
-    found = []
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            ptr = a.data_ptr()
-            if ptr in ptrs:
-                found.append(((i,), ptr))
-        elif isinstance(a, (tuple, list)):
-            for j, b in enumerate(a):
-                if isinstance(b, Tensor) and b.data_ptr() in ptrs:
-                    found.append(((i, j), b.data_ptr()))
-    return found
+    return [(pos, t.data_ptr()) for pos, t in _positions(args) if isinstance(t, Tensor) and t.data_ptr() in ptrs]
 
 
 class BufferGuard:
-    """Copies of a region's non-trainable Parameters (its buffers) taken before a light re-run.
-
-    The light path runs a re-run without looking at its ops; its checking
-    call showed that the re-run writes nothing (a forward-time write guarded
-    by ``is_in_recompute()``, or none at all). A later call may still write
-    where the checking call did not (a write only some inputs trigger):
-    ``restore_if_written`` puts back what such a re-run wrote, so the write
-    lands once per step as without AC, and says so, so that the signature is
-    checked again. Cost: one copy per buffer and one comparison after the
-    re-run; nothing for a region without buffers.
-    """
+    """Copies of a region's non-trainable Parameters (its buffers) taken before a light re-run, whose
+    ``restore_if_written`` undoes a write its checking call did not show (docs/exactness.md, "The light
+    path": a late write is undone)."""
 
     __slots__ = ("params", "copies")
 
@@ -211,21 +185,9 @@ class BufferGuard:
 
 
 class ReboundParameters:
-    """A region's Parameters whose storage its forward replaced, with their values from before (rule W4).
-
-    A Parameter gets new storage without any op the dispatch sees: ``set_data``
-    (``self.count += 1`` and ``self.g = self.g * 0.999`` on a Cell go through it),
-    ``assign_value``, and slice assignment (``self.hist[1:4] = v``: a functional
-    ``TensorScatterUpdate``, then ``assign_value`` of its result). While the
-    forward runs, both methods are wrapped on each Parameter's instance (and put
-    back after, on every exit path); the first call per Parameter keeps a copy
-    of the value it replaces. The re-run starts from those copies, so it reads
-    what its forward read and rebinds them as the forward did, and each
-    Parameter then gets back what it held before the re-run: the update lands
-    once per step, as without AC, trainable weights included. Cost: four
-    attribute writes per Parameter and forward; one copy per rebound Parameter,
-    kept until backward. Nested regions chain their wrappers, so an enclosing
-    region sees the rebinding too.
+    """A region's Parameters whose storage its forward replaced (``set_data``, ``assign_value``, slice
+    assignment: no op the dispatch sees), with their values from before: rule W4 of docs/exactness.md.
+    Nested regions chain their wrappers, so an enclosing region sees the rebinding too.
     """
 
     __slots__ = ("params", "before")
@@ -264,10 +226,6 @@ class ReboundParameters:
                 else:
                     p.__dict__[method] = outer
             self.before = tuple(before.values())
-
-    def copies(self):
-        """The kept copies (for the region's byte count)."""
-        return [c for _, c in self.before]
 
     @contextlib.contextmanager
     def rerun_from(self):

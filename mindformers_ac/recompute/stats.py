@@ -1,23 +1,17 @@
 """Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run, which path ran.
 
-``RegionBytes`` is the one way a region counts its bytes during its forward
-(both paths); ``RecomputeStats`` sums the regions that are alive.
+``RegionBytes`` is the one ledger of what a region keeps, drops (to rebuild)
+and swaps during its forward: both paths into a region and output recompute's
+scope write it; ``RecomputeStats`` sums the ledgers of the regions that are
+alive, and ``accounting.LayerMeter``'s step figures read those sums. The swap
+engine's report is its own (docs/architecture.md says why).
 """
 import collections
 import weakref
-from typing import NamedTuple
 
 from mindspore import Tensor
 
 from ..tensors import output_tensors, storage_info
-
-
-class RegionTotals(NamedTuple):
-    """What one closed region forward kept, dropped and swapped, in bytes (``RegionBytes.totals``)."""
-
-    kept: int
-    dropped: int
-    swapped: int
 
 
 class RegionBytes:
@@ -30,13 +24,14 @@ class RegionBytes:
     hands the totals to a ``RecomputeStats`` and frees the per-storage maps.
     """
 
-    __slots__ = ("param_ptrs", "kept", "dropped", "swapped", "producer", "totals")
+    __slots__ = ("param_ptrs", "kept", "dropped", "swapped", "producer", "dropped_total", "rebuilt_bytes")
 
     def __init__(self, param_ptrs):
         self.param_ptrs = param_ptrs
         self.kept, self.dropped, self.swapped = {}, {}, {}
+        self.rebuilt_bytes = None   # dropped bytes known as a sum (``rebuilt``), not per storage
         self.producer = {}   # storage ptr -> index of the latest op whose output lives there
-        self.totals = None   # a RegionTotals once closed
+        self.dropped_total = 0   # the dropped bytes, once closed (a checking call's, for its light calls)
 
     def keep(self, t):
         """``t`` stays alive until backward because the region keeps it."""
@@ -66,24 +61,25 @@ class RegionBytes:
         ptr, nbytes = storage_info(t)
         self.dropped[(ptr, self.producer.get(ptr))] = nbytes
 
+    def rebuilt(self, nbytes):
+        """``nbytes`` more are dropped, counted by the caller (output recompute's settled calls; the light
+        path's checking call): they stand for the per-storage drops."""
+        self.rebuilt_bytes = (self.rebuilt_bytes or 0) + nbytes
+
     def swap(self, t):
         """``t`` was handed to a swap executor."""
         ptr, nbytes = storage_info(t)
         self.swapped[ptr] = nbytes
 
-    def close(self, stats, owner, dropped=None):
-        """Report the forward's totals to ``stats`` until ``owner`` (the region) is garbage.
-
-        ``dropped``: the dropped bytes when the caller knows them better than
-        what it recorded (the light path sees no dropped tensor: its path check's
-        figure stands for them).
-        """
+    def close(self, stats, owner):
+        """Report the forward's totals to ``stats`` until ``owner`` (the region) is garbage."""
         kept = sum(self.kept.values())
+        dropped = self.rebuilt_bytes
         if dropped is None:
             dropped = sum(n for (p, _), n in self.dropped.items() if p not in self.kept)
         swapped = sum(n for p, n in self.swapped.items() if p not in self.kept)
         self.kept = self.dropped = self.swapped = self.producer = None   # only the totals are needed now
-        self.totals = RegionTotals(kept, dropped, swapped)
+        self.dropped_total = dropped
         stats.open_region(owner, kept, dropped, swapped)
 
 

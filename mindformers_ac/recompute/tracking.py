@@ -82,16 +82,10 @@ def is_op_attribute(value):
 
 
 class PathTracker:
-    """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy.
-
-    Forward pre/post hooks on the root's sub-cells push and pop the cell path;
-    op attributes of the cells (Primitives and functions such as
-    ``core_attention.bmm_qk`` or ``mlp.activation_func``) get the track role of
-    their ``OpSlot``, which names the attribute while it runs.
-    Both act only when the innermost running region on this thread was created
-    with this tracker, so nested regions and calls outside regions are left
-    alone. ``remove()`` restores every attribute and hook.
-    """
+    """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy (how: the module
+    docstring). Its hooks and track roles act only when the innermost running region on this thread was
+    created with this tracker, so nested regions and calls outside regions are left alone. ``remove()``
+    restores every attribute and hook."""
 
     def __init__(self, root):
         self.root = root
