@@ -6,40 +6,105 @@ so the next step that re-ran a region was refused as a grad of a grad.
 Scenario ported from the peers' training loops that skip a bad batch
 (PyTorch ``test_autograd.py`` ``TestCheckpoint`` runs its cases one after
 the other in one process; HyperParallel's ``tests/torch/activation_checkpoint``
-cases share a process too): each kind of failure in a subprocess
-(``failed_step_worker.py``), every AC mode in it.
+cases share a process too): every kind of failure in every AC mode
+(``failed_step_worker.py``: the modes of ``test_three_runs.py``, with the
+memory budget failing while it profiles and once it is settled).
+
+To keep the suite's time, the kinds and modes share two worker processes run
+side by side (``PROCESSES``), each kind's model without AC trained once per
+process; the quick case (``-m "not slow"``) runs the layer-failure kind in a
+few modes in one more process. Where a mode runs matters: see the worker's
+docstring (a budget in a process where no ``checkpoint()`` held the grad-call
+counters; the ``checkpoint`` API first in its own). Measured on the shared
+machine (load about 1.6 to 2): the module took 86 s with its five workers of
+six modes each; 16 modes now.
 """
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from failed_step_worker import API_MODES, BUDGET_MODES, CONFIG_MODES, KINDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-MODES = ("full", "select_cell", "select_op", "exclude_op", "layer_swap", "checkpoint_api")
-KINDS = ("before_op", "after_op", "bad_keyword", "plain_grad", "in_backward")
+MODES = BUDGET_MODES + CONFIG_MODES + API_MODES
+QUICK_KIND, QUICK_MODES = "after_op", ("budget", "full", "group", "layer_swap", "op_swap")
+QUICK = {(QUICK_KIND, mode) for mode in QUICK_MODES}
+# the modes of each worker process, in order (about the same work each), and the schedules its model without
+# AC trains (a mode's name stands for its schedule; every other mode has full's): the budget first in one,
+# where nothing holds the grad-call counters; the checkpoint API first in the other, where nothing has failed yet
+PROCESSES = ((("budget", "full", "group", "select_cell", "select_op", "exclude_op", "layer_swap"), ("budget",)),
+             (("checkpoint_api", "checkpoint_wrapper", "swap_api", "swap_wrapper", "async_save_on_cpu", "mixed",
+               "op_swap", "recompute_comm"), ("full",)))
 
 
-def run_worker(kind):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "failed_step_worker.py"), kind],
-                          capture_output=True, text=True, timeout=600, check=False, cwd=HERE,
+def run_worker(jobs):
+    """The worker's runs for ``jobs`` (``[(kind, modes, plains), ...]``): ``{kind: {mode: outcome}}``."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "failed_step_worker.py"), json.dumps(jobs)],
+                          capture_output=True, text=True, timeout=900, check=False, cwd=HERE,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "after_op" else k
-                                  for k in KINDS])
-def test_a_failed_step_leaves_nothing_behind(kind):
-    result = run_worker(kind)
-    assert sorted(result) == sorted(MODES)
+def plain_name(mode):
+    return f"plain:{'budget' if mode in BUDGET_MODES else 'full'}"
+
+
+def first_difference(plain, other):
+    for step, (entries, got) in enumerate(zip(plain, other)):
+        for (what, digest), (_, digest_got) in zip(entries, got):
+            if digest != digest_got:
+                return f"step {step}: {what} differs"
+    return None if len(plain) == len(other) else "different number of steps"
+
+
+def check_outcome(kind, mode, outcome, plain):
+    assert "error" not in outcome, (kind, mode, outcome["error"])
     expected = "TypeError" if kind == "bad_keyword" else "InjectedFailure"
-    for mode, outcome in result.items():
-        assert outcome["raised"] == outcome["raised_without_ac"] == expected, (mode, outcome)
-        assert outcome["left_behind"] == {}, (mode, outcome)
-        assert outcome["difference"] is None, (mode, outcome)
+    assert outcome["raised"] == plain["raised"] == expected, (kind, mode, outcome["raised"], plain["raised"])
+    assert outcome["left_behind"] == {}, (kind, mode, outcome["left_behind"])
+    assert first_difference(plain["history"], outcome["history"]) is None, \
+        (kind, mode, first_difference(plain["history"], outcome["history"]))
+    assert outcome["not_acted"] is None, (kind, mode, outcome["not_acted"])
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Every kind in every mode but the quick case's, the two worker processes side by side."""
+    jobs = [[[kind, [m for m in modes if (kind, m) not in QUICK], list(plains)] for kind in KINDS]
+            for modes, plains in PROCESSES]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run_worker, jobs))
+    found = {}
+    for result in results:
+        for kind, runs in result.items():
+            found.update({(kind, mode): outcome for mode, outcome in runs.items()})
+    return found
+
+
+def test_the_processes_cover_every_mode_once():
+    assert sorted(m for modes, _ in PROCESSES for m in modes) == sorted(MODES)
+    assert set(QUICK_MODES) <= set(MODES)
+
+
+def test_a_failed_step_in_a_layer_leaves_nothing_behind_quick():
+    result = run_worker([[QUICK_KIND, list(QUICK_MODES), ["budget", "full"]]])[QUICK_KIND]
+    assert sorted(result) == sorted(QUICK_MODES + ("plain:budget", "plain:full"))
+    for mode in QUICK_MODES:
+        check_outcome(QUICK_KIND, mode, result[mode], result[plain_name(mode)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_step_leaves_nothing_behind_in_every_mode(outcomes, kind):
+    modes = [m for m in MODES if (kind, m) not in QUICK]
+    assert sorted(m for k, m in outcomes if k == kind and not m.startswith("plain:")) == sorted(modes)
+    for mode in modes:
+        check_outcome(kind, mode, outcomes[(kind, mode)], outcomes[(kind, plain_name(mode))])
 
 
 def test_grad_calls_are_counted_while_ac_is_installed_and_right_after_a_failed_call():
