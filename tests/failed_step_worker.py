@@ -1,22 +1,25 @@
 """Failed steps, caught by the training loop, in every AC mode: prints one JSON line.
 
-    python failed_step_worker.py '[[KIND, [MODE, ...], [PLAIN, ...]], ...]'
+    python failed_step_worker.py '[[[KIND, ...], [MODE, ...], [PLAIN, ...]], ...]'
 
 Run by ``test_failed_steps.py`` in a fresh interpreter (an exception inside
 MindSpore's grad leaves its executor in a state that lasts for the process:
-its grad flag stays set). Per kind, each mode's model with AC trains its
-schedule (``SCHEDULES``: ``STEPS`` steps, step ``FAIL_AT`` failing first); a
-failed step is caught and not applied (no ``clear_res()``: a loop that skips
-a bad batch does not know it). The model without AC trains each schedule
-named in ``PLAIN`` (a mode's name stands for its schedule), after the kind's
-first AC model, and the test compares every AC run with it, from this
-process or another: the histories (digests of the loss, every gradient and
-every parameter, per step) must be equal, the library must have left no
-engine run, saved-tensor hook, dispatch mode or swap group behind, and the
-mode must have acted. Each mode's AC is removed after its run, so the next
-model starts with nothing of it; the first AC model of a process meets a
-process where nothing has failed yet, the others one where earlier steps
-failed (as a user's later models would).
+its grad flag stays set). Each mode's model with AC trains once through every
+kind of failure: step 0 trains, then steps 1, 2, ... each fail first, one
+kind after the other, are caught and not applied (no ``clear_res()``: a loop
+that skips a bad batch does not know it), and then train (``schedule``). The
+model without AC trains the same schedule once per process (a mode's name in
+``PLAIN`` stands for its schedule), after the first AC model, and the test
+compares every AC run with it, from this process or another: the histories
+(digests of the loss, every gradient and every parameter, per step: the step
+after each kind of failure must train as without AC) must be equal, after
+each failure the library must have left no engine run, saved-tensor hook,
+dispatch mode or swap group behind, and the mode must have acted. Each
+mode's AC is removed after its run, so the next model starts with nothing of
+it; the first AC model of a process meets a process where nothing has failed
+yet, the others one where earlier steps failed (as a user's later models
+would). One run per mode, not one per kind and mode, keeps the module within
+the time of its six modes before (a model's first steps cost the most).
 
 The kinds (issue 38, point 1, found by porting HyperParallel's and PyTorch's
 checkpoint tests, whose loops go on after a failed step):
@@ -34,10 +37,10 @@ layer groups, select of a cell, select of an op, ``exclude_op``,
 ``recompute_comm``, layer swap, op swap, ``mixed``), the APIs (``checkpoint``
 and ``swap`` around each layer call, ``checkpoint_wrapper`` and
 ``swap_wrapper`` on each layer, MindSpeed's ``async_save_on_cpu``) and
-``budget`` (a ``memory_budget``), whose run fails twice: in its second
-profiling step (the meter's hooks are on; the plan is installed two steps
-later) and once its plan is settled (a bad batch in a long run). It must end
-with a settled plan that acted on the last step.
+``budget`` (a ``memory_budget`` profiling 3 steps), whose first failures hit
+it while it profiles (the meter's hooks are on), the third while it checks
+its chosen plan, the others once the plan is settled (a bad batch in a long
+run). It must end with a settled plan that acted on the last step.
 
 Where a mode runs in its process matters (``test_failed_steps.py`` places
 them): a budget installs its plans inside a training forward, and once
@@ -88,10 +91,9 @@ API_MODES = ("checkpoint_api", "checkpoint_wrapper", "swap_api", "swap_wrapper",
 BUDGET_MODES = ("budget",)
 # the budget modes first, ``checkpoint_api`` last: it holds the grad-call counters for the process
 MODES = BUDGET_MODES + CONFIG_MODES + tuple(sorted(API_MODES, key=lambda mode: mode == "checkpoint_api"))
-# (steps, failing steps): the budget profiles 3 steps (warm-up, baseline, full recompute), checks its plan on
-# one step, and ends with a step under its settled plan
-STEPS, FAIL_AT = 3, (1,)
-SCHEDULES = {"budget": (6, (1, 4))}
+# the budget profiles 3 steps (warm-up, baseline, full recompute), checks its plan on one step, and ends with
+# a step under its settled plan
+BUDGET_STEPS = 6
 BUDGET = {"memory_budget": {"activations": "0.5x", "profile_steps": 3}}
 
 
@@ -183,25 +185,34 @@ def _digests(record):
             + [(name, digest(p)) for name, p in params])
 
 
-def train(model, kind, steps=STEPS, fail_at=FAIL_AT, work=None):
+def schedule(kinds, mode):
+    """``(steps, {step: kind})``: step 0 trains, the next ones fail first, one kind each, and train; a budget
+    trains on until a step under its settled plan."""
+    failures = {1 + i: kind for i, kind in enumerate(kinds)}
+    steps = len(kinds) + 1
+    return (max(steps + 1, BUDGET_STEPS) if mode in BUDGET_MODES else steps), failures
+
+
+def train(model, steps, failures, work=None):
     """The history of ``steps`` steps (per step, digests of the loss, every gradient, every parameter), each
-    step of ``fail_at`` failing once first (``kind``) and then trained; the failure's type name; the library's
-    state right after the last failure (what is left behind, merged over the failures). ``work``: called
-    after every step (its results in a list, the fourth value)."""
+    step of ``failures`` failing once first (its kind) and then trained; per kind, the failure's type name
+    and what the library left right after it. ``work``: called after every step (its results in a list, the
+    fourth value)."""
     model.set_train(True)
     opt = nn.SGD(model.trainable_params(), learning_rate=0.05)
     grad_fn = ms.value_and_grad(model, None, opt.parameters)
-    history, raised, state, done = [], None, {}, []
+    history, raised, left, done = [], {}, {}, []
     for step in range(steps):
-        if step in fail_at:
-            raised = fail_once(model, grad_fn, hidden_batch(step), kind)
-            state.update({k: v for k, v in library_state().items() if v})
+        if step in failures:
+            kind = failures[step]
+            raised[kind] = fail_once(model, grad_fn, hidden_batch(step), kind)
+            left[kind] = {k: v for k, v in library_state().items() if v}
         loss, grads = grad_fn(*hidden_batch(step))
         opt(grads)
         history.append(_digests(_record(model, loss, grads)))
         if work is not None:
             done.append(work())
-    return history, raised, state, done
+    return history, raised, left, done
 
 
 def _swapped_total():
@@ -264,15 +275,15 @@ def acted(mode, model, work_done):
     return None
 
 
-def run_mode(kind, mode):
-    """One model under ``mode`` through its schedule with the failing steps ``kind``."""
+def run_mode(kinds, mode):
+    """One model under ``mode`` through its schedule with the failing steps ``kinds``."""
     started = time.perf_counter()
     model, work = with_ac(mode)
     try:
-        history, raised, state, work_done = train(model, kind, *SCHEDULES.get(mode, (STEPS, FAIL_AT)), work)
+        history, raised, left, work_done = train(model, *schedule(kinds, mode), work)
     except Exception as exc:  # pylint: disable=broad-exception-caught  # the test shows it, per mode
         return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-    outcome = {"history": history, "raised": raised, "left_behind": state, "not_acted": acted(mode, model, work_done)}
+    outcome = {"history": history, "raised": raised, "left_behind": left, "not_acted": acted(mode, model, work_done)}
     # nothing of this mode for the next: its wrappers off, AC removed, the process-wide manager empty
     for layer in model.layers if mode.endswith("wrapper") else ():
         (mac.unwrap if mode == "checkpoint_wrapper" else mac.remove_swap_wrapper)(layer)
@@ -282,27 +293,28 @@ def run_mode(kind, mode):
     return {**outcome, "seconds": round(time.perf_counter() - started, 1)}
 
 
-def train_plain(kind, plains):
+def train_plain(kinds, plains):
     """``{"plain:" + mode: {"history", "raised"}}`` of the model without AC under each mode's schedule."""
     runs = {}
     for mode in plains:
-        history, raised, _, _ = train(build(), kind, *SCHEDULES.get(mode, (STEPS, FAIL_AT)))
+        history, raised, _, _ = train(build(), *schedule(kinds, mode))
         runs[f"plain:{mode}"] = {"history": history, "raised": raised}
     return runs
 
 
 def main(jobs):
-    """``jobs``: JSON ``[[kind, [mode, ...], [plain, ...]], ...]``, run in this order. Prints
-    ``{kind: {mode or "plain:" + mode: outcome}}`` (a plain run under that mode's schedule)."""
-    result = {}
-    for kind, modes, plains in json.loads(jobs):
-        runs = result[kind] = {}
+    """``jobs``: JSON ``[[kinds, [mode, ...], [plain, ...]], ...]``, run in this order. Prints one list of
+    ``{mode or "plain:" + mode: outcome}`` per job (a plain run under that mode's schedule)."""
+    result = []
+    for kinds, modes, plains in json.loads(jobs):
+        runs = {}
         for position, mode in enumerate(modes):
-            runs[mode] = run_mode(kind, mode)
-            if position == 0:   # the model without AC after the first AC model of the kind
-                runs.update(train_plain(kind, plains))
+            runs[mode] = run_mode(kinds, mode)
+            if position == 0:   # the model without AC after the first AC model of the process
+                runs.update(train_plain(kinds, plains))
         if not modes:
-            runs.update(train_plain(kind, plains))
+            runs.update(train_plain(kinds, plains))
+        result.append(runs)
     print(json.dumps(result))
 
 

@@ -10,14 +10,19 @@ cases share a process too): every kind of failure in every AC mode
 (``failed_step_worker.py``: the modes of ``test_three_runs.py``, with the
 memory budget failing while it profiles and once it is settled).
 
-To keep the suite's time, the kinds and modes share two worker processes run
-side by side (``PROCESSES``), each kind's model without AC trained once per
-process; the quick case (``-m "not slow"``) runs the layer-failure kind in a
-few modes in one more process. Where a mode runs matters: see the worker's
+To keep the suite's time, each mode trains once through all five kinds of
+failure (one after the other, each followed by a step that must train as
+without AC), the modes share two worker processes run side by side
+(``PROCESSES``), and the model without AC trains once per process; the quick
+case (``-m "not slow"`` only) runs the layer failure in a few modes. Where a mode runs matters: see the worker's
 docstring (a budget in a process where no ``checkpoint()`` held the grad-call
 counters; the ``checkpoint`` API first in its own). Measured on the shared
-machine (load about 1.6 to 2): the module took 86 s with its five workers of
-six modes each; 16 modes now.
+2-core machine, one right after the other at a load of 9 to 10: the module
+took 75 s (48 s of CPU) with its five workers of six modes each (one worker
+per kind, a model without AC per mode); 42 s (36 s of CPU) with 16 modes
+now; 13 s for ``-m "not slow"``. Without the budget's fix
+(``BudgetController.install`` holding the grad-call counters) the budget case
+fails here.
 """
 import json
 import os
@@ -32,7 +37,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MODES = BUDGET_MODES + CONFIG_MODES + API_MODES
 QUICK_KIND, QUICK_MODES = "after_op", ("budget", "full", "group", "layer_swap", "op_swap")
-QUICK = {(QUICK_KIND, mode) for mode in QUICK_MODES}
 # the modes of each worker process, in order (about the same work each), and the schedules its model without
 # AC trains (a mode's name stands for its schedule; every other mode has full's): the budget first in one,
 # where nothing holds the grad-call counters; the checkpoint API first in the other, where nothing has failed yet
@@ -42,7 +46,7 @@ PROCESSES = ((("budget", "full", "group", "select_cell", "select_op", "exclude_o
 
 
 def run_worker(jobs):
-    """The worker's runs for ``jobs`` (``[(kind, modes, plains), ...]``): ``{kind: {mode: outcome}}``."""
+    """The worker's runs for ``jobs`` (``[(kinds, modes, plains), ...]``): per job ``{mode: outcome}``."""
     proc = subprocess.run([sys.executable, os.path.join(HERE, "failed_step_worker.py"), json.dumps(jobs)],
                           capture_output=True, text=True, timeout=900, check=False, cwd=HERE,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE])})
@@ -54,36 +58,32 @@ def plain_name(mode):
     return f"plain:{'budget' if mode in BUDGET_MODES else 'full'}"
 
 
-def first_difference(plain, other):
+def first_difference(plain, other, kinds):
     for step, (entries, got) in enumerate(zip(plain, other)):
         for (what, digest), (_, digest_got) in zip(entries, got):
             if digest != digest_got:
-                return f"step {step}: {what} differs"
+                after = f" (after the {kinds[step - 1]} failure)" if 0 < step <= len(kinds) else ""
+                return f"step {step}{after}: {what} differs"
     return None if len(plain) == len(other) else "different number of steps"
 
 
-def check_outcome(kind, mode, outcome, plain):
-    assert "error" not in outcome, (kind, mode, outcome["error"])
-    expected = "TypeError" if kind == "bad_keyword" else "InjectedFailure"
-    assert outcome["raised"] == plain["raised"] == expected, (kind, mode, outcome["raised"], plain["raised"])
-    assert outcome["left_behind"] == {}, (kind, mode, outcome["left_behind"])
-    assert first_difference(plain["history"], outcome["history"]) is None, \
-        (kind, mode, first_difference(plain["history"], outcome["history"]))
-    assert outcome["not_acted"] is None, (kind, mode, outcome["not_acted"])
+def check_outcome(mode, outcome, plain, kinds):
+    assert "error" not in outcome, (mode, outcome["error"])
+    expected = {kind: "TypeError" if kind == "bad_keyword" else "InjectedFailure" for kind in kinds}
+    assert outcome["raised"] == plain["raised"] == expected, (mode, outcome["raised"], plain["raised"])
+    assert outcome["left_behind"] == {kind: {} for kind in kinds}, (mode, outcome["left_behind"])
+    difference = first_difference(plain["history"], outcome["history"], kinds)
+    assert difference is None, (mode, difference)
+    assert outcome["not_acted"] is None, (mode, outcome["not_acted"])
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    """Every kind in every mode but the quick case's, the two worker processes side by side."""
-    jobs = [[[kind, [m for m in modes if (kind, m) not in QUICK], list(plains)] for kind in KINDS]
-            for modes, plains in PROCESSES]
+    """Every mode through every kind, the two worker processes side by side: ``{mode: outcome}``."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(run_worker, jobs))
-    found = {}
-    for result in results:
-        for kind, runs in result.items():
-            found.update({(kind, mode): outcome for mode, outcome in runs.items()})
-    return found
+        results = list(pool.map(run_worker, [[[list(KINDS), list(modes), list(plains)]]
+                                             for modes, plains in PROCESSES]))
+    return {mode: outcome for (runs,) in results for mode, outcome in runs.items()}
 
 
 def test_the_processes_cover_every_mode_once():
@@ -91,20 +91,28 @@ def test_the_processes_cover_every_mode_once():
     assert set(QUICK_MODES) <= set(MODES)
 
 
-def test_a_failed_step_in_a_layer_leaves_nothing_behind_quick():
-    result = run_worker([[QUICK_KIND, list(QUICK_MODES), ["budget", "full"]]])[QUICK_KIND]
-    assert sorted(result) == sorted(QUICK_MODES + ("plain:budget", "plain:full"))
+def _slow_tests_selected(request):
+    return any(item.get_closest_marker("slow") is not None and item.module is request.module
+               for item in request.session.items)
+
+
+def test_a_failed_step_in_a_layer_leaves_nothing_behind_quick(request):
+    """The quick loop's case: the failure inside a layer, a few modes, in a process of its own. When this
+    module's slow tests run too, it reads those modes from their processes (every kind; one process fewer)."""
+    if _slow_tests_selected(request):
+        result, kinds = request.getfixturevalue("outcomes"), KINDS
+    else:
+        (result,), kinds = run_worker([[[QUICK_KIND], list(QUICK_MODES), ["budget", "full"]]]), [QUICK_KIND]
+        assert sorted(result) == sorted(QUICK_MODES + ("plain:budget", "plain:full"))
     for mode in QUICK_MODES:
-        check_outcome(QUICK_KIND, mode, result[mode], result[plain_name(mode)])
+        check_outcome(mode, result[mode], result[plain_name(mode)], kinds)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_failed_step_leaves_nothing_behind_in_every_mode(outcomes, kind):
-    modes = [m for m in MODES if (kind, m) not in QUICK]
-    assert sorted(m for k, m in outcomes if k == kind and not m.startswith("plain:")) == sorted(modes)
-    for mode in modes:
-        check_outcome(kind, mode, outcomes[(kind, mode)], outcomes[(kind, plain_name(mode))])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_step_leaves_nothing_behind_in_every_mode(outcomes, mode):
+    """Each kind of failure, one after the other in one training run, then a step that trains bitwise."""
+    check_outcome(mode, outcomes[mode], outcomes[plain_name(mode)], KINDS)
 
 
 def test_grad_calls_are_counted_while_ac_is_installed_and_right_after_a_failed_call():
