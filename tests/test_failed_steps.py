@@ -6,40 +6,113 @@ so the next step that re-ran a region was refused as a grad of a grad.
 Scenario ported from the peers' training loops that skip a bad batch
 (PyTorch ``test_autograd.py`` ``TestCheckpoint`` runs its cases one after
 the other in one process; HyperParallel's ``tests/torch/activation_checkpoint``
-cases share a process too): each kind of failure in a subprocess
-(``failed_step_worker.py``), every AC mode in it.
+cases share a process too): every kind of failure in every AC mode
+(``failed_step_worker.py``: the modes of ``test_three_runs.py``, with the
+memory budget failing while it profiles and once it is settled).
+
+To keep the suite's time, each mode trains once through all five kinds of
+failure (one after the other, each followed by a step that must train as
+without AC), the modes share two worker processes run side by side
+(``PROCESSES``), and the model without AC trains once per process; the quick
+case (``-m "not slow"`` only) runs the layer failure in a few modes. Where a mode runs matters: see the worker's
+docstring (a budget in a process where no ``checkpoint()`` held the grad-call
+counters; the ``checkpoint`` API first in its own). Measured on the shared
+2-core machine, one right after the other at a load of 9 to 10: the module
+took 75 s (48 s of CPU) with its five workers of six modes each (one worker
+per kind, a model without AC per mode); 42 s (36 s of CPU) with 16 modes
+now; 13 s for ``-m "not slow"``. Without the budget's fix
+(``BudgetController.install`` holding the grad-call counters) the budget case
+fails here.
 """
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from failed_step_worker import API_MODES, BUDGET_MODES, CONFIG_MODES, KINDS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-MODES = ("full", "select_cell", "select_op", "exclude_op", "layer_swap", "checkpoint_api")
-KINDS = ("before_op", "after_op", "bad_keyword", "plain_grad", "in_backward")
+MODES = BUDGET_MODES + CONFIG_MODES + API_MODES
+QUICK_KIND, QUICK_MODES = "after_op", ("budget", "full", "group", "layer_swap", "op_swap")
+# the modes of each worker process, in order (about the same work each), and the schedules its model without
+# AC trains (a mode's name stands for its schedule; every other mode has full's): the budget first in one,
+# where nothing holds the grad-call counters; the checkpoint API first in the other, where nothing has failed yet
+PROCESSES = ((("budget", "full", "group", "select_cell", "select_op", "exclude_op", "layer_swap"), ("budget",)),
+             (("checkpoint_api", "checkpoint_wrapper", "swap_api", "swap_wrapper", "async_save_on_cpu", "mixed",
+               "op_swap", "recompute_comm"), ("full",)))
 
 
-def run_worker(kind):
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "failed_step_worker.py"), kind],
-                          capture_output=True, text=True, timeout=600, check=False, cwd=HERE,
+def run_worker(jobs):
+    """The worker's runs for ``jobs`` (``[(kinds, modes, plains), ...]``): per job ``{mode: outcome}``."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "failed_step_worker.py"), json.dumps(jobs)],
+                          capture_output=True, text=True, timeout=900, check=False, cwd=HERE,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join([REPO, HERE])})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k != "after_op" else k
-                                  for k in KINDS])
-def test_a_failed_step_leaves_nothing_behind(kind):
-    result = run_worker(kind)
-    assert sorted(result) == sorted(MODES)
-    expected = "TypeError" if kind == "bad_keyword" else "InjectedFailure"
-    for mode, outcome in result.items():
-        assert outcome["raised"] == outcome["raised_without_ac"] == expected, (mode, outcome)
-        assert outcome["left_behind"] == {}, (mode, outcome)
-        assert outcome["difference"] is None, (mode, outcome)
+def plain_name(mode):
+    return f"plain:{'budget' if mode in BUDGET_MODES else 'full'}"
+
+
+def first_difference(plain, other, kinds):
+    for step, (entries, got) in enumerate(zip(plain, other)):
+        for (what, digest), (_, digest_got) in zip(entries, got):
+            if digest != digest_got:
+                after = f" (after the {kinds[step - 1]} failure)" if 0 < step <= len(kinds) else ""
+                return f"step {step}{after}: {what} differs"
+    return None if len(plain) == len(other) else "different number of steps"
+
+
+def check_outcome(mode, outcome, plain, kinds):
+    assert "error" not in outcome, (mode, outcome["error"])
+    expected = {kind: "TypeError" if kind == "bad_keyword" else "InjectedFailure" for kind in kinds}
+    assert outcome["raised"] == plain["raised"] == expected, (mode, outcome["raised"], plain["raised"])
+    assert outcome["left_behind"] == {kind: {} for kind in kinds}, (mode, outcome["left_behind"])
+    difference = first_difference(plain["history"], outcome["history"], kinds)
+    assert difference is None, (mode, difference)
+    assert outcome["not_acted"] is None, (mode, outcome["not_acted"])
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Every mode through every kind, the two worker processes side by side: ``{mode: outcome}``."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run_worker, [[[list(KINDS), list(modes), list(plains)]]
+                                             for modes, plains in PROCESSES]))
+    return {mode: outcome for (runs,) in results for mode, outcome in runs.items()}
+
+
+def test_the_processes_cover_every_mode_once():
+    assert sorted(m for modes, _ in PROCESSES for m in modes) == sorted(MODES)
+    assert set(QUICK_MODES) <= set(MODES)
+
+
+def _slow_tests_selected(request):
+    return any(item.get_closest_marker("slow") is not None and item.module is request.module
+               for item in request.session.items)
+
+
+def test_a_failed_step_in_a_layer_leaves_nothing_behind_quick(request):
+    """The quick loop's case: the failure inside a layer, a few modes, in a process of its own. When this
+    module's slow tests run too, it reads those modes from their processes (every kind; one process fewer)."""
+    if _slow_tests_selected(request):
+        result, kinds = request.getfixturevalue("outcomes"), KINDS
+    else:
+        (result,), kinds = run_worker([[[QUICK_KIND], list(QUICK_MODES), ["budget", "full"]]]), [QUICK_KIND]
+        assert sorted(result) == sorted(QUICK_MODES + ("plain:budget", "plain:full"))
+    for mode in QUICK_MODES:
+        check_outcome(mode, result[mode], result[plain_name(mode)], kinds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_step_leaves_nothing_behind_in_every_mode(outcomes, mode):
+    """Each kind of failure, one after the other in one training run, then a step that trains bitwise."""
+    check_outcome(mode, outcomes[mode], outcomes[plain_name(mode)], KINDS)
 
 
 def test_grad_calls_are_counted_while_ac_is_installed_and_right_after_a_failed_call():

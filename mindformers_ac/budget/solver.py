@@ -40,7 +40,7 @@ from ..plan import LayerPlan
 from ..tensors import MiB
 from .sizes import format_bytes
 
-# Step-time differences below this fraction of the baseline step are noise to ``plan_within``: one measured
+# Step-time differences below this fraction of the baseline step are noise to the planners: one measured
 # step per option on a shared CPU moves by that much between runs of the same command.
 TIME_NOISE = 0.10
 
@@ -101,6 +101,7 @@ class Profile:
     swap_copy_s: float = None         # raw host copy time (out and back) of the profiled swap run, per step
     swap_cost_s: float = None         # step time that swap run measured on top of the baseline
     step_times: dict = field(default_factory=dict)   # option name -> median step time, all layers
+    time_spread_s: float = 0.0        # the widest interquartile range of one option's step times (offline)
     description: str = ""
 
     @property
@@ -254,6 +255,8 @@ class BudgetPlan:
                  f"{self.predicted_peak / MiB:>8.2f} MiB",
                  f"{'step time':24}{p.baseline_step_s * 1000:>9.1f} ms{self.predicted_step_s * 1000:>9.1f} ms",
                  f"backward recompute transient (not in the peak): {format_bytes(self.transient_bytes)}"]
+        if self.tie:
+            lines.append(f"a tie: {self.tie}")
         if p.host_bandwidth:
             lines.append(f"host copy bandwidth {p.host_bandwidth / 2 ** 30:.2f} GiB/s")
         if p.swap_copy_s is not None:
@@ -301,7 +304,8 @@ def minimum_peak(profile, prefetch=None):
 
 
 def plan_budget(profile, budget, prefetch=None, resolution=20000):
-    """The least-step-time ``BudgetPlan`` whose predicted peak fits ``budget`` bytes.
+    """The least-step-time ``BudgetPlan`` whose predicted peak fits ``budget`` bytes; of plans predicted within
+    ``timing_noise`` of it, the one of least bytes (``_settle_ties``: ``BudgetPlan.tie`` says so).
 
     Raises ``ConfigError("--budget", ...)`` when the budget is below the least
     reachable peak, saying that minimum and which options reach it.
@@ -316,9 +320,52 @@ def plan_budget(profile, budget, prefetch=None, resolution=20000):
                                       f"{least / profile.baseline_peak:.2f}x baseline), reached with "
                                       f"{summarize(options)}; ask for at least that much")
     p = profile.prefetch if prefetch is None else prefetch
-    plan = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice])
+    fastest = BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in choice])
+    # the least bytes among the plans within the timing noise of the fastest: the same knapsack with the
+    # roles swapped (least kept bytes within the fastest's added time plus the noise); it fits the budget,
+    # since the fastest is one of them
+    time_cap = fastest.predicted_step_s - profile.baseline_step_s + timing_noise(profile)
+    least = solve(np.maximum(profile.time, 0.0), np.where(allowed, profile.mem, np.inf), allowed, time_cap)
+    candidates = [fastest]
+    if least is not None:
+        candidates.append(BudgetPlan(profile=profile, budget=int(budget), choice=[int(k) for k in least]))
+    plan = _settle_ties([c for c in candidates if c.predicted_peak <= budget], profile,
+                        peak=lambda c: c.predicted_peak)
     plan.profile = _with_prefetch(profile, p)
     return plan
+
+
+def _settle_ties(fitting, profile, peak):
+    """The plan of ``fitting`` (``BudgetPlan``s that fit) to choose: the fastest, unless others are predicted
+    within ``timing_noise`` of it: then the one of least ``peak(plan)`` bytes (then the
+    fastest of those, then the first option in the profile's order), with ``tie`` saying so. Times that close
+    move between two runs of the same command; bytes do not."""
+    fastest = min(fitting, key=lambda c: (c.predicted_step_s, peak(c), c.choice))
+    if not any(fastest.choice):
+        return fastest   # the model fits the budget without AC: nothing to trade, no AC
+    noise = timing_noise(profile)
+    tied = [c for c in fitting if c.predicted_step_s <= fastest.predicted_step_s + noise]
+    best = min(tied, key=lambda c: (peak(c), c.predicted_step_s, c.choice))
+    if best.choice != fastest.choice:
+        best.tie = (f"{fastest.summary()} was predicted {(best.predicted_step_s - fastest.predicted_step_s) * 1000:.1f} "
+                    f"ms faster, within the timing noise ({noise_source(profile)}): chosen by bytes, "
+                    f"{format_bytes(peak(best))} against {format_bytes(peak(fastest))}")
+    return best
+
+
+def timing_noise(profile):
+    """Seconds of predicted step time within which two plans tie: ``TIME_NOISE`` of the step without AC, or
+    the profile's own spread of step times (``Profile.time_spread_s``: a loaded machine moves its medians
+    by as much between two runs), whichever is larger."""
+    return max(TIME_NOISE * profile.baseline_step_s, profile.time_spread_s)
+
+
+def noise_source(profile):
+    """What ``timing_noise`` is, in words."""
+    if profile.time_spread_s > TIME_NOISE * profile.baseline_step_s:
+        return (f"{profile.time_spread_s * 1000:.1f} ms, the widest spread of one option's step times in this "
+                f"profile, over {TIME_NOISE:.0%} of the {profile.baseline_step_s * 1000:.1f} ms step without AC")
+    return f"{TIME_NOISE:.0%} of the {profile.baseline_step_s * 1000:.1f} ms step without AC"
 
 
 def _with_prefetch(profile, prefetch):
@@ -380,13 +427,5 @@ def plan_within(profile, budget):
             least = plan
     if not fitting:
         return least, False
-    fastest = min(fitting, key=lambda p: (p.predicted_step_s, p.backward_peak))
-    noise = TIME_NOISE * profile.baseline_step_s
-    tied = [p for p in fitting if p.predicted_step_s <= fastest.predicted_step_s + noise]
-    best = min(tied, key=lambda p: (p.backward_peak, p.predicted_step_s))
-    if best.choice != fastest.choice:
-        best.tie = (f"{fastest.summary()} was predicted {(best.predicted_step_s - fastest.predicted_step_s) * 1000:.1f} "
-                    f"ms faster, within the timing noise ({TIME_NOISE:.0%} of the "
-                    f"{profile.baseline_step_s * 1000:.1f} ms step without AC): chosen by bytes, "
-                    f"{format_bytes(best.backward_peak)} against {format_bytes(fastest.backward_peak)}")
+    best = _settle_ties(fitting, profile, peak=lambda p: p.backward_peak)
     return best, True
