@@ -7,8 +7,8 @@ from mindformers_ac.mindspore_compat import synchronous_pynative
 
 synchronous_pynative("CPU")
 
-# The modules that take longest, longest first (a `--durations` run): pytest.ini hands whole modules to two
-# workers in collection order, and a long module started last would keep one worker busy after the other ends.
+# The modules that take longest, longest first (a `--durations` run): pytest.ini hands whole modules to the
+# workers in collection order, and a long module started last would keep one worker busy after the others end.
 LONGEST_FIRST = ("test_three_runs.py", "test_tp.py", "test_data_parallel.py", "test_ep.py",
                  "test_model_patterns.py", "test_training_run.py", "test_model_lifetimes.py",
                  "test_pipeline_msrun.py", "test_failed_steps.py", "test_user_model.py", "test_moe.py")
