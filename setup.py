@@ -23,7 +23,7 @@ setup(
         "matplotlib",
     ],
     # setuptools and wheel: tests/test_packaging.py builds the wheel offline (--no-build-isolation);
-    # pytest-xdist: the suite runs on two workers (pytest.ini)
+    # pytest-xdist: the suite runs on three workers (pytest.ini)
     extras_require={"test": ["pytest", "pytest-xdist", "hypothesis", "setuptools", "wheel", "ruff"]},
     entry_points={"console_scripts": ["mindformers-ac=mindformers_ac.harness.cli:main"]},
 )
