@@ -16,7 +16,7 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
-* ``EXECUTOR_CALLS`` (``ExecutorCalls``): while AC is installed, counters at
+* ``EXECUTOR_CALLS`` (``ExecutorCalls``): from ``import mindformers_ac`` on, counters at
   MindSpore's grad-call entry points (``mindspore.ops.composite.base``'s
   ``_pynative_func_grad_forward`` / ``_backward``, the two halves of
   ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp``) and at the
@@ -84,11 +84,10 @@ _GRAD_ENTRY_MODULES = ("mindspore.ops.composite.base",   # GradOperation, ms.gra
 
 
 class ExecutorCalls:
-    """What MindSpore's executor is doing on this thread, counted at its Python entry points while held.
+    """What MindSpore's executor is doing on this thread, counted at its Python entry points.
 
-    While at least one holder has it (``acquire()``, refcounted; the last
-    ``release()`` puts MindSpore's own functions back), wrappers kept in
-    ``try``/``finally`` count, per thread:
+    Installed once, by ``import mindformers_ac`` (``install()``), and kept
+    for the process: wrappers kept in ``try``/``finally`` count, per thread:
 
     * ``grad_forward``: grad calls running their forward half
       (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
@@ -102,32 +101,34 @@ class ExecutorCalls:
       (``set_cell_use_dynamic_shape_process``).
 
     MindSpore 2.10 undoes none of these on an exception (no ``finally``): a
-    grad call whose function raised leaves its grad flag set, and a raise
-    through a cell call leaves its type pushed. The counters are what is
-    running now, so they stay right after such a failure; nothing here
-    repairs the executor itself (docs/exactness.md, "Higher-order gradients", says why).
+    grad call whose function raised leaves its grad flag set for the rest of
+    the process, and a raise through a cell call leaves its type pushed. The
+    counters are what is running now, so they stay right after such a
+    failure; nothing here repairs the executor itself (docs/exactness.md,
+    "Higher-order gradients", says why).
 
-    A grad call that started before the wrappers were installed is not
-    counted: when installed while the executor records a graph
-    (``requires_grad()``: the first ``checkpoint()`` call of a process,
-    made inside its first grad call), ``grad_forward_running()`` answers
-    from that flag until the next grad call this thread starts outside any
-    counted one. No Python frame is read.
+    Why at import and not with the first wrapper: counters installed later
+    can't tell a grad call that started before them from a flag a failed
+    call left set (MindSpore 2.10 has no state that tells them apart), and
+    ``checkpoint()`` is first called inside a grad call. The wrappers only
+    count; MindSpore's functions run unchanged inside them. A grad call
+    running while the package is imported is not counted:
+    ``grad_forward_running()`` answers from the executor's flag until the
+    next grad call this thread starts outside any counted one. No Python
+    frame is read.
     """
 
     def __init__(self):
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._holders = 0
-        self._patches = []   # (owner, attribute, MindSpore's original, our wrapper)
-        self._process_hold = None
+        self._patches = []   # (owner, attribute, our wrapper)
 
     def _state(self):
         local = self._local
         if not hasattr(local, "grad_forward"):
             local.grad_forward = local.grad_calls = local.precision_pushes = 0
             local.dynamic_shape = False
-            local.unseen = False   # a grad call may be running that started before the wrappers
+            local.unseen = False   # install() sets it on the importing thread: a grad call may run there
         return local
 
     # -- what the engine asks ------------------------------------------------------------------
@@ -136,10 +137,7 @@ class ExecutorCalls:
 
         A backward that runs meanwhile is being recorded for that grad: a
         higher-order gradient. The executor's ``requires_grad()`` alone can't
-        tell: a grad call whose function raised leaves it set. Not held: that
-        flag is all there is."""
-        if not self._holders:
-            return pynative_executor.requires_grad()
+        tell: a grad call whose function raised leaves it set."""
         local = self._state()
         return local.grad_forward > 0 or (local.unseen and pynative_executor.requires_grad())
 
@@ -154,33 +152,16 @@ class ExecutorCalls:
         local = self._state()
         return local.precision_pushes, local.dynamic_shape
 
-    # -- holding -------------------------------------------------------------------------------
-    def acquire(self):
-        """Hold the wrappers; returns a ``release`` callable (idempotent)."""
+    # -- installing ----------------------------------------------------------------------------
+    def install(self):
+        """Wrap MindSpore's entry points, once per process (``import mindformers_ac`` calls it)."""
         with self._lock:
-            if not self._holders:
-                self._install()
-            self._holders += 1
-        released = []
-
-        def release():
-            if released:
+            if self._patches:
                 return
-            released.append(True)
-            with self._lock:
-                self._holders -= 1
-                if not self._holders:
-                    self._remove()
-        return release
-
-    def hold_for_process(self):
-        """Hold the wrappers until the process ends (``checkpoint()``: a function call has no undo)."""
-        if self._process_hold is None:
-            self._process_hold = self.acquire()
+            self._install()
+            self._state().unseen = bool(pynative_executor.requires_grad())
 
     def _install(self):
-        local = self._state()
-        local.unseen = bool(pynative_executor.requires_grad())
         for name in _GRAD_ENTRY_MODULES:
             module = importlib.import_module(name)
             forward = getattr(module, "_pynative_func_grad_forward", None)
@@ -196,18 +177,8 @@ class ExecutorCalls:
                     self._noted_dynamic_shape(type(executor).set_cell_use_dynamic_shape_process.__get__(executor)))
 
     def _patch(self, owner, attr, wrapper):
-        self._patches.append((owner, attr, owner.__dict__.get(attr), wrapper))
+        self._patches.append((owner, attr, wrapper))
         setattr(owner, attr, wrapper)
-
-    def _remove(self):
-        for owner, attr, original, wrapper in reversed(self._patches):
-            if owner.__dict__.get(attr) is not wrapper:
-                continue   # someone replaced ours since: leave theirs
-            if original is None:
-                delattr(owner, attr)   # the executor's method, shadowed on the instance
-            else:
-                setattr(owner, attr, original)
-        self._patches = []
 
     def _counted_forward(self, original):
         state = self._state
@@ -261,7 +232,8 @@ class ExecutorCalls:
 
 
 EXECUTOR_CALLS = ExecutorCalls()
-"""The process's one ``ExecutorCalls``: MindSpore's entry points are process-wide, so is what wraps them."""
+"""The process's one ``ExecutorCalls``: MindSpore's entry points are process-wide, so is what wraps them
+(installed by ``mindformers_ac/__init__.py``)."""
 
 
 def dispatch_mode_depth():

@@ -42,15 +42,14 @@ it while it profiles (the meter's hooks are on), the third while it checks
 its chosen plan, the others once the plan is settled (a bad batch in a long
 run). It must end with a settled plan that acted on the last step.
 
-Where a mode runs in its process matters (``test_failed_steps.py`` places
-them): a budget installs its plans inside a training forward, and once
-refused the step after a failed one as a grad of a grad when it was the first
-holder of MindSpore's grad-call counters (``EXECUTOR_CALLS``); the
-``checkpoint`` API holds them for the rest of the process, which hid that.
-So a budget runs in a process where no ``checkpoint()`` ran, and the
-``checkpoint`` API first in its own (known limit, docs/exactness.md: a
-``checkpoint()`` whose first call in a process comes after a grad call that
-raised refuses that one step).
+Where a mode runs in its process once mattered (``test_failed_steps.py``
+still places them so): a budget installs its plans inside a training forward,
+and MindSpore's grad-call counters (``EXECUTOR_CALLS``) used to be installed by
+the first holder, inside that forward, where they could not tell a failed
+grad call's flag from a running one; the ``checkpoint`` API, first in its
+process, met the same. They are counted from ``import mindformers_ac`` now;
+the budget still runs in a process where no ``checkpoint()`` ran, and the
+``checkpoint`` API first in its own, so that either would show it again.
 """
 import hashlib
 import json
@@ -172,10 +171,9 @@ def library_state():
             "dispatch_modes": dispatch_mode_depth(),
             "swap_group": mac.SwapManager().scheduler.current_group() is not None,
             # what the higher-order check reads: no grad call counted as running once the failed one is gone
-            # (while nothing holds the counters, a swap-only mode, the check is not asked, and this would read
-            # MindSpore's flag, which the failure left set without AC too)
+            # (MindSpore's own flag stays set after the failure, AC or not)
             "grad_calls": EXECUTOR_CALLS.grad_calls(),
-            "grad_forward": EXECUTOR_CALLS._holders > 0 and EXECUTOR_CALLS.grad_forward_running()}
+            "grad_forward": EXECUTOR_CALLS.grad_forward_running()}
 
 
 def _digests(record):

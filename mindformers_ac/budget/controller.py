@@ -62,7 +62,7 @@ from ..config import MemoryBudgetConfig
 from ..construct_patch import ConstructPatch
 from ..layer_specs import format_layer_specs, swappable_layers
 from ..logs import report_summary
-from ..mindspore_compat import EXECUTOR_CALLS, pynative_executor
+from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
 from ..tensors import MiB, is_tracked, tensor_leaves
 from .options import OptionSample, applied_layers, candidate_options, profile_from_samples
@@ -219,7 +219,6 @@ class BudgetController:
         self._skipped = 0        # forwards in a row made while one was in flight
         self._warned = set()
         self._patch = None
-        self._release_calls = None
 
     # -- hooks -------------------------------------------------------------------------------------------
 
@@ -228,20 +227,12 @@ class BudgetController:
         # KeyboardInterrupt included, closes the step being measured there and then, so no meter hook
         # outlives it (MindSpore's always_call forward hooks run on Exception only)
         self._patch = ConstructPatch(self.model, "memory_budget", self._around_forward, outer=True)
-        # the grad-call counters the higher-order check reads, held from now on: the plans are installed
-        # inside a training forward, where counters installed then could not tell a grad call that raised
-        # earlier (MindSpore leaves its grad flag set) from the one running (issue 38: the step after a
-        # failed one was refused as a grad of a grad)
-        self._release_calls = EXECUTOR_CALLS.acquire()
 
     def uninstall(self):
         patch, self._patch = self._patch, None
         if patch is not None:
             patch.remove()
         self._drop_open_step()
-        release, self._release_calls = self._release_calls, None
-        if release is not None:
-            release()
 
     def _around_forward(self, inner, *args, **kwargs):
         try:

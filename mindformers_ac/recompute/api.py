@@ -27,7 +27,7 @@ from ..construct_patch import (
     wrapped_function_info,
 )
 from ..errors import quote
-from ..mindspore_compat import EXECUTOR_CALLS, uses_native_recompute
+from ..mindspore_compat import uses_native_recompute
 from ..swap.api import ManagerSwapExecutor
 from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
@@ -153,7 +153,6 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     options = _region_options("checkpoint", take_options("checkpoint", kwargs), policy_fn, stats, swap_executor,
                               swap_inputs, context_fn)
     root = root_cell_of(fn)
-    EXECUTOR_CALLS.hold_for_process()   # what its regions ask; a function call has nothing to undo it with
     return run_region(fn, args, kwargs, tracker=_tracker_for(root, policy_fn), **options)
 
 
@@ -185,13 +184,11 @@ def _tracker_for(root, policy_fn):
 class _WrapInfo:
     """What ``checkpoint_wrapper`` set up for a cell or function, to report and undo it."""
 
-    __slots__ = ("original", "tracker", "stats", "options", "path_checks", "remove_proxies", "release_calls")
+    __slots__ = ("original", "tracker", "stats", "options", "path_checks", "remove_proxies")
 
     def __init__(self, original, tracker, stats, options, path_checks=None, remove_proxies=None):
         self.original, self.tracker, self.stats, self.options = original, tracker, stats, options
         self.path_checks, self.remove_proxies = path_checks, remove_proxies
-        # the grad-call and cell-state counters its regions ask (EXECUTOR_CALLS), held until unwrap()
-        self.release_calls = EXECUTOR_CALLS.acquire()
 
     def remove(self):
         """``unwrap``'s undo of what was installed besides the construct patch."""
@@ -201,7 +198,6 @@ class _WrapInfo:
             self.tracker.remove()
         if self.remove_proxies is not None:
             self.remove_proxies()
-        self.release_calls()
 
 
 def _wrap_info(obj, required=False):

@@ -18,7 +18,7 @@ from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
 from ..meter import CHAIN_PASSED
-from ..mindspore_compat import EXECUTOR_CALLS, no_grad
+from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts, under_precision
 from ..tensors import detached, output_tensors, param_ptrs, storage_info, tensor_leaves
@@ -279,7 +279,6 @@ class _Scope:
         self.calling = 0        # wrapped op calls in progress (an op inside another runs plainly)
         self._ctx = None
         self._bracket = None
-        self._release_calls = None
 
     def __deepcopy__(self, memo):   # the scope of the original cell: a copy has none (see construct_patch)
         return DROPPED
@@ -287,7 +286,6 @@ class _Scope:
     def attach(self, target):
         if not self.targets:
             self._bracket = bracket_calls(self.cell, "op_output_scope", self._enter, self._exit)
-            self._release_calls = EXECUTOR_CALLS.acquire()   # what refuse_higher_order asks
         self.targets.append(target)
 
     def detach(self, target):
@@ -295,7 +293,6 @@ class _Scope:
         if not self.targets:
             self._bracket.remove()
             self._bracket = None
-            self._release_calls()
             object.__delattr__(self.cell, _SCOPE_ATTR)
 
     def _enter(self, _args, _kwargs):
