@@ -164,7 +164,7 @@ class SwapHandle:
     """
 
     __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
-                 "_probe", "_load", "_loaded", "version", "written", "__weakref__")
+                 "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
@@ -175,6 +175,7 @@ class SwapHandle:
         self._load = self._loaded = None
         self.version = None        # the saved tensor's version counter when it was saved (rule W6s)
         self.written = None        # (version saved, version now) once a write after the save was seen
+        self.storage = None        # (base pointer, bytes) of the saved tensor's storage, noted by the scheduler
 
     @classmethod
     def kept(cls, key, tag, tensor):

@@ -351,7 +351,7 @@ class SwapScheduler:
         still = []
         for h in g.pending:
             device = h.device
-            sptr, snbytes = storage_info(device) if device is not None else (None, 0)
+            sptr, snbytes = h.storage if device is not None else (None, 0)   # noted by _pack
             if sptr not in out_ptrs:
                 still.append(h)
                 continue
@@ -458,6 +458,7 @@ class SwapScheduler:
                 if marked is not None:
                     g.saved_marks.add(marked[2])
                 h.owner = g
+                h.storage = (sptr, snbytes)
                 g.seen[view] = h
                 g.pending.append(h)
                 g.handles.append(weakref.ref(h))
