@@ -1,14 +1,16 @@
 """What the bench_* scripts share: the two model shapes, the interleaved step loop, the ratio table,
-and a cProfile of one row.
+and a cProfile of one row (or of several, compared).
 
 Every row is measured in one process, round robin (one step of each row in turn, the order reversed
 every other round), so load changes on the shared cores hit all rows alike. Each step is timed in
 wall-clock time and in process CPU time (all threads: MindSpore's and the swap copy worker's).
 """
 import argparse
+import collections
 import cProfile
 import gc
 import io
+import os
 import pstats
 import re
 import statistics
@@ -34,9 +36,10 @@ def parse_args(doc, add_arguments=None):
                    help="MindSpore's nn.Dropout instead of the reference model's replayable SeededDropout")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--profile", metavar="ROW",
+    p.add_argument("--profile", metavar="ROW", nargs="+",
                    help="instead of the table: cProfile --steps steps of the row of this name (main-thread CPU "
-                        "clock) and print the top entries")
+                        "clock) and print the top entries; several names: profile those rows in alternating "
+                        "blocks of 5 steps and compare them per function")
     if add_arguments is not None:
         add_arguments(p)
     args = p.parse_args()
@@ -95,12 +98,25 @@ def ratios(row, ref):
     return f"{wall / ref_wall:.3f}", f"{cpu / ref_cpu:.3f}"
 
 
-def profile(rows, name, warmup, steps, top=25):
-    """cProfile ``steps`` steps of the row called ``name`` (main-thread CPU time): the top entries by own
-    time, then this package's own functions by cumulative time."""
+# this package's code, not its reference models; ``mac_<rev>`` is another revision's (bench_swap --against)
+OWN_CODE = re.compile(r"(mindformers_ac|mac_\w+)[/\\](?!harness)")
+
+
+def _row_named(rows, name):
     row = next((r for r in rows if r.name == name), None)
     if row is None:
         raise SystemExit(f"--profile: no row {name!r}; rows: {', '.join(r.name for r in rows)}")
+    return row
+
+
+def profile(rows, names, warmup, steps, top=25):
+    """cProfile ``steps`` steps of the row called ``names[0]`` (main-thread CPU time): the top entries by own
+    time, then this package's own functions by cumulative time. Several names: ``compare_profiles``."""
+    if len(names) > 1:
+        compare_profiles([_row_named(rows, n) for n in names], warmup, steps, top)
+        return
+    name = names[0]
+    row = _row_named(rows, name)
     for _ in range(warmup):
         row.step()
     prof = cProfile.Profile(time.thread_time)
@@ -114,7 +130,7 @@ def profile(rows, name, warmup, steps, top=25):
           f"{stats.total_tt / steps * 1e3:.1f} ms main-thread CPU per step (profiled)")
     stats.sort_stats("tottime").print_stats(top)
     print(out.getvalue())
-    own = re.compile(r"mindformers_ac[/\\](?!harness)")   # this package's code, not its reference models
+    own = OWN_CODE
     own_tt = sum(entry[2] for (path, _, _), entry in stats.stats.items() if own.search(path))
     engine = io.StringIO()
     print(f"this package's own code (not its reference models): {own_tt / steps * 1e3:.2f} ms per step of own "
@@ -122,3 +138,44 @@ def profile(rows, name, warmup, steps, top=25):
           "(calls and seconds over all profiled steps):", file=engine)
     pstats.Stats(prof, stream=engine).sort_stats("cumtime").print_stats(own.pattern, top)
     print(engine.getvalue())
+
+
+def compare_profiles(rows, warmup, steps, top, block=5):
+    """cProfile ``rows`` in alternating blocks of ``block`` steps (order reversed every other round), one
+    profiler per row, so that the machine's load falls on each alike; prints per row the main thread's
+    time, the package's own time and Python calls per step, then the ``top`` functions of the package
+    whose own time differs most between the first two rows (functions keyed by file name, so that two
+    revisions of one module compare)."""
+    profs = {r.name: cProfile.Profile(time.thread_time) for r in rows}
+    for r in rows:
+        for _ in range(warmup):
+            r.step()
+    rounds = max(1, steps // block)
+    for k in range(rounds):
+        for r in (rows if k % 2 == 0 else rows[::-1]):
+            profs[r.name].enable()
+            for _ in range(block):
+                r.step()
+            profs[r.name].disable()
+    n = rounds * block
+    per_function = {}
+    print(f"| per profiled step ({n} steps, blocks of {block}) | " + " | ".join(r.name for r in rows) + " |")
+    print("|---|" + "---:|" * len(rows))
+    totals = {"main thread, all code (ms)": [], "the package's own Python (ms)": [], "Python calls": []}
+    for r in rows:
+        stats = pstats.Stats(profs[r.name])
+        funcs = collections.defaultdict(float)
+        for (path, _, fn), entry in stats.stats.items():
+            if OWN_CODE.search(path):
+                funcs[f"{os.path.basename(path)}:{fn}"] += entry[2]
+        per_function[r.name] = funcs
+        totals["main thread, all code (ms)"].append(f"{stats.total_tt / n * 1e3:.1f}")
+        totals["the package's own Python (ms)"].append(f"{sum(funcs.values()) / n * 1e3:.2f}")
+        totals["Python calls"].append(f"{stats.total_calls / n:,.0f}")
+    for what, cells in totals.items():
+        print(f"| {what} | " + " | ".join(cells) + " |")
+    a, b = (per_function[r.name] for r in rows[:2])
+    diffs = sorted(set(a) | set(b), key=lambda f: -abs(a.get(f, 0.0) - b.get(f, 0.0)))[:top]
+    print(f"\nown time per step (ms), the functions that differ most: {rows[0].name} / {rows[1].name}")
+    for f in diffs:
+        print(f"  {f:50s} {a.get(f, 0.0) / n * 1e3:7.3f} / {b.get(f, 0.0) / n * 1e3:7.3f}")

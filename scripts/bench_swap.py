@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_swap.py [--shape small|mid] [--dropout 0] [--nn-dropout] [--steps 10]
     PYTHONPATH=. python scripts/bench_swap.py --shape small --profile "layer swap, prefetch=1"
+    PYTHONPATH=. python scripts/bench_swap.py --shape small --steps 30 --against REV --profile "layer swap, on demand" "REV: layer swap, on demand"
     PYTHONPATH=. python scripts/bench_swap.py --shape small --against REV   # + the swap rows of git revision REV
 
 ``--against REV`` adds the two swap-all rows with the swap engine of another revision of this repository

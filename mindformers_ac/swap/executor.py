@@ -297,8 +297,9 @@ class SwapHandle:
 
     def __del__(self):
         # Cheaper than a weakref.finalize per handle; a handle is freed by reference counting
-        # as soon as autograd drops it.
-        self._release()
+        # as soon as autograd drops it. Most were released at their last unpack already.
+        if self._buf is not None:
+            self._release()
 
 
 def _written_message(handle):

@@ -105,7 +105,7 @@ class _Kept:
 
 class _Group:
     __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "kept", "pending",
-                 "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats", "pending_bytes", "plain",
+                 "pending_ptrs", "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats", "pending_bytes", "plain",
                  "saved_marks", "digests", "unfollowed")
 
     def __init__(self, key, gen, mode, policy_fn, check_fn, exclude, on_first_unpack):
@@ -115,6 +115,7 @@ class _Group:
         self.seen = {}          # view key -> SwapHandle (live only while the group is open)
         self.kept = set()       # storage ptrs counted as resident in this group
         self.pending = []       # handles whose offload is not finished
+        self.pending_ptrs = set()   # their storage pointers: a close finds outputs among them without a walk
         self.pending_bytes = 0  # their bytes, held on the device until the group closes
         # No rule but the size threshold: the pack hook decides without calling _keep_reason.
         self.plain = mode == "all" and policy_fn is None
@@ -332,6 +333,7 @@ class SwapScheduler:
         self.report.release(g.pending_bytes)
         g.pending_bytes = 0
         g.pending.clear()
+        g.pending_ptrs.clear()
         return error
 
     def finish_deferred(self):
@@ -345,7 +347,7 @@ class SwapScheduler:
     def _keep_outputs(self, g, outputs):
         """Keep on the device the pending offloads of ``g`` that share storage with what it returned."""
         out_ptrs = tensor_storage_ptrs(outputs)
-        if not out_ptrs:
+        if out_ptrs.isdisjoint(g.pending_ptrs):
             return
         stats = self.report.layers[g.key]
         still = []
@@ -366,6 +368,7 @@ class SwapScheduler:
                 stats.num_resident += 1
                 stats.kept_reasons["output"] += 1
         g.pending[:] = still
+        g.pending_ptrs.difference_update(out_ptrs)
 
     def _note_unsaved(self, g):
         unsaved = g.unsaved()
@@ -459,6 +462,7 @@ class SwapScheduler:
                     g.saved_marks.add(marked[2])
                 h.owner = g
                 h.storage = (sptr, snbytes)
+                g.pending_ptrs.add(sptr)
                 g.seen[view] = h
                 g.pending.append(h)
                 g.handles.append(weakref.ref(h))
