@@ -328,11 +328,11 @@ def jit_compiled(fn):
     return bool(getattr(getattr(fn, "__func__", fn), "__wrapped_by_jit__", False))
 
 
-def tensor_grad_flags(t):
-    """``(requires_grad, has_grad_node)`` from a tensor's private ``_requires_grad`` (a bool, or None when a
-    release lacks it) and ``_grad_node``: what ``tensors.is_tracked`` decides from."""
+def tensor_tracked(t):
+    """A tensor's private ``_requires_grad`` flag, or, on a release that lacks it, whether it has a
+    ``_grad_node``: what ``tensors.is_tracked`` answers (swap asks it for every tensor it keeps)."""
     flag = getattr(t, "_requires_grad", None)
-    return (flag if isinstance(flag, bool) else None), getattr(t, "_grad_node", None) is not None
+    return flag if isinstance(flag, bool) else getattr(t, "_grad_node", None) is not None
 
 
 def cell_hook_dicts(cell_attrs):

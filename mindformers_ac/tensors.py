@@ -11,7 +11,7 @@ import weakref
 from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
-from .mindspore_compat import no_grad, tensor_grad_flags
+from .mindspore_compat import no_grad, tensor_tracked
 
 MiB = 2 ** 20
 
@@ -182,17 +182,11 @@ def root_cell_of(fn):
     return owner if isinstance(owner, nn.Cell) else None
 
 
-def is_tracked(t):
-    """Whether autograd records ops on ``t`` in the graph being built (any dtype).
-
-    A grad-function input is tracked whatever its dtype (int position ids and
-    bool masks from the batch too); a constant float tensor is not. Ops save
-    for backward only what their tracked inputs' gradients need, so this
-    decides which tensors an op packs. Reads MindSpore's private
-    ``Tensor._requires_grad``, falling back to ``_grad_node`` if it is gone.
-    """
-    flag, has_node = tensor_grad_flags(t)
-    return flag if flag is not None else has_node
+# ``is_tracked(t)``: whether autograd records ops on ``t`` in the graph being built (any dtype). A
+# grad-function input is tracked whatever its dtype (int position ids and bool masks from the batch too); a
+# constant float tensor is not. Ops save for backward only what their tracked inputs' gradients need, so this
+# decides which tensors an op packs. The door's function itself: swap asks it for every tensor it keeps.
+is_tracked = tensor_tracked
 
 
 def detached(t):
