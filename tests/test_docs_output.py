@@ -81,3 +81,14 @@ def test_check_ignores_whether_a_budget_tie_was_said():
     assert regen.timing_masked(chosen + tie + peak) == regen.timing_masked(chosen + peak)
     assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen.replace("0-3: full", "0-3: select mlp")
                                                                      + peak)
+
+
+def test_check_ignores_a_budget_choice_made_again_on_its_step_time():
+    """A first choice whose measured step missed its prediction by more than the noise may be made again (one
+    step later): timing; a choice made again because it measured over the budget is not."""
+    chosen = "memory budget 0.4x = 3.63 MiB: chosen 0-3: full (from step 8; the figures above are from that step on)\n"
+    peak = "  real peak (kept + largest rebuild + prefetched): predicted 2.78 MiB\n"
+    again = "  chosen twice: the first choice's step time missed its prediction by more than the noise\n"
+    assert regen.timing_masked(chosen + peak) == regen.timing_masked(chosen.replace("step 8", "step 9") + peak + again)
+    over = "  chosen twice: the first choice measured over the budget\n"
+    assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen + peak + over)

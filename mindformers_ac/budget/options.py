@@ -8,8 +8,8 @@ which layers, the step time, the step's ``StepMemory``) into the solver's
 (``memory_budget``), where an option may have several (the median time), and
 fills the profile's ``time_spread_s`` from what those steps measured of their
 own noise. The offline profiler (``planner.profile``, a fresh model per
-option) and the ``memory_budget`` controller (one of the user's own steps per
-option) both build their profile here, so the two read their measurements the
+option) and the ``memory_budget`` controller (the user's own steps: one per
+option, more where ``profile_steps`` allows) both build their profile here, so the two read their measurements the
 same way:
 
 * ``mem[l, k]``: bytes layer ``l`` kept for backward at the end of forward;

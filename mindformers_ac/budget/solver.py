@@ -40,8 +40,9 @@ from ..plan import LayerPlan
 from ..tensors import MiB
 from .sizes import format_bytes
 
-# Step-time differences below this fraction of the baseline step are noise to the planners: one measured
-# step per option on a shared CPU moves by that much between runs of the same command.
+# Step-time differences below this fraction of a step are noise to the planners: a step on a shared CPU moves
+# by that much between runs of the same command (the step without AC for plan --budget's medians; the
+# fastest plan's predicted step for memory_budget's single steps, which are longer than the baseline's).
 TIME_NOISE = 0.10
 SPREAD_OF_REPEATS = "the widest spread of one option's step times in this profile"
 MISSED = "how far the first choice's measured step missed its predicted time"
@@ -104,9 +105,9 @@ class Profile:
     swap_cost_s: float = None         # step time that swap run measured on top of the baseline
     step_times: dict = field(default_factory=dict)   # option name -> median step time, all layers
     # seconds by which this profile's own step times moved (``timing_noise`` widens to it): the widest spread
-    # of one option's repeated step times (``plan --budget``; ``memory_budget`` with spare profiling steps), or
-    # how far a plan's measured step missed its prediction (``memory_budget``'s check); ``time_spread_what``
-    # says which, in words
+    # of one option's repeated step times (``plan --budget``; ``memory_budget`` with spare profiling steps),
+    # how far an option's step measured below the baseline, or how far a plan's measured step missed its
+    # prediction (``memory_budget``'s check); ``time_spread_what`` says which, in words
     time_spread_s: float = 0.0
     time_spread_what: str = SPREAD_OF_REPEATS
     description: str = ""
