@@ -79,6 +79,8 @@ def test_check_ignores_whether_a_budget_tie_was_said():
     peak = "  real peak (kept + largest rebuild + prefetched): predicted 2.78 MiB\n"
     tie = "  a tie: 0-3: select mlp was predicted 8.5 ms faster, within the timing noise: chosen by bytes\n"
     assert regen.timing_masked(chosen + tie + peak) == regen.timing_masked(chosen + peak)
+    report = "plan:   0-2: layer swap; 3: full\n"   # plan --budget's report: its tie line is not indented
+    assert regen.timing_masked(report + tie.lstrip()) == regen.timing_masked(report)
     assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen.replace("0-3: full", "0-3: select mlp")
                                                                      + peak)
 
