@@ -387,6 +387,8 @@ class MemoryBudgetConfig(_Section):
     profile_steps: the user's own training steps used to measure the options:
         a warm-up and a baseline step without AC, then one step per option
         (the most useful first), after which the chosen plan is installed.
+        Steps beyond those time the baseline and the options again (each
+        costs the median of its steps; their spread widens the timing noise).
     include_swap: whether the plan may swap layers.
     """
 

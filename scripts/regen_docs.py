@@ -124,13 +124,17 @@ def regenerate(block, lines, cwd):
     return new
 
 
-# memory_budget's "a tie:" line is there when the fastest plan was another one by less than the timing noise:
-# whether it is, is timing too (the plan chosen, on the line above it, is compared)
-TIE_LINE = re.compile(r"^  a tie: .*\n?", re.MULTILINE)
+# memory_budget's (and plan --budget's) "a tie:" line is there when the fastest plan was another one by less than the timing noise:
+# whether it is, is timing too (the plan chosen, on the line above it, is compared); so is a choice made again
+# because the first one's step time missed its prediction, and the step the plan runs from after it
+TIE_LINE = re.compile(r"^(?:  )?a tie: .*\n?", re.MULTILINE)   # indented in train's summary, not in plan's report
+TIMED_AGAIN = re.compile(r"^  chosen twice: the first choice's step time missed .*\n?", re.MULTILINE)
+FROM_STEP = re.compile(r"\(from step \d+;")
 
 
 def timing_masked(text):
-    text = TIE_LINE.sub("", text)
+    text = TIMED_AGAIN.sub("", TIE_LINE.sub("", text))
+    text = FROM_STEP.sub("(from step <timing>;", text)
     for pattern in TIMING:
         text = pattern.sub("<timing>", text)
     return RSS.sub("<rss>", text)

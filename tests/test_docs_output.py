@@ -38,7 +38,10 @@ def test_the_documented_outputs_are_marked_for_regeneration():
     assert [b.arg.split()[:2] + b.arg.split()[-4:] for b in summaries] == \
         [["mindformers-ac", "train", "--steps", "12;", "show", "summary"]]
     assert lines[summaries[0].start].startswith(regen.SUMMARY_FIRST)
-    assert lines[summaries[0].end - 1].startswith("  real peak (kept + largest rebuild + prefetched)")
+    # the budget's lines end with the real peak, or with why the plan was chosen twice (a run's timings decide)
+    budget_lines = lines[summaries[0].start:summaries[0].end]
+    last = len(budget_lines) - (2 if budget_lines[-1].startswith("  chosen twice: ") else 1)
+    assert budget_lines[last].startswith("  real peak (kept + largest rebuild + prefetched)")
     assert {b.arg for b in blocks if b.kind == "file"} == {"llama_factory.py", "llama_trainer.yaml"}
 
 
@@ -76,5 +79,18 @@ def test_check_ignores_whether_a_budget_tie_was_said():
     peak = "  real peak (kept + largest rebuild + prefetched): predicted 2.78 MiB\n"
     tie = "  a tie: 0-3: select mlp was predicted 8.5 ms faster, within the timing noise: chosen by bytes\n"
     assert regen.timing_masked(chosen + tie + peak) == regen.timing_masked(chosen + peak)
+    report = "plan:   0-2: layer swap; 3: full\n"   # plan --budget's report: its tie line is not indented
+    assert regen.timing_masked(report + tie.lstrip()) == regen.timing_masked(report)
     assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen.replace("0-3: full", "0-3: select mlp")
                                                                      + peak)
+
+
+def test_check_ignores_a_budget_choice_made_again_on_its_step_time():
+    """A first choice whose measured step missed its prediction by more than the noise may be made again (one
+    step later): timing; a choice made again because it measured over the budget is not."""
+    chosen = "memory budget 0.4x = 3.63 MiB: chosen 0-3: full (from step 8; the figures above are from that step on)\n"
+    peak = "  real peak (kept + largest rebuild + prefetched): predicted 2.78 MiB\n"
+    again = "  chosen twice: the first choice's step time missed its prediction by more than the noise\n"
+    assert regen.timing_masked(chosen + peak) == regen.timing_masked(chosen.replace("step 8", "step 9") + peak + again)
+    over = "  chosen twice: the first choice measured over the budget\n"
+    assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen + peak + over)

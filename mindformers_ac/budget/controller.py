@@ -17,21 +17,34 @@ under any candidate plan without changing the training curve:
   AC (a warm-up: first calls are slow), the second without AC too (the
   baseline: its kept bytes are what ``0.5x`` is a fraction of), then one
   step per candidate option, applied to every layer where it is allowed
-  (``profile_schedule``: full recompute and layer swap first). The steps
+  (``profile_schedule``: full recompute and layer swap first); steps left
+  over (``profile_steps`` more than those) time the baseline and the options
+  again, in the same order (``retiming_schedule``): an option timed more than
+  once costs the median of its steps, and the widest spread of one option's
+  times widens the timing noise (``Profile.time_spread_s``); so does an
+  option's step measured faster than the step without AC (an option adds
+  work, so the difference is noise). The steps
   may have other input shapes each (a new sequence length every step): each
   is scaled by element count to the largest shapes among them, which the
   plan is chosen for. Each step is
   measured as ``train`` measures (``accounting.StepMeter``: kept bytes per
   layer, the rebuild in backward, what swap offloaded) and timed as its
   forward plus its backward (``MeasuredStep``), not what the trainer does
-  between steps.
+  between steps. Timed in wall time: the process's CPU time (all threads) was
+  measured as noisy as wall time on a loaded CPU, not less (MindSpore's pool
+  threads wait spinning for each other, and so count time a busy machine
+  makes them wait).
 * **the choice**: ``budget.solver.plan_within`` on those figures, under the
   real peak (kept bytes, plus the largest rebuild, plus what prefetch
   brings back ahead of time); plans within the timing noise of the fastest
   are a tie, settled by bytes (said in the log). The chosen plan is installed, and the next
-  training step is measured. If its measured peak is over the budget, the
-  profile takes the measured figures and the choice is made once more (said
-  in the log); after that the plan stays. If nothing fits, the plan with the
+  training step is measured: a second timing of the chosen options. If its
+  measured peak is over the budget, the profile takes the measured figures
+  and the choice is made once more (said in the log); if its step time
+  missed the prediction by more than the timing noise, that miss is how far
+  this machine moves a step, the noise widens to it, and when that makes
+  another plan a tie with fewer bytes the choice is made once more too (said
+  in the log). After that the plan stays. If nothing fits, the plan with the
   least peak is installed and one warning gives the figures.
 * **settled**: one log block says what was measured and chosen
   (``describe``); ``ac_state(model).plan`` is the chosen ``AcPlan`` and its
@@ -65,9 +78,9 @@ from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
 from ..tensors import MiB, is_tracked, tensor_leaves
-from .options import OptionSample, applied_layers, candidate_options, profile_from_samples
+from .options import OptionSample, applied_layers, candidate_options, profile_with_noise
 from .sizes import format_bytes
-from .solver import OptionKind, option_config, plan_within, summarize
+from .solver import OptionKind, option_config, plan_within, summarize, widened_by_miss
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -95,6 +108,13 @@ def profile_schedule(options, steps, include_swap):
                   key=rank)
     none = next(o for o in options if o.kind == OptionKind.NONE)
     return [none, none] + rest[:steps - 2]
+
+
+def retiming_schedule(first_pass, steps):
+    """The profiling steps after ``first_pass`` (``profile_schedule``'s) when ``steps`` allows more: the
+    baseline and the options again, in the same order, round after round; none when it does not."""
+    timed = first_pass[1:]   # not the warm-up's second run: the baseline is "none" already
+    return [timed[i % len(timed)] for i in range(max(0, steps - len(first_pass)))]
 
 
 def shape_key(args):
@@ -201,13 +221,15 @@ class BudgetController:
         self.layer_ids = [i for i in stack.layer_ids if i < stack.num_layers]
         options = candidate_options(stack.cell(self.layer_ids[0]))
         include_swap = self.settings.include_swap and bool(swappable_layers(len(self.layer_ids), self.prefetch))
-        self.schedule = profile_schedule(options, self.settings.profile_steps, include_swap)
+        first_pass = profile_schedule(options, self.settings.profile_steps, include_swap)
+        self.schedule = first_pass + retiming_schedule(first_pass, self.settings.profile_steps)
         self.meter = StepMeter(model, state.layers_arg, state.mtp_block)
         self.phase = Phase.PROFILING
         self.samples, self.sample_shapes, self.profile_shape, self.profiles = [], [], None, 1
         self.profile = self.choice = self.budget_bytes = None
         self.measured_peak = self.measured_step_s = None
         self.fits, self.replanned = True, False
+        self.replanned_because = None   # why the choice was made a second time, in words
         self.plans = {}          # shape key -> (the option config for it, its measured or predicted peak)
         self.active_shape = None # the shape whose plan is installed
         self.installed = None    # the option config installed now (None: the apply_ac plan, nothing)
@@ -340,20 +362,22 @@ class BudgetController:
         shapes = self.sample_shapes[_BASELINE:]
         self.profile_shape = max(shapes, key=_elements)
         target = _elements(self.profile_shape)
-        samples = [OptionSample(s.option, s.applied, s.seconds * target / _elements(shape),
-                                scaled_memory(s.memory, target / _elements(shape)))
-                   for s, shape in zip(self.samples[_BASELINE:], shapes)]
+        steps = [OptionSample(s.option, s.applied, s.seconds * target / _elements(shape),
+                              scaled_memory(s.memory, target / _elements(shape)))
+                 for s, shape in zip(self.samples[_BASELINE:], shapes)]
         inputs = ", ".join(f"{list(s)} {d}" for s, d in self.profile_shape)
         distinct = len(set(shapes))
         description = f"{len(self.samples)} training steps, inputs {inputs}"
+        if len({s.option for s in steps}) < len(steps):
+            description += " (options timed more than once: the median of their steps)"
         if distinct > 1:
             description += (f" (the largest of {distinct} input shapes; the steps of the others scaled to it by "
                             f"element count)")
             self._note(f"memory_budget: the {len(shapes)} profiling steps after the warm-up had {distinct} input "
                        f"shapes; each step's figures are "
                        f"scaled by element count to the largest, {inputs}, and the plan is chosen for it")
-        profile = profile_from_samples(samples, len(self.layer_ids), self.prefetch, description=description)
-        base = samples[0].memory
+        profile = profile_with_noise(steps, len(self.layer_ids), self.prefetch, description=description)
+        base = steps[0].memory
         profile.other_bytes += self._unplanned_bytes(base)
         if self.budget_bytes is None:
             self.budget_bytes = self.settings.budget_bytes(base.kept_bytes) if self.settings.is_fraction \
@@ -378,8 +402,9 @@ class BudgetController:
 
     def _check(self, memory):
         over = self.measured_peak > self.budget_bytes
+        widened = not self.replanned and self._widen_noise()
         if over and self.fits and not self.replanned:
-            self.replanned = True
+            self.replanned, self.replanned_because = True, "the first choice measured over the budget"
             self._note(f"memory_budget: the chosen plan's measured peak {format_bytes(self.measured_peak)} is over "
                        f"the budget {format_bytes(self.budget_bytes)} (predicted "
                        f"{format_bytes(self.choice.backward_peak)}): choosing again with the measured figures",
@@ -387,6 +412,16 @@ class BudgetController:
             self._take_measured(memory)
             self._solve()
             return
+        if widened:
+            again, fits = plan_within(self.profile, self.budget_bytes)
+            if again.choice != self.choice.choice and fits:
+                self.replanned = True
+                self.replanned_because = "the first choice's step time missed its prediction by more than the noise"
+                self._note(f"memory_budget: with that noise, {again.summary()} ties with the chosen plan and keeps "
+                           f"fewer bytes: choosing it instead")
+                self._solve()
+                return
+            self.choice = again   # the same plan; its tie (if any) said with the widened noise
         self.phase = Phase.SETTLED
         self.active_shape = self.profile_shape
         self.plans[self.profile_shape] = (self.installed, self.measured_peak)
@@ -397,6 +432,20 @@ class BudgetController:
         block = "\n".join(self.describe())
         report_summary(block)
         self.events.append(block)
+
+    def _widen_noise(self):
+        """The chosen plan's measured step is a second timing of its options: if it missed the predicted step
+        time by more than the timing noise, the profile's ``time_spread_s`` becomes that miss (plans predicted
+        within it tie). Whether it did."""
+        widened = widened_by_miss(self.profile, self.choice, self.measured_step_s)
+        if widened is None:
+            return False
+        self.profile = widened
+        self._note(f"memory_budget: the chosen plan's step measured {self.measured_step_s * 1000:.1f} ms against "
+                   f"{self.choice.predicted_step_s * 1000:.1f} ms predicted: this machine moves a step by "
+                   f"{widened.time_spread_s * 1000:.1f} ms, more than the timing noise taken so far; plans within "
+                   f"that tie")
+        return True
 
     def _take_measured(self, memory):
         """The chosen options' profile entries, replaced by what their step measured."""
@@ -533,6 +582,7 @@ class BudgetController:
                 "predicted_peak_bytes": c.backward_peak if c else None, "tie": c.tie if c else None,
                 "predicted_kept_bytes": c.predicted_peak if c else None,
                 "measured_peak_bytes": self.measured_peak, "fits": self.fits, "replanned": self.replanned,
+                "replanned_because": self.replanned_because,
                 "predicted_step_s": c.predicted_step_s if c else None,
                 "baseline_step_s": self.profile.baseline_step_s if self.profile else None,
                 "describe": self.describe(), "events": list(self.events),

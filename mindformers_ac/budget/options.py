@@ -4,9 +4,12 @@
 layer of a stack whose layers look like ``layer``. ``profile_from_samples``
 turns one measured step per option (an ``OptionSample``: which option, on
 which layers, the step time, the step's ``StepMemory``) into the solver's
-``Profile``. The offline profiler (``planner.profile``, a fresh model per
-option) and the ``memory_budget`` controller (one of the user's own steps per
-option) both build their profile here, so the two read their measurements the
+``Profile``; ``profile_with_noise`` does so from the steps of a user's run
+(``memory_budget``), where an option may have several (the median time), and
+fills the profile's ``time_spread_s`` from what those steps measured of their
+own noise. The offline profiler (``planner.profile``, a fresh model per
+option) and the ``memory_budget`` controller (the user's own steps: one per
+option, more where ``profile_steps`` allows) both build their profile here, so the two read their measurements the
 same way:
 
 * ``mem[l, k]``: bytes layer ``l`` kept for backward at the end of forward;
@@ -16,12 +19,15 @@ same way:
   transformer stack), or, for layer swap, in proportion to what each layer
   offloaded.
 """
+import statistics
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..layer_specs import swappable_layers
 from .solver import Option, OptionKind, Profile
+
+BELOW_BASELINE = "how far an option's step measured below the step without AC (options add work: that is noise)"
 
 # Class names whose outputs "full recompute, keep matmul outputs" keeps: the
 # expensive ops of a transformer layer, whose outputs are small next to what
@@ -81,6 +87,43 @@ class OptionSample:
     applied: list
     seconds: float
     memory: object
+
+
+def step_time_spread(times):
+    """How far one option's repeated step times moved: the interquartile range of four or more (as
+    ``plan --budget`` reads its 12), the whole range of two or three (too few for quartiles), 0 for one."""
+    times = sorted(times)
+    if len(times) >= 4:
+        low, _, high = statistics.quantiles(times, n=4)
+        return high - low
+    return times[-1] - times[0] if times else 0.0
+
+
+def merge_repeats(samples):
+    """``(one OptionSample per option, the widest step_time_spread)`` of ``samples``, where several steps may
+    have timed one option: the median of its step times, the memory of its first step (an option keeps the
+    same bytes at the same shapes); options in the order of their first step."""
+    steps = {}
+    for sample in samples:
+        steps.setdefault(sample.option, []).append(sample)
+    merged = [OptionSample(option, runs[0].applied, statistics.median(s.seconds for s in runs), runs[0].memory)
+              for option, runs in steps.items()]
+    return merged, max((step_time_spread([s.seconds for s in runs]) for runs in steps.values()), default=0.0)
+
+
+def profile_with_noise(steps, num_layers, prefetch, description=""):
+    """``profile_from_samples`` of ``steps`` (``OptionSample``s, the baseline's first; an option may have
+    several: ``merge_repeats``), with ``Profile.time_spread_s`` what these steps measured of their own noise:
+    the widest spread of one option's repeated step times, or how far an option's step measured below the
+    step without AC (an option adds work to a step, never takes any away: that much is noise), whichever is
+    larger. One step per option and none below the baseline: 0, and ``timing_noise`` is its floor."""
+    samples, spread = merge_repeats(steps)
+    profile = profile_from_samples(samples, num_layers, prefetch, description=description)
+    profile.time_spread_s = spread
+    below = samples[0].seconds - min((s.seconds for s in samples[1:]), default=samples[0].seconds)
+    if below > spread:
+        profile.time_spread_s, profile.time_spread_what = below, BELOW_BASELINE
+    return profile
 
 
 def profile_from_samples(samples, num_layers, prefetch, description=""):

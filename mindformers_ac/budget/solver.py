@@ -40,9 +40,12 @@ from ..plan import LayerPlan
 from ..tensors import MiB
 from .sizes import format_bytes
 
-# Step-time differences below this fraction of the baseline step are noise to the planners: one measured
-# step per option on a shared CPU moves by that much between runs of the same command.
+# Step-time differences below this fraction of a step are noise to the planners: a step on a shared CPU moves
+# by that much between runs of the same command (the step without AC for plan --budget's medians; the
+# fastest plan's predicted step for memory_budget's single steps, which are longer than the baseline's).
 TIME_NOISE = 0.10
+SPREAD_OF_REPEATS = "the widest spread of one option's step times in this profile"
+MISSED = "how far the first choice's measured step missed its predicted time"
 
 
 class OptionKind(str, enum.Enum):
@@ -101,7 +104,12 @@ class Profile:
     swap_copy_s: float = None         # raw host copy time (out and back) of the profiled swap run, per step
     swap_cost_s: float = None         # step time that swap run measured on top of the baseline
     step_times: dict = field(default_factory=dict)   # option name -> median step time, all layers
-    time_spread_s: float = 0.0        # the widest interquartile range of one option's step times (offline)
+    # seconds by which this profile's own step times moved (``timing_noise`` widens to it): the widest spread
+    # of one option's repeated step times (``plan --budget``; ``memory_budget`` with spare profiling steps),
+    # how far an option's step measured below the baseline, or how far a plan's measured step missed its
+    # prediction (``memory_budget``'s check); ``time_spread_what`` says which, in words
+    time_spread_s: float = 0.0
+    time_spread_what: str = SPREAD_OF_REPEATS
     description: str = ""
 
     @property
@@ -335,37 +343,51 @@ def plan_budget(profile, budget, prefetch=None, resolution=20000):
     return plan
 
 
-def _settle_ties(fitting, profile, peak):
+def _settle_ties(fitting, profile, peak, single_steps=False):
     """The plan of ``fitting`` (``BudgetPlan``s that fit) to choose: the fastest, unless others are predicted
     within ``timing_noise`` of it: then the one of least ``peak(plan)`` bytes (then the
     fastest of those, then the first option in the profile's order), with ``tie`` saying so. Times that close
-    move between two runs of the same command; bytes do not."""
+    move between two runs of the same command; bytes do not. ``single_steps``: the times are single steps
+    (``plan_within``), whose noise is a fraction of the steps compared: the fastest plan's predicted step."""
     fastest = min(fitting, key=lambda c: (c.predicted_step_s, peak(c), c.choice))
     if not any(fastest.choice):
         return fastest   # the model fits the budget without AC: nothing to trade, no AC
-    noise = timing_noise(profile)
+    step_s = fastest.predicted_step_s if single_steps else None
+    noise = timing_noise(profile, step_s)
     tied = [c for c in fitting if c.predicted_step_s <= fastest.predicted_step_s + noise]
     best = min(tied, key=lambda c: (peak(c), c.predicted_step_s, c.choice))
     if best.choice != fastest.choice:
         best.tie = (f"{fastest.summary()} was predicted {(best.predicted_step_s - fastest.predicted_step_s) * 1000:.1f} "
-                    f"ms faster, within the timing noise ({noise_source(profile)}): chosen by bytes, "
+                    f"ms faster, within the timing noise ({noise_source(profile, step_s)}): chosen by bytes, "
                     f"{format_bytes(peak(best))} against {format_bytes(peak(fastest))}")
     return best
 
 
-def timing_noise(profile):
-    """Seconds of predicted step time within which two plans tie: ``TIME_NOISE`` of the step without AC, or
-    the profile's own spread of step times (``Profile.time_spread_s``: a loaded machine moves its medians
-    by as much between two runs), whichever is larger."""
-    return max(TIME_NOISE * profile.baseline_step_s, profile.time_spread_s)
+def timing_noise(profile, step_s=None):
+    """Seconds of predicted step time within which two plans tie: ``TIME_NOISE`` of ``step_s`` (the step the
+    plans compared are predicted to take; by default the step without AC), or how far the profile's own step
+    times moved (``Profile.time_spread_s``: the spread of one option's repeated steps, a step below the
+    baseline, or a plan's measured step against its prediction; a loaded machine moves a step by as much
+    between two runs), whichever is larger."""
+    return max(TIME_NOISE * (profile.baseline_step_s if step_s is None else step_s), profile.time_spread_s)
 
 
-def noise_source(profile):
-    """What ``timing_noise`` is, in words."""
-    if profile.time_spread_s > TIME_NOISE * profile.baseline_step_s:
-        return (f"{profile.time_spread_s * 1000:.1f} ms, the widest spread of one option's step times in this "
-                f"profile, over {TIME_NOISE:.0%} of the {profile.baseline_step_s * 1000:.1f} ms step without AC")
-    return f"{TIME_NOISE:.0%} of the {profile.baseline_step_s * 1000:.1f} ms step without AC"
+def widened_by_miss(profile, plan, measured_step_s):
+    """``profile`` with its timing noise widened to how far ``plan``'s measured step (a second timing of its
+    options) missed the step time predicted for it, if that is more than ``timing_noise``; else None."""
+    miss = abs(measured_step_s - plan.predicted_step_s)
+    if miss <= timing_noise(profile, plan.predicted_step_s):
+        return None
+    return Profile(**{**profile.__dict__, "time_spread_s": miss, "time_spread_what": MISSED})
+
+
+def noise_source(profile, step_s=None):
+    """What ``timing_noise(profile, step_s)`` is, in words."""
+    step = (f"{profile.baseline_step_s * 1000:.1f} ms step without AC" if step_s is None else
+            f"{step_s * 1000:.1f} ms step predicted for the fastest plan")
+    if profile.time_spread_s > TIME_NOISE * (profile.baseline_step_s if step_s is None else step_s):
+        return f"{profile.time_spread_s * 1000:.1f} ms, {profile.time_spread_what}, over {TIME_NOISE:.0%} of the {step}"
+    return f"{TIME_NOISE:.0%} of the {step}"
 
 
 def _with_prefetch(profile, prefetch):
@@ -407,8 +429,9 @@ def plan_within(profile, budget):
     prefetch brings back ahead of time, which is not additive: every cap on
     the rebuild (each measured transient) and with or without swap is solved
     as its own knapsack, with what the cap reserves taken off the budget,
-    and the cheapest answer wins. Step times are one measured step per option, so
-    plans whose predicted times are within ``TIME_NOISE`` of the baseline step of the fastest are a tie:
+    and the cheapest answer wins. Step times are single measured steps (one or a few per option), which
+    move by a fraction of their own length, so plans whose predicted times are within ``timing_noise`` of
+    the fastest (``TIME_NOISE`` of the fastest plan's predicted step, or the profile's measured spread) are a tie:
     of those, the one with the least real peak is chosen (``BudgetPlan.tie`` says so), and a run of the
     same command does not flip between them on timing noise. Returns ``(plan, fits)``: when nothing fits,
     the plan with the least real peak and ``fits=False``.
@@ -427,5 +450,5 @@ def plan_within(profile, budget):
             least = plan
     if not fitting:
         return least, False
-    best = _settle_ties(fitting, profile, peak=lambda p: p.backward_peak)
+    best = _settle_ties(fitting, profile, peak=lambda p: p.backward_peak, single_steps=True)
     return best, True

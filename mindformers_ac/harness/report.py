@@ -116,7 +116,7 @@ def _budget_lines(budget):
     if not budget["fits"]:
         lines.append("  the budget is below the least reachable peak: the plan with the least peak was used")
     if budget["replanned"]:
-        lines.append("  chosen twice: the first choice measured over the budget")
+        lines.append(f"  chosen twice: {budget.get('replanned_because') or 'the first choice measured over the budget'}")
     return lines
 
 
