@@ -17,6 +17,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.utils import MsDispatchMode
 
 from ..construct_patch import DROPPED, ConstructPatch, bracket_calls, find_patch
+from ..ledger import ActivationLedger
 from ..meter import CHAIN_PASSED
 from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
@@ -29,7 +30,7 @@ from .random_ops import is_random_op_name, is_unreplayable_random_op
 from .rerun import SavedInput, keep_saved, map_inputs, recompute_graph, recompute_input, refuse_higher_order
 from .side_effects import may_write
 from .state import ENGINE
-from .stats import RecomputeStats, RegionBytes
+from .stats import RecomputeStats
 
 logger = logging.getLogger("mindformers_ac.recompute")
 
@@ -326,7 +327,7 @@ class _Scope:
         """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
         passed = run.alive_passed()
         kept = dict(passed)
-        # The region ledger (stats.RegionBytes) per stats object: what the scope keeps goes into the first
+        # The ledger (ActivationLedger) per stats object: what the scope keeps goes into the first
         # target's (apply_ac gives a layer's targets one stats), what each target's dropped calls freed into
         # its own, summed as decided (a freed storage's address may be reused).
         ledgers = {}
@@ -335,7 +336,7 @@ class _Scope:
             target, freeable = rec.target, rec.freeable()
             gain = sum(n for p, n in freeable.items() if p not in kept and p not in rec.input_bytes)
             cost, compact = rec.input_cost(kept, freeable)
-            ledger = ledgers.setdefault(id(target.stats), (target.stats, RegionBytes(run.weights)))[1]
+            ledger = ledgers.setdefault(id(target.stats), (target.stats, ActivationLedger(run.weights)))[1]
             if target.keep_output is not True and gain > cost:
                 kept.update(rec.settle(True, compact))
                 ledger.rebuilt(gain)
@@ -348,7 +349,7 @@ class _Scope:
         if ledgers:   # the meter counts what was passed
             next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
         for stats, ledger in ledgers.values():
-            ledger.close(stats, run)
+            stats.open_region(run, ledger.close())
         for warning in why.values():
             if warning is not None:
                 ENGINE.warnings.warning(*warning)

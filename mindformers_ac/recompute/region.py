@@ -181,7 +181,7 @@ class Region(RegionBase):
             with run.engine_ops(), no_casts():   # the copies are ours: they must not shift the op numbering
                 snapshot = StateSnapshot(args, slots)
             self.snapshots[idx] = snapshot
-            self.bytes.add(("state", idx), snapshot.nbytes)
+            self.bytes.keep_bytes(("state", idx), snapshot.nbytes)
         elif decision is None:
             decision = SAVE
             ENGINE.warnings.warning(("keep_side_effect", name), messages.KEEP_SIDE_EFFECT, name)
@@ -594,7 +594,7 @@ class Region(RegionBase):
         self.finish_chain(out)
         self.fwd_npacks = run.npacks
         self._swap_holders = None
-        self.bytes.close(self.stats, self)
+        self.stats.open_region(self, self.bytes.close())
         return out
 
     def replay(self, args, kwargs):

@@ -12,6 +12,7 @@ import weakref
 
 from mindspore import Parameter, Tensor, ops
 
+from ..ledger import ActivationLedger
 from ..mindspore_compat import EXECUTOR_CALLS, RandomState, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
@@ -22,7 +23,6 @@ from .markers import context_pair
 from .random_ops import DropoutRecord
 from .side_effects import ReboundParameters
 from .state import ENGINE, FORWARD, RECOMPUTE
-from .stats import RegionBytes
 
 # stateless and reentrant: one instance serves every call that has nothing to enter (no object per call)
 _NO_CONTEXT = contextlib.nullcontext()
@@ -336,7 +336,7 @@ class RegionBase:
         self.metadata = None      # key -> list of values the forward saved for the re-run (markers)
         self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
         self.children = []        # regions nested in this one's forward, in call order
-        self.bytes = RegionBytes(param_ptrs)
+        self.bytes = ActivationLedger(param_ptrs)
         self.stamps = ()             # (weakref, stamp, description) of what a later write must not touch
         self.done = False
         self._running = False
@@ -350,7 +350,7 @@ class RegionBase:
     def keep_replaced(self):
         """After the forward: count the pre-forward copies of rebound Parameters as kept."""
         for i, (_, c) in enumerate(self.replaced.before):
-            self.bytes.add(("replaced", i), int(c.nbytes))
+            self.bytes.keep_bytes(("replaced", i), int(c.nbytes))
 
     # -- writes after the forward (rule W6) -------------------------------------------------------------
     def stamp(self, args, kwargs, out, saved_outputs):
@@ -493,7 +493,7 @@ class RegionBase:
             for t in out:
                 self.bytes.keep(t)
         else:
-            self.bytes.add(("bits", key), int(record.bits.nbytes))
+            self.bytes.keep_bytes(("bits", key), int(record.bits.nbytes))
             ptrs = [t.data_ptr() for t in out]
         where = [ptrs.index(t.data_ptr()) if t.data_ptr() in ptrs else None for t in packed]
         for t, j in zip(packed, where):

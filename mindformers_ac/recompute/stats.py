@@ -1,86 +1,12 @@
 """Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run, which path ran.
 
-``RegionBytes`` is the one ledger of what a region keeps, drops (to rebuild)
-and swaps during its forward: both paths into a region and output recompute's
-scope write it; ``RecomputeStats`` sums the ledgers of the regions that are
-alive, and ``accounting.LayerMeter``'s step figures read those sums. The swap
-engine's report is its own (docs/architecture.md says why).
+A region's bytes are counted by the package's one ledger
+(``ledger.ActivationLedger``, which swap groups write too); ``RecomputeStats``
+holds the totals of each region while it is alive, and
+``accounting.LayerMeter``'s step figures read those sums.
 """
 import collections
 import weakref
-
-from mindspore import Tensor
-
-from ..tensors import output_tensors, storage_info
-
-
-class RegionBytes:
-    """Bytes one region forward keeps, drops and swaps, each storage counted once; weights never.
-
-    ``param_ptrs``: ``data_ptr`` of the region's weights, which are alive
-    anyway. Keys are storage pointers, so a tensor kept twice (a saved input
-    that an op saves again) counts once; engine-owned bytes (mask bits, copies
-    of written parameters) go in under their own keys with ``add``. ``close``
-    hands the totals to a ``RecomputeStats`` and frees the per-storage maps.
-    """
-
-    __slots__ = ("param_ptrs", "kept", "dropped", "swapped", "producer", "dropped_total", "rebuilt_bytes")
-
-    def __init__(self, param_ptrs):
-        self.param_ptrs = param_ptrs
-        self.kept, self.dropped, self.swapped = {}, {}, {}
-        self.rebuilt_bytes = None   # dropped bytes known as a sum (``rebuilt``), not per storage
-        self.producer = {}   # storage ptr -> index of the latest op whose output lives there
-        self.dropped_total = 0   # the dropped bytes, once closed (a checking call's, for its light calls)
-
-    def keep(self, t):
-        """``t`` stays alive until backward because the region keeps it."""
-        if t.data_ptr() in self.param_ptrs:
-            return
-        ptr, nbytes = storage_info(t)
-        self.kept[ptr] = nbytes
-
-    def unkeep(self, t):
-        """``t`` is no longer kept (a kept op's output no backward read: rule K2)."""
-        self.kept.pop(storage_info(t)[0], None)
-
-    def add(self, key, nbytes):
-        """Bytes the engine made itself and keeps (a Dropout's mask bits, copies of written parameters)."""
-        self.kept[key] = nbytes
-
-    def note_outputs(self, idx, out):
-        """Remember which op produced each output storage (see ``drop``)."""
-        for t in output_tensors(out):
-            if isinstance(t, Tensor):
-                self.producer[storage_info(t)[0]] = idx
-
-    def drop(self, t):
-        """``t`` was saved by an op and left for the recompute to rebuild."""
-        # Dropped storages die during forward and their addresses are reused by later outputs:
-        # keying by address alone would count two different activations once.
-        ptr, nbytes = storage_info(t)
-        self.dropped[(ptr, self.producer.get(ptr))] = nbytes
-
-    def rebuilt(self, nbytes):
-        """``nbytes`` more are dropped, counted by the caller (output recompute's settled calls; the light
-        path's checking call): they stand for the per-storage drops."""
-        self.rebuilt_bytes = (self.rebuilt_bytes or 0) + nbytes
-
-    def swap(self, t):
-        """``t`` was handed to a swap executor."""
-        ptr, nbytes = storage_info(t)
-        self.swapped[ptr] = nbytes
-
-    def close(self, stats, owner):
-        """Report the forward's totals to ``stats`` until ``owner`` (the region) is garbage."""
-        kept = sum(self.kept.values())
-        dropped = self.rebuilt_bytes
-        if dropped is None:
-            dropped = sum(n for (p, _), n in self.dropped.items() if p not in self.kept)
-        swapped = sum(n for p, n in self.swapped.items() if p not in self.kept)
-        self.kept = self.dropped = self.swapped = self.producer = None   # only the totals are needed now
-        self.dropped_total = dropped
-        stats.open_region(owner, kept, dropped, swapped)
 
 
 class RecomputeStats:
@@ -140,8 +66,10 @@ class RecomputeStats:
         self.ops_rerun += n
         self.rerun_by_op[op_name] += n
 
-    def open_region(self, owner, kept, dropped, swapped):
-        """Account a finished forward; the bytes are released when ``owner`` is garbage."""
+    def open_region(self, owner, totals):
+        """Account a finished forward (its ledger's ``LedgerTotals``); the bytes are released when ``owner``
+        is garbage."""
+        kept, dropped, swapped = totals.kept, totals.dropped, totals.swapped
         self.live_bytes += kept
         self._live_dropped += dropped
         self._live_swapped += swapped

@@ -49,6 +49,7 @@ import mindspore as ms
 
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import DEFAULT_MIN_BYTES, SwapConfig
+from ..ledger import ActivationLedger
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
 from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr, tensor_bytes, tensor_storage_ptrs
@@ -104,7 +105,7 @@ class _Kept:
 
 
 class _Group:
-    __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "kept", "pending",
+    __slots__ = ("key", "gen", "mode", "policy_fn", "check_fn", "exclude", "seen", "ledger", "pending",
                  "pending_ptrs", "handles", "marked", "hooks", "on_first_unpack", "unpacked", "stats", "pending_bytes", "plain",
                  "saved_marks", "digests", "unfollowed")
 
@@ -113,7 +114,9 @@ class _Group:
         self.policy_fn, self.check_fn, self.exclude = policy_fn, check_fn, exclude
         self.on_first_unpack, self.unpacked = on_first_unpack, False
         self.seen = {}          # view key -> SwapHandle (live only while the group is open)
-        self.kept = set()       # storage ptrs counted as resident in this group
+        # what the group keeps (storage ptr -> bytes) and swaps (handle -> bytes it copies), each once; its
+        # totals go into the report's layer figures when the group closes
+        self.ledger = ActivationLedger()
         self.pending = []       # handles whose offload is not finished
         self.pending_ptrs = set()   # their storage pointers: a close finds outputs among them without a walk
         self.pending_bytes = 0  # their bytes, held on the device until the group closes
@@ -166,7 +169,7 @@ class _Group:
         for msptr, (_, tag, origin) in self.marked.items():
             if origin == msptr and msptr not in self.saved_marks:
                 why = ("saved before the mark, by the op that made it: mark it where it is made, or mark what "
-                       "its consumers save" if msptr in self.kept else
+                       "its consumers save" if self.ledger.holds(msptr) else
                        "no op saved it, nor a copy of it: its consumers save other tensors (mark one of those)")
                 out.append((tag, why))
         return out
@@ -315,6 +318,7 @@ class SwapScheduler:
         g.marked.clear()
         g.digests.clear()
         g.unfollowed.clear()
+        self._report_bytes(g)
         if failed:
             return g
         if g.handles and g.key in self._prefetchable:
@@ -322,6 +326,17 @@ class SwapScheduler:
         if error is not None:
             raise error
         return g
+
+    def _report_bytes(self, g):
+        """Close ``g``'s ledger into its layer's step figures (a failed forward's too: its copies were made)."""
+        totals = g.ledger.close()
+        stats = g.stats
+        if stats is None:   # nothing was packed
+            return
+        stats.offloaded_bytes += totals.swapped
+        stats.num_offloaded += totals.num_swapped
+        stats.resident_bytes += totals.kept
+        stats.num_resident += totals.num_kept
 
     def _finish(self, g):
         """Finish ``g``'s pending copies and drop their device tensors; returns the first copy error."""
@@ -360,12 +375,8 @@ class SwapScheduler:
             self.executor.keep_on_device(h, _same_version_alias(device))
             g.pending_bytes -= h.nbytes
             self.report.release(h.nbytes)
-            stats.offloaded_bytes -= h.nbytes
-            stats.num_offloaded -= 1
-            if sptr not in g.kept:
-                g.kept.add(sptr)
-                stats.resident_bytes += snbytes
-                stats.num_resident += 1
+            g.ledger.unswap(h)
+            if g.ledger.keep_bytes(sptr, snbytes):
                 stats.kept_reasons["output"] += 1
         g.pending[:] = still
         g.pending_ptrs.difference_update(out_ptrs)
@@ -468,18 +479,14 @@ class SwapScheduler:
                 g.handles.append(weakref.ref(h))
                 nbytes = h.nbytes
                 g.pending_bytes += nbytes
-                stats.offloaded_bytes += nbytes
-                stats.num_offloaded += 1
+                g.ledger.swap_bytes(h, nbytes)
                 self.report.hold(nbytes)
                 return h
             reason = "over_budget"
         return self._keep(g, t, sptr, snbytes, reason, stats)
 
     def _keep(self, g, t, sptr, nbytes, reason, stats):
-        if sptr not in g.kept:
-            g.kept.add(sptr)
-            stats.resident_bytes += nbytes
-            stats.num_resident += 1
+        if g.ledger.keep_bytes(sptr, nbytes):
             stats.kept_reasons[reason] += 1
             if reason == "over_budget":
                 stats.over_budget_bytes += nbytes
