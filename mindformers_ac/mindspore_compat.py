@@ -122,7 +122,7 @@ class ExecutorCalls:
     def __init__(self):
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._patches = []   # (owner, attribute, our wrapper)
+        self._installed = False
 
     def _state(self):
         local = self._local
@@ -157,9 +157,10 @@ class ExecutorCalls:
     def install(self):
         """Wrap MindSpore's entry points, once per process (``import mindformers_ac`` calls it)."""
         with self._lock:
-            if self._patches:
+            if self._installed:
                 return
             self._install()
+            self._installed = True
             self._state().unseen = bool(pynative_executor.requires_grad())
 
     def _install(self):
@@ -168,18 +169,14 @@ class ExecutorCalls:
             forward = getattr(module, "_pynative_func_grad_forward", None)
             backward = getattr(module, "_pynative_func_grad_backward", None)
             if forward is not None:
-                self._patch(module, "_pynative_func_grad_forward", self._counted_forward(forward))
+                setattr(module, "_pynative_func_grad_forward", self._counted_forward(forward))
             if backward is not None:
-                self._patch(module, "_pynative_func_grad_backward", self._counted_backward(backward))
+                setattr(module, "_pynative_func_grad_backward", self._counted_backward(backward))
         executor = pynative_executor
-        self._patch(executor, "set_mixed_precision_type",
+        setattr(executor, "set_mixed_precision_type",
                     self._counted_precision(type(executor).set_mixed_precision_type.__get__(executor)))
-        self._patch(executor, "set_cell_use_dynamic_shape_process",
+        setattr(executor, "set_cell_use_dynamic_shape_process",
                     self._noted_dynamic_shape(type(executor).set_cell_use_dynamic_shape_process.__get__(executor)))
-
-    def _patch(self, owner, attr, wrapper):
-        self._patches.append((owner, attr, wrapper))
-        setattr(owner, attr, wrapper)
 
     def _counted_forward(self, original):
         state = self._state

@@ -130,14 +130,23 @@ def profile(rows, names, warmup, steps, top=25):
           f"{stats.total_tt / steps * 1e3:.1f} ms main-thread CPU per step (profiled)")
     stats.sort_stats("tottime").print_stats(top)
     print(out.getvalue())
-    own = OWN_CODE
-    own_tt = sum(entry[2] for (path, _, _), entry in stats.stats.items() if own.search(path))
+    own_tt = sum(_own_time_by_function(stats).values())
     engine = io.StringIO()
     print(f"this package's own code (not its reference models): {own_tt / steps * 1e3:.2f} ms per step of own "
           f"time ({own_tt / stats.total_tt:.1%} of the profiled main thread); its functions by cumulative time "
           "(calls and seconds over all profiled steps):", file=engine)
-    pstats.Stats(prof, stream=engine).sort_stats("cumtime").print_stats(own.pattern, top)
+    pstats.Stats(prof, stream=engine).sort_stats("cumtime").print_stats(OWN_CODE.pattern, top)
     print(engine.getvalue())
+
+
+def _own_time_by_function(stats):
+    """Own seconds of this package's functions in ``stats`` (``OWN_CODE``), keyed ``file:function`` by file
+    name, so that two revisions of one module compare."""
+    funcs = collections.defaultdict(float)
+    for (path, _, fn), entry in stats.stats.items():
+        if OWN_CODE.search(path):
+            funcs[f"{os.path.basename(path)}:{fn}"] += entry[2]
+    return funcs
 
 
 def compare_profiles(rows, warmup, steps, top, block=5):
@@ -164,11 +173,7 @@ def compare_profiles(rows, warmup, steps, top, block=5):
     totals = {"main thread, all code (ms)": [], "the package's own Python (ms)": [], "Python calls": []}
     for r in rows:
         stats = pstats.Stats(profs[r.name])
-        funcs = collections.defaultdict(float)
-        for (path, _, fn), entry in stats.stats.items():
-            if OWN_CODE.search(path):
-                funcs[f"{os.path.basename(path)}:{fn}"] += entry[2]
-        per_function[r.name] = funcs
+        funcs = per_function[r.name] = _own_time_by_function(stats)
         totals["main thread, all code (ms)"].append(f"{stats.total_tt / n * 1e3:.1f}")
         totals["the package's own Python (ms)"].append(f"{sum(funcs.values()) / n * 1e3:.2f}")
         totals["Python calls"].append(f"{stats.total_calls / n:,.0f}")

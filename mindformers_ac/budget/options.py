@@ -89,14 +89,21 @@ class OptionSample:
     memory: object
 
 
+def interquartile_range(times):
+    """The middle half's width of one option's step times (0 for fewer than four): how far this machine's
+    load moved them (``plan --budget`` reads its 12 this way)."""
+    if len(times) < 4:
+        return 0.0
+    low, _, high = statistics.quantiles(times, n=4)
+    return high - low
+
+
 def step_time_spread(times):
-    """How far one option's repeated step times moved: the interquartile range of four or more (as
-    ``plan --budget`` reads its 12), the whole range of two or three (too few for quartiles), 0 for one."""
-    times = sorted(times)
+    """How far one option's repeated step times moved: the ``interquartile_range`` of four or more, the
+    whole range of two or three (too few for quartiles), 0 for one."""
     if len(times) >= 4:
-        low, _, high = statistics.quantiles(times, n=4)
-        return high - low
-    return times[-1] - times[0] if times else 0.0
+        return interquartile_range(times)
+    return max(times) - min(times) if times else 0.0
 
 
 def merge_repeats(samples):

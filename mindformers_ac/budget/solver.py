@@ -369,7 +369,12 @@ def timing_noise(profile, step_s=None):
     times moved (``Profile.time_spread_s``: the spread of one option's repeated steps, a step below the
     baseline, or a plan's measured step against its prediction; a loaded machine moves a step by as much
     between two runs), whichever is larger."""
-    return max(TIME_NOISE * (profile.baseline_step_s if step_s is None else step_s), profile.time_spread_s)
+    return max(_noise_floor(profile, step_s), profile.time_spread_s)
+
+
+def _noise_floor(profile, step_s=None):
+    """``TIME_NOISE`` of ``step_s``, or of the step without AC by default."""
+    return TIME_NOISE * (profile.baseline_step_s if step_s is None else step_s)
 
 
 def widened_by_miss(profile, plan, measured_step_s):
@@ -385,7 +390,7 @@ def noise_source(profile, step_s=None):
     """What ``timing_noise(profile, step_s)`` is, in words."""
     step = (f"{profile.baseline_step_s * 1000:.1f} ms step without AC" if step_s is None else
             f"{step_s * 1000:.1f} ms step predicted for the fastest plan")
-    if profile.time_spread_s > TIME_NOISE * (profile.baseline_step_s if step_s is None else step_s):
+    if profile.time_spread_s > _noise_floor(profile, step_s):
         return f"{profile.time_spread_s * 1000:.1f} ms, {profile.time_spread_what}, over {TIME_NOISE:.0%} of the {step}"
     return f"{TIME_NOISE:.0%} of the {step}"
 

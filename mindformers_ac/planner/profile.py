@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from ..budget.options import OptionSample, applied_layers, candidate_options, profile_from_samples
+from ..budget.options import OptionSample, applied_layers, candidate_options, interquartile_range, profile_from_samples
 from ..budget.solver import OptionKind
 from ..errors import ConfigError
 from ..layer_specs import swappable_layers
@@ -165,12 +165,4 @@ def _profile_from_runs(runs, num_layers, prefetch, description):
     return dataclasses.replace(profile, host_bandwidth=bandwidth, swap_overlap=overlap,
                                swap_copy_s=raw_copy if raw_copy > 0 else None,
                                swap_cost_s=swap_delta if raw_copy > 0 else None,
-                               time_spread_s=max(_interquartile_range(r.times) for r in runs))
-
-
-def _interquartile_range(times):
-    """The middle half's width of one option's step times: how far this machine's load moved them."""
-    if len(times) < 4:
-        return 0.0
-    low, _, high = statistics.quantiles(times, n=4)
-    return high - low
+                               time_spread_s=max(interquartile_range(r.times) for r in runs))
