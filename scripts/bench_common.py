@@ -23,8 +23,13 @@ SHAPES = {"small": {"layers": 8, "hidden": 64, "seq": 32, "batch": 2},
           "mid": {"layers": 4, "hidden": 256, "seq": 128, "batch": 4}}
 
 
+# what each ``args.dropout_kind`` is, for the tables' captions
+DROPOUT_NAMES = {"seeded": "SeededDropout", "kernel": "SeededKernelDropout", "nn": "nn.Dropout"}
+
+
 def parse_args(doc, add_arguments=None):
-    """Model arguments (defaults from ``--shape``, each overridable), ``--nn-dropout``, ``--warmup``,
+    """Model arguments (defaults from ``--shape``, each overridable), the dropout kind (``--nn-dropout``,
+    ``--kernel-dropout``: ``args.dropout_kind``), ``--warmup``,
     ``--steps``, ``--profile ROW``, plus what ``add_arguments(parser)`` adds. The model's dimensions come
     back resolved as ``args.gpt`` (a ``GPTConfig``) and ``args.batch``."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -32,8 +37,12 @@ def parse_args(doc, add_arguments=None):
                      help="small: 8 layers, hidden 64, seq 32, batch 2; mid: 4 layers, hidden 256, seq 128, batch 4")
     p = argparse.ArgumentParser(description=doc, parents=[pre], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p, **SHAPES[pre.parse_known_args()[0].shape])
-    p.add_argument("--nn-dropout", action="store_true",
-                   help="MindSpore's nn.Dropout instead of the reference model's replayable SeededDropout")
+    kinds = p.add_mutually_exclusive_group()
+    kinds.add_argument("--nn-dropout", action="store_const", dest="dropout_kind", const="nn", default="seeded",
+                       help="MindSpore's nn.Dropout instead of the reference model's SeededDropout (host-drawn masks)")
+    kinds.add_argument("--kernel-dropout", action="store_const", dest="dropout_kind", const="kernel",
+                       help="a fresh seeded ops.Dropout primitive per call (SeededKernelDropout, the reference "
+                            "model's dropout before 2026-12-03) instead of SeededDropout")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile", metavar="ROW", nargs="+",

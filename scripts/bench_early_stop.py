@@ -20,7 +20,7 @@ FLOOR, EARLY, WHOLE = "floor (baseline + 1 forward)", "full, early_stop=True", "
 
 
 def case(a, name, early_stop=None, extra_forward=False, ref=None):
-    family = build(a.family, a.gpt, a.batch, a.gpt.dropout, a.nn_dropout)
+    family = build(a.family, a.gpt, a.batch, a.gpt.dropout, a.dropout_kind)
     model, batch = family.model, family.batch
     stats = []
     if early_stop is not None:

@@ -1,7 +1,7 @@
 """The three model families the recompute benchmark runs on, each at the shape ``bench_common`` resolves.
 
 * ``gpt``: the reference GPT (``harness/models.py``; dropout: its replayable
-  ``SeededDropout``, or ``nn.Dropout`` with ``--nn-dropout``);
+  ``SeededDropout``, ``SeededKernelDropout`` with ``--kernel-dropout`` or ``nn.Dropout`` with ``--nn-dropout``);
 * ``plain``: a plain pre-LN transformer with another op mix, as a user writes
   one: ``mint.nn.Linear``, ``nn.LayerNorm``, ``ops.gelu``, ``ops.softmax``,
   ``nn.Dropout`` after attention and MLP when dropout > 0, loss
@@ -18,7 +18,7 @@
 ``matmul``, or ``AllToAll`` on the MoE model (the config the guide gives expert
 parallelism).
 
-``build(family, gpt, batch, dropout, nn_dropout) -> Family``: a fresh model with
+``build(family, gpt, batch, dropout, dropout_kind) -> Family``: a fresh model with
 fixed weights, one batch, its layer cells and each layer's MLP cell.
 """
 import os
@@ -30,7 +30,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
-from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_dropout
 
 FAMILIES = ("gpt", "plain", "llama", "moe")
 _EXCLUDE_OP = {"moe": ["AllToAll"]}
@@ -112,19 +112,15 @@ def _llama_module(gpt, batch):
     return module
 
 
-def build(family, gpt, batch, dropout=0.0, nn_dropout=False):
+def build(family, gpt, batch, dropout=0.0, dropout_kind="seeded"):
     if family == "gpt":
-        model = build_gpt(gpt, seed=0)
-        if nn_dropout:
-            use_nn_dropout(model)
+        model = use_dropout(build_gpt(gpt, seed=0), dropout_kind)
         layers = list(model.decoder.layers)
         return Family(model, synthetic_batch(batch, gpt.seq_length, gpt.vocab_size, seed=0), layers,
                       [layer.mlp for layer in layers], "reference GPT")
     if family == "moe":
         from mindformers_ac.harness.moe import build_moe_gpt
-        model = build_moe_gpt(gpt, seed=0, num_experts=4, top_k=2)
-        if nn_dropout:
-            use_nn_dropout(model)
+        model = use_dropout(build_moe_gpt(gpt, seed=0, num_experts=4, top_k=2), dropout_kind)
         layers = list(model.decoder.layers)
         return Family(model, synthetic_batch(batch, gpt.seq_length, gpt.vocab_size, seed=0), layers,
                       [layer.mlp for layer in layers], "reference MoE GPT (4 experts, top-2, ep=1)")

@@ -6,7 +6,8 @@
 Each run is one ``bench_recompute.py`` process (every row interleaved in it, medians over its steps);
 a ratio moves by a few percent between processes on a shared machine, so each configuration runs
 ``--repeat`` times and the table gives the median of the runs' ratios and their range. Rows: the
-reference GPT with its replayable SeededDropout, with ``nn.Dropout`` and without dropout; the plain
+reference GPT with its SeededDropout (host-drawn masks), with its former SeededKernelDropout (a fresh seeded
+``ops.Dropout`` per call), with ``nn.Dropout`` and without dropout; the plain
 pre-LN transformer with ``nn.Dropout`` and without; the LLaMA of docs/own_model.md (no dropout); the reference MoE GPT (ep=1). The exclude columns:
 ``exclude_op: [matmul]`` (``exclude_policy(["matmul"])``; ``[AllToAll]`` on the MoE model) on the same
 regions, against the same rows without it.
@@ -18,7 +19,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = [("gpt", "SeededDropout 0.1", []), ("gpt", "nn.Dropout 0.1", ["--nn-dropout"]),
+CONFIGS = [("gpt", "SeededDropout 0.1", []), ("gpt", "SeededKernelDropout 0.1", ["--kernel-dropout"]),
+           ("gpt", "nn.Dropout 0.1", ["--nn-dropout"]),
            ("gpt", "none", ["--dropout", "0"]), ("plain", "nn.Dropout 0.1", ["--dropout", "0.1"]),
            ("plain", "none", ["--dropout", "0"]), ("llama", "none", []), ("moe", "SeededDropout 0.1", [])]
 FLOOR, BUILTIN = "floor (baseline + 1 forward)", "Cell.recompute() full"

@@ -40,7 +40,7 @@ def baseline_step_ms(shape, steps=15):
     dims = SHAPES[shape]
     gpt = GPTConfig(num_layers=dims["layers"], hidden_size=dims["hidden"], num_heads=4, seq_length=dims["seq"],
                     vocab_size=512, dropout=0.1)
-    family = build("gpt", gpt, dims["batch"], gpt.dropout, False)
+    family = build("gpt", gpt, dims["batch"], gpt.dropout)
     grad_fn = ms.value_and_grad(family.model, None, family.model.trainable_params())
     for _ in range(3):
         grad_fn(*family.batch)

@@ -2,7 +2,7 @@
 one after another, without AC, with full recompute, with layer swap and with a memory budget.
 
     PYTHONPATH=. python scripts/bench_model_lifetimes.py [--models 10] [--steps 8] [--hidden 256]
-        [--dropout seeded|nn|off] [--optimizer sgd|assign] [--remove-ac]
+        [--dropout seeded|kernel|nn|off] [--optimizer sgd|assign] [--remove-ac]
 
 Each mode runs in a fresh process: it builds the reference GPT (4 layers), applies the mode, trains
 ``--steps`` steps (``value_and_grad`` + the optimizer), drops the model (the model just goes out of scope,
@@ -14,9 +14,10 @@ still finds, and prints how many more of each a model leaves (same slope): no ob
 the goal; a model's Parameters stay with ``nn.SGD`` (its ``@jit`` construct's compiled graph keeps the
 optimizer cell, so its parameters and the model's, for the life of the process), not with ``assign``.
 
-``--dropout``: ``seeded`` is the reference model's ``SeededDropout`` (a fresh ``ops.Dropout`` primitive per
-call, which MindSpore 2.10 keeps about 62 KiB of for good on CPU; a recomputed layer calls it twice),
-``nn`` is MindSpore's ``nn.Dropout`` (one primitive per cell), ``off`` is p=0. ``--optimizer assign`` steps
+``--dropout``: ``seeded`` is the reference model's ``SeededDropout`` (masks drawn on the host: no kernel
+state), ``kernel`` its former ``SeededKernelDropout`` (a fresh ``ops.Dropout`` primitive per call, which
+MindSpore 2.10 keeps about 62 KiB of for good on CPU; a recomputed layer calls it twice), ``nn`` is
+MindSpore's ``nn.Dropout`` (one primitive per cell), ``off`` is p=0. ``--optimizer assign`` steps
 with ``ops.assign(p, p - lr * g)`` instead of ``nn.SGD`` (whose ``@jit`` graph keeps every model alive).
 docs/benchmarks.md records the figures; the weak-reference tests of the same question are in
 ``tests/test_model_lifetimes.py``.
@@ -27,6 +28,8 @@ import json
 import os
 import subprocess
 import sys
+
+from mindformers_ac.harness.models import DROPOUT_KINDS
 
 MODES = {
     "without AC": None,
@@ -74,7 +77,7 @@ def _step_fn(model, optimizer):
 
 def one_mode(name, args):
     import mindformers_ac as mac
-    from mindformers_ac.harness.models import SyntheticBatches, build_gpt, use_nn_dropout
+    from mindformers_ac.harness.models import SyntheticBatches, build_gpt, use_dropout
     from mindformers_ac.mindspore_compat import synchronous_pynative
     synchronous_pynative()
     batches = SyntheticBatches(2, 64, 256)
@@ -82,8 +85,8 @@ def one_mode(name, args):
     for _ in range(args.models):
         model = build_gpt(num_layers=4, hidden_size=args.hidden, num_heads=4, seq_length=64, vocab_size=256,
                           dropout=0.0 if args.dropout == "off" else 0.1)
-        if args.dropout == "nn":
-            use_nn_dropout(model)
+        if args.dropout != "off":
+            use_dropout(model, args.dropout)
         if MODES[name] is not None:
             mac.apply_ac(model, config=MODES[name])
         step = _step_fn(model, args.optimizer)
@@ -103,7 +106,7 @@ def main(argv=None):
     parser.add_argument("--models", type=int, default=10)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--dropout", choices=("seeded", "nn", "off"), default="seeded")
+    parser.add_argument("--dropout", choices=(*DROPOUT_KINDS, "off"), default="seeded")
     parser.add_argument("--optimizer", choices=("sgd", "assign"), default="sgd")
     parser.add_argument("--remove-ac", action="store_true", help="call remove_ac before dropping each model")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")

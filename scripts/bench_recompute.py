@@ -21,13 +21,13 @@ from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.tensors import MiB
 
-from bench_common import Row, parse_args, print_table, profile, run_interleaved
+from bench_common import DROPOUT_NAMES, Row, parse_args, print_table, profile, run_interleaved
 from bench_families import FAMILIES, build, exclude_op
 
 
 def case(a, name, setup, ref=None, extra_forward=False):
     """A fresh model set up by ``setup(family) -> [RecomputeStats] | None``, as a Row."""
-    family = build(a.family, a.gpt, a.batch, a.gpt.dropout, a.nn_dropout)
+    family = build(a.family, a.gpt, a.batch, a.gpt.dropout, a.dropout_kind)
     model, batch = family.model, family.batch
     stats = setup(family) or []
     params = model.trainable_params()
@@ -96,7 +96,7 @@ def main():
     run_interleaved(rows, a.warmup, a.steps)
     g = a.gpt
     dropout = "none" if not g.dropout or a.family == "llama" else (
-        f"{g.dropout} ({'nn.Dropout, masks kept' if a.nn_dropout or a.family == 'plain' else 'replayable SeededDropout, drawn again'})")
+        f"{g.dropout} ({'nn.Dropout, masks kept' if a.dropout_kind == 'nn' or a.family == 'plain' else DROPOUT_NAMES[a.dropout_kind] + ', drawn again'})")
     print(f"{build(a.family, a.gpt, a.batch).describe}, exclude_op {exclude}: {g.num_layers} layers, hidden {g.hidden_size}, heads "
           f"{g.num_heads}, seq {g.seq_length}, batch {a.batch}, dropout {dropout}; median of {a.steps} interleaved "
           f"steps after {a.warmup} warm-up; cpu = process CPU time (all threads)")

@@ -22,20 +22,19 @@ import tempfile
 import mindspore as ms
 from mindspore import nn
 
-from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_dropout
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.swap import install_layer_swap
 from mindformers_ac.tensors import MiB
 
-from bench_common import Row, parse_args, print_table, profile, run_interleaved
+from bench_common import DROPOUT_NAMES, Row, parse_args, print_table, profile, run_interleaved
 
 
 def swap_row(a, name, prefetch, layer_ids=None, install=install_layer_swap):
     """A fresh model + SGD, with layer swap of ``layer_ids`` (default: all but the last) unless ``prefetch``
     is None; the row keeps the last report. ``install``: the ``install_layer_swap`` to use."""
     model = build_gpt(a.gpt, seed=0)
-    if a.nn_dropout:
-        use_nn_dropout(model)
+    use_dropout(model, a.dropout_kind)
     layer_ids = range(a.gpt.num_layers - 1) if layer_ids is None else layer_ids
     inst = None if prefetch is None else install(model.decoder.layers, layer_ids, prefetch=prefetch,
                                                             model=model)
@@ -95,7 +94,7 @@ def main():
     run_interleaved(rows, a.warmup, a.steps)
     g = a.gpt
     print(f"{g.num_layers} layers, hidden {g.hidden_size}, seq {g.seq_length}, batch {a.batch}, dropout {g.dropout}"
-          f"{' (nn.Dropout)' if a.nn_dropout else ''}; swapped layers 0..{g.num_layers - 2} (or 0 only); median of {a.steps} "
+          f"{'' if a.dropout_kind == 'seeded' else f' ({DROPOUT_NAMES[a.dropout_kind]})'}; swapped layers 0..{g.num_layers - 2} (or 0 only); median of {a.steps} "
           f"interleaved steps after {a.warmup} warm-up; cpu = process CPU time (all threads)")
     print_table(rows, "baseline", mib_columns)
 

@@ -6,7 +6,7 @@ that the difference is refused with a clear error:
 
 * a branch on state that changed between forward and backward, and a buffer
   write only some inputs trigger, on the light path;
-* replayed dropout (the reference GPT's ``SeededDropout``, a Python step
+* replayed dropout (the reference GPT's ``SeededDropout`` and ``SeededKernelDropout``, a Python step
   counter) with two and more forwards before their backwards: one graph over
   two microbatches, and ``ms.vjp`` forwards run before their backwards;
 * an in-place write into a region's input.
@@ -19,7 +19,7 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 import mindformers_ac as mac
-from mindformers_ac.harness.models import build_gpt, synthetic_batch
+from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_dropout
 
 from isolated import run_isolated
 from steps import first_difference, run_steps
@@ -112,9 +112,9 @@ def _state(model, loss, grads):
             [(n, p.asnumpy().tobytes()) for n, p in model.parameters_and_names()])
 
 
-def _two_in_one_graph(config, steps=3):
+def _two_in_one_graph(config, dropout, steps=3):
     """``loss = model(mb1) + model(mb2)``: the second forward moves the dropout step before any backward."""
-    model = build_gpt(**GPT)
+    model = use_dropout(build_gpt(**GPT), dropout)
     if config:
         mac.apply_ac(model, config=config)
     opt = nn.SGD(model.trainable_params(), learning_rate=0.1)
@@ -128,9 +128,9 @@ def _two_in_one_graph(config, steps=3):
     return history
 
 
-def _vjp_in_flight(config, steps=3, microbatches=3):
+def _vjp_in_flight(config, dropout, steps=3, microbatches=3):
     """GPipe order: every microbatch's forward (``ms.vjp``), then their backwards in reverse order."""
-    model = build_gpt(**GPT)
+    model = use_dropout(build_gpt(**GPT), dropout)
     if config:
         mac.apply_ac(model, config=config)
     params = model.trainable_params()
@@ -158,12 +158,14 @@ def _first_diff(base, other):
 @pytest.mark.parametrize("config", [FULL, {"recompute": {"mode": "select", "select_module": {"mlp": ["0-2"]}}},
                                     {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}],
                          ids=["full", "select", "swap"])
-def test_replayed_dropout_with_two_microbatches_in_one_graph(config):
-    assert _first_diff(_two_in_one_graph(None), _two_in_one_graph(config)) is None
+@pytest.mark.parametrize("dropout", ["seeded", "kernel"])   # host-drawn masks; a marked, seeded primitive
+def test_replayed_dropout_with_two_microbatches_in_one_graph(config, dropout):
+    assert _first_diff(_two_in_one_graph(None, dropout), _two_in_one_graph(config, dropout)) is None
 
 
-def test_replayed_dropout_with_vjp_forwards_before_their_backwards():
-    assert _first_diff(_vjp_in_flight(None), _vjp_in_flight(FULL)) is None
+@pytest.mark.parametrize("dropout", ["seeded", "kernel"])
+def test_replayed_dropout_with_vjp_forwards_before_their_backwards(dropout):
+    assert _first_diff(_vjp_in_flight(None, dropout), _vjp_in_flight(FULL, dropout)) is None
 
 
 # -- in-place writes into a region's input ---------------------------------------------------------------

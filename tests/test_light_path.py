@@ -38,15 +38,16 @@ def light_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("stateful", [False, True], ids=["replayable_dropout", "nn_dropout"])
+@pytest.mark.parametrize("dropout_kind", ["seeded", "kernel", "nn"],
+                         ids=["host_mask_dropout", "replayable_dropout", "nn_dropout"])
 @pytest.mark.parametrize("target", ["full", "select_mlp"])
-def test_light_path_from_second_call_bitwise_equal_to_baseline_and_full_path(light_calls, stateful, target):
+def test_light_path_from_second_call_bitwise_equal_to_baseline_and_full_path(light_calls, dropout_kind, target):
     sub = (lambda layer: layer) if target == "full" else (lambda layer: layer.mlp)
-    base = train(stateful_dropout=stateful)[0]
+    base = train(dropout_kind=dropout_kind)[0]
     # early_stop=False: the light path re-runs the whole layer, so its counters match a whole re-run's
-    slow, slow_stats, _ = train(wrap_layers(sub, light_path=False, early_stop=False), stateful_dropout=stateful)
+    slow, slow_stats, _ = train(wrap_layers(sub, light_path=False, early_stop=False), dropout_kind=dropout_kind)
     assert not light_calls
-    history, stats, _ = train(wrap_layers(sub), stateful_dropout=stateful)
+    history, stats, _ = train(wrap_layers(sub), dropout_kind=dropout_kind)
     assert_bitwise_equal(base, history)
     assert_bitwise_equal(slow, history)
     # 2 layers x 3 steps: the first step of each layer checks the path, the other two are light
@@ -87,10 +88,11 @@ def test_policy_or_disabled_regions_never_go_light(light_calls, kw):
     assert not light_calls and stats[0].ops_rerun > 0
 
 
-@pytest.mark.parametrize("stateful", [False, True], ids=["replayable_dropout", "nn_dropout"])
-def test_stats_count_which_path_each_call_took(light_calls, stateful):
+@pytest.mark.parametrize("dropout_kind", ["seeded", "kernel", "nn"],
+                         ids=["host_mask_dropout", "replayable_dropout", "nn_dropout"])
+def test_stats_count_which_path_each_call_took(light_calls, dropout_kind):
     """A safe full-recompute layer: the first call per signature intercepted, the later ones light."""
-    _, stats, _ = train(wrap_layers(), stateful_dropout=stateful)
+    _, stats, _ = train(wrap_layers(), dropout_kind=dropout_kind)
     assert len(light_calls) == 2 * 2
     for s in stats:   # 3 steps per layer
         assert (s.intercepted_calls, s.light_calls) == (1, 2)

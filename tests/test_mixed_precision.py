@@ -372,9 +372,9 @@ def test_fp16_nn_dropout_keeps_its_mask_as_bits_and_is_bitwise(caplog):
         mac.apply_ac(model, config={"recompute": {"mode": "full", "full_recompute_layer": [0, 1]}})
         return mac.ac_state(model)
 
-    base = train(fp16, stateful_dropout=True)[0]
+    base = train(fp16, dropout_kind="nn")[0]
     with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
-        history, state, _ = train(fp16_ac, stateful_dropout=True)
+        history, state, _ = train(fp16_ac, dropout_kind="nn")
     assert_bitwise_equal(base, history)
     assert "can't be rebuilt bitwise" not in caplog.text
     from mindformers_ac.recompute.state import ENGINE

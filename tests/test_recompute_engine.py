@@ -20,7 +20,7 @@ from mindspore import Tensor, mint, nn, ops
 import mindformers_ac as mac
 from mindformers_ac import recompute as rc
 from mindformers_ac.checkpoint_policy import CheckpointPolicy
-from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_nn_dropout
+from mindformers_ac.harness.models import build_gpt, synthetic_batch, use_dropout
 from mindformers_ac.meter import SavedTensorMeter, peak_saved_bytes
 from mindformers_ac.recompute.rerun import RegionBase, Token
 from mindformers_ac.recompute.state import ENGINE
@@ -37,12 +37,12 @@ def _sgd(params, grads, lr=0.1):
         p.set_data(Tensor(p.asnumpy() - lr * g.asnumpy()))
 
 
-def train(setup=None, steps=3, dropout=0.1, seed=0, model_kw=None, stateful_dropout=False):
-    """Losses and gradients of ``steps`` SGD steps; RNG re-seeded so every run draws the same masks."""
+def train(setup=None, steps=3, dropout=0.1, seed=0, model_kw=None, dropout_kind="seeded"):
+    """Losses and gradients of ``steps`` SGD steps; RNG re-seeded so every run draws the same masks.
+    ``dropout_kind``: the reference model's host-drawn masks, ``kernel`` (a fresh seeded primitive per call,
+    marked replayable) or ``nn`` (``nn.Dropout``, kernel state: its masks are kept)."""
     kw = dict(SMALL, **(model_kw or {}))
-    model = build_gpt(dropout=dropout, seed=seed, **kw)
-    if stateful_dropout:
-        use_nn_dropout(model)
+    model = use_dropout(build_gpt(dropout=dropout, seed=seed, **kw), dropout_kind)
     model.set_train(True)
     extra = setup(model) if setup is not None else None
     params = model.trainable_params()
@@ -71,8 +71,9 @@ def baseline():
 
 
 @pytest.fixture(scope="module")
-def stateful_baseline():
-    return train(stateful_dropout=True)[0]
+def baselines():
+    """The run without AC for each dropout kind."""
+    return {kind: train(dropout_kind=kind)[0] for kind in ("seeded", "kernel", "nn")}
 
 
 # -- setups ---------------------------------------------------------------------------------
@@ -119,10 +120,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("stateful", [False, True], ids=["replayable_dropout", "nn_dropout"])
-def test_gradients_bitwise_equal_with_dropout(baseline, stateful_baseline, case, stateful):
-    history, extra, _ = train(CASES[case], stateful_dropout=stateful)
-    assert_bitwise_equal(stateful_baseline if stateful else baseline, history)
+@pytest.mark.parametrize("dropout_kind", ["seeded", "kernel", "nn"],
+                         ids=["host_mask_dropout", "replayable_dropout", "nn_dropout"])
+def test_gradients_bitwise_equal_with_dropout(baselines, case, dropout_kind):
+    history, extra, _ = train(CASES[case], dropout_kind=dropout_kind)
+    assert_bitwise_equal(baselines[dropout_kind], history)
     stats = extra[0] if isinstance(extra, tuple) else extra
     stats = stats if isinstance(stats, list) else [stats]
     assert sum(s.recompute_calls for s in stats) > 0
@@ -292,15 +294,27 @@ def _layer_input_bytes(model, seq):
 
 def test_full_recompute_with_replayable_dropout_keeps_exactly_inputs():
     kw = dict(num_layers=2, hidden_size=64, num_heads=2, seq_length=16, vocab_size=64)
-    _, stats, model = train(wrap_layers(), steps=1, model_kw=kw)
+    _, stats, model = train(wrap_layers(), steps=1, model_kw=kw, dropout_kind="kernel")
     for s in stats:
         assert s.peak_kept_bytes == _layer_input_bytes(model, 16)
         assert s.rerun_by_op["Dropout"] == 3   # drawn again from the same seeds, not kept
 
 
+def test_full_recompute_with_host_drawn_dropout_masks_keeps_exactly_inputs():
+    """The reference model's own dropout: a mask made on the host inside the layer is the layer's own
+    tensor, dropped with the rest and made again by the re-run (one Mul per dropout, run twice)."""
+    kw = dict(num_layers=2, hidden_size=64, num_heads=2, seq_length=16, vocab_size=64)
+    base, _, _ = train(steps=2, model_kw=kw)
+    history, stats, model = train(wrap_layers(), steps=2, model_kw=kw)
+    assert_bitwise_equal(base, history)
+    for s in stats:
+        assert s.peak_kept_bytes == _layer_input_bytes(model, 16)
+        assert "Dropout" not in s.rerun_by_op and s.rerun_by_op["Mul"] >= 3
+
+
 def test_full_recompute_keeps_only_layer_inputs_and_mask_bits():
     kw = dict(num_layers=2, hidden_size=64, num_heads=2, seq_length=16, vocab_size=64)
-    _, stats, model = train(wrap_layers(), steps=1, model_kw=kw, stateful_dropout=True)
+    _, stats, model = train(wrap_layers(), steps=1, model_kw=kw, dropout_kind="nn")
     inputs = _layer_input_bytes(model, 16)
     bits = (BATCH * 2 * 16 * 16 + 2 * BATCH * 16 * 64) // 8   # attention, hidden, mlp dropout masks
     for s in stats:
@@ -358,13 +372,14 @@ def test_exclude_matmul_reduces_reruns_by_the_matmul_count():
 
 
 def test_exclude_by_path_patterns():
+    # the kernel dropout: its op is Dropout, so the layer's Muls are gelu's own (a host mask is applied by a Mul)
     attr = rc.exclude_policy(path_patterns=[r"self_attention\.core_attention\.(softmax|bmm_qk)"])
     gelu = rc.exclude_policy(path_patterns=[r"mlp\.activation_func"])
     op_path = rc.exclude_policy(path_patterns=[r".*core_attention\.BatchMatMul"])
-    _, full, _ = train(wrap_layers(), steps=1)
-    _, by_attr, _ = train(wrap_layers(policy_fn=attr), steps=1)
-    _, by_gelu, _ = train(wrap_layers(policy_fn=gelu), steps=1)
-    _, by_op, _ = train(wrap_layers(policy_fn=op_path), steps=1)
+    _, full, _ = train(wrap_layers(), steps=1, dropout_kind="kernel")
+    _, by_attr, _ = train(wrap_layers(policy_fn=attr), steps=1, dropout_kind="kernel")
+    _, by_gelu, _ = train(wrap_layers(policy_fn=gelu), steps=1, dropout_kind="kernel")
+    _, by_op, _ = train(wrap_layers(policy_fn=op_path), steps=1, dropout_kind="kernel")
     assert full[0].ops_rerun - by_attr[0].ops_rerun == 2   # bmm_qk, not bmm_pv (same op name)
     assert by_attr[0].rerun_by_op.get("Softmax", 0) == 0 and by_attr[0].rerun_by_op["BatchMatMul"] == 1
     gelu_ops = sum(full[0].rerun_by_op[n] for n in ("Sqrt", "Div", "Erf", "Mul"))
@@ -372,8 +387,8 @@ def test_exclude_by_path_patterns():
     assert full[0].ops_rerun - by_op[0].ops_rerun == 2
     mlp = lambda layer: layer.mlp  # noqa: E731
     layer_relative = rc.exclude_policy(path_patterns=[r"mlp\.linear_fc1\.Dense"], path_prefix="mlp")
-    _, sel, _ = train(wrap_layers(mlp), steps=1)
-    _, sel_excl, _ = train(wrap_layers(mlp, policy_fn=layer_relative), steps=1)
+    _, sel, _ = train(wrap_layers(mlp), steps=1, dropout_kind="kernel")
+    _, sel_excl, _ = train(wrap_layers(mlp, policy_fn=layer_relative), steps=1, dropout_kind="kernel")
     assert sel[0].ops_rerun - sel_excl[0].ops_rerun == 1
     with pytest.raises(TypeError):
         rc.exclude_policy("matmul")

@@ -87,6 +87,9 @@ logger = logging.getLogger("mindformers_ac")
 MAX_PROFILES = 3   # the first profile and two for new input shapes
 MAX_IN_FLIGHT = 64   # forwards before a backward: a pipeline's microbatches (train --microbatches' bound too)
 _BASELINE = 1   # sample index of the second step without AC (the first is a warm-up)
+# why a choice was made a second time, when its plan's measured peak was over the budget (the report's
+# words for a record written before ``replanned_because`` existed, too)
+REPLANNED_OVER_BUDGET = "the first choice measured over the budget"
 
 
 class Phase(str, Enum):
@@ -404,7 +407,7 @@ class BudgetController:
         over = self.measured_peak > self.budget_bytes
         widened = not self.replanned and self._widen_noise()
         if over and self.fits and not self.replanned:
-            self.replanned, self.replanned_because = True, "the first choice measured over the budget"
+            self.replanned, self.replanned_because = True, REPLANNED_OVER_BUDGET
             self._note(f"memory_budget: the chosen plan's measured peak {format_bytes(self.measured_peak)} is over "
                        f"the budget {format_bytes(self.budget_bytes)} (predicted "
                        f"{format_bytes(self.choice.backward_peak)}): choosing again with the measured figures",

@@ -21,12 +21,14 @@ The layout is the one ``select_module`` patterns are written against::
 Only kernels that exist in the CPU build are used (``nn.LayerNorm``,
 ``ops.Dropout``, ``nn.Embedding``, ``mint.nn.Linear``, ``ops.gelu``,
 ``ops.BatchMatMul``, ``mint.nn.functional.softmax``). The dropouts are
-``SeededDropout``: a fresh ``ops.Dropout`` primitive per call, seeded by
-(site, step), so two runs draw the same masks in every step and the recompute
-engine may draw them again (the primitive is marked ``mac_replayable``).
-MindSpore's ``nn.Dropout`` draws from kernel state instead (on CPU its masks
-differ between processes from its 6th call); ``use_nn_dropout`` swaps it in
-to test that path.
+``SeededDropout``: a mask drawn on the host from (seed, site, step) and
+applied with one ``Mul``, so two runs draw the same masks in every step, a
+recompute's re-run draws them again, and MindSpore keeps no kernel state for
+them. Two swaps test the engine's other dropout paths: ``use_kernel_dropout``
+(a fresh seeded ``ops.Dropout`` primitive per call, marked ``mac_replayable``,
+which the engine runs again) and ``use_nn_dropout`` (MindSpore's
+``nn.Dropout``, which draws from kernel state: the engine keeps its masks; on
+CPU they differ between processes from its 6th call).
 
 ``build_gpt`` seeds MindSpore's and NumPy's global RNGs before building, as a
 user's factory would, so that every call builds the same weights.
@@ -64,10 +66,11 @@ class DropoutSeeds:
 
     MindSpore 2.10's CPU ``Dropout`` kernel is not reproducible: from its 6th
     call on, two runs of the same script draw different masks (measured, with
-    and without recompute). A fresh ``ops.Dropout`` primitive with explicit
-    seeds is, so each site draws from ``(seed + site, step)``: a counter-based
-    scheme in which a mask depends only on where and in which step it is
-    drawn. ``GPTModel`` advances the step once per forward.
+    and without recompute). So each site draws from ``(seed + site, step)``
+    (a mask keyed by them on the host, or a fresh ``ops.Dropout`` primitive
+    seeded with them): a counter-based scheme in which a mask depends only on
+    where and in which step it is drawn. ``GPTModel`` advances the step once
+    per forward.
     """
 
     def __init__(self, seed):
@@ -96,13 +99,44 @@ class DropoutSeeds:
 
 
 class SeededDropout(nn.Cell):
-    """``nn.Dropout`` with reproducible masks (see ``DropoutSeeds``); an identity outside training."""
+    """Dropout whose mask depends only on its site and step (``DropoutSeeds``); an identity outside training.
+
+    NumPy's counter-based Philox generator, keyed by the site's seeds, draws
+    which elements stay on the host; ``x * mask`` applies them (the mask
+    holds 0 or ``1 / keep_prob`` in ``x``'s dtype). Nothing of it is kernel state:
+    any process draws the same mask, a recompute's re-run of the cell draws it
+    again, and MindSpore keeps nothing per call (a fresh seeded ``ops.Dropout``
+    per call, ``SeededKernelDropout``, costs about 1 ms to set up, and MindSpore
+    2.10 keeps about 62 KiB of each one it ran for the life of the process).
+    """
 
     def __init__(self, p, seeds):
         super().__init__()
         self.keep_prob = 1.0 - p
         self.seeds = seeds
         self.site = seeds.new_site()
+
+    def construct(self, x):
+        if not self.training:
+            return x
+        draws = np.random.Generator(np.random.Philox(key=list(self.seeds.seeds_at(self.site))))
+        kept = draws.random(x.shape, dtype=np.float32) < np.float32(self.keep_prob)
+        # The mask backward keeps is an op's output, in MindSpore's memory pool like any activation: a tensor
+        # made from host memory lands where malloc puts it, and the byte counts, deduplicated by address,
+        # would move between processes. (A Cast from bool would cost 0.5 ms and MindSpore keeps 0.7 KiB of
+        # each: scripts/probe_dropout_memory.py.)
+        return x * (Tensor(kept.astype(np.float32), dtype=x.dtype) * (1.0 / self.keep_prob))
+
+
+class SeededKernelDropout(nn.Cell):
+    """``SeededDropout`` drawn by MindSpore's ``Dropout`` kernel: a fresh primitive per call, seeded by the site
+    and step, marked ``mac_replayable`` so the recompute engine runs it again instead of keeping its mask."""
+
+    def __init__(self, p, seeds, site):
+        super().__init__()
+        self.keep_prob = 1.0 - p
+        self.seeds = seeds
+        self.site = site
 
     def construct(self, x):
         if not self.training:
@@ -264,10 +298,34 @@ def use_nn_dropout(model, seed=7):
     swapped alike draw alike (for 5 calls: see ``DropoutSeeds``).
     """
     ms.set_seed(seed)
+    return _swap_dropouts(model, lambda dropout: nn.Dropout(p=1.0 - dropout.keep_prob))
+
+
+def use_kernel_dropout(model):
+    """Swap ``model``'s ``SeededDropout`` cells for ``SeededKernelDropout`` (same p, site and seeds), in place:
+    the engine's path for a seeded random primitive marked ``mac_replayable``."""
+    return _swap_dropouts(model, lambda dropout: SeededKernelDropout(1.0 - dropout.keep_prob, dropout.seeds,
+                                                                     dropout.site))
+
+
+DROPOUT_KINDS = ("seeded", "kernel", "nn")
+
+
+def use_dropout(model, kind):
+    """``model`` with its ``SeededDropout`` cells as ``kind`` draws (one of ``DROPOUT_KINDS``): ``seeded``
+    keeps them, ``kernel`` is ``use_kernel_dropout``, ``nn`` is ``use_nn_dropout``."""
+    if kind not in DROPOUT_KINDS:
+        raise ValueError(f"dropout kind {kind!r}: expected one of {', '.join(DROPOUT_KINDS)}")
+    if kind == "kernel":
+        return use_kernel_dropout(model)
+    return use_nn_dropout(model) if kind == "nn" else model
+
+
+def _swap_dropouts(model, make):
     for _, cell in list(model.cells_and_names()):
         for name, child in list(cell.name_cells().items()):
             if isinstance(child, SeededDropout):
-                replacement = nn.Dropout(p=1.0 - child.keep_prob)
+                replacement = make(child)
                 replacement.set_train(child.training)
                 setattr(cell, name, replacement)
     return model

@@ -180,7 +180,7 @@ class TopKRouter(nn.Cell):
 
     def apply_jitter(self, x):
         uniform = ops.UniformReal(*self.seeds.seeds_at(self.site))
-        # a fresh seeded primitive draws the same numbers again: the engine may re-run it (see models.SeededDropout)
+        # a fresh seeded primitive draws the same numbers again: the engine may re-run it (see models.SeededKernelDropout)
         setattr(uniform, REPLAYABLE_ATTR, self.jitter_replayable)
         noise = uniform(x.shape)
         return x * (noise * (2 * self.jitter) + (1 - self.jitter))

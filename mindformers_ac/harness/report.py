@@ -4,6 +4,7 @@ import os
 import re
 from typing import NamedTuple
 
+from ..budget.controller import REPLANNED_OVER_BUDGET
 from ..tensors import MiB
 from .data_parallel import data_parallel_lines
 
@@ -116,7 +117,7 @@ def _budget_lines(budget):
     if not budget["fits"]:
         lines.append("  the budget is below the least reachable peak: the plan with the least peak was used")
     if budget["replanned"]:
-        lines.append(f"  chosen twice: {budget.get('replanned_because') or 'the first choice measured over the budget'}")
+        lines.append(f"  chosen twice: {budget.get('replanned_because') or REPLANNED_OVER_BUDGET}")
     return lines
 
 
