@@ -33,7 +33,7 @@ def _host_dropout():
     return cell
 
 
-def _call(kind, x, i, host_dropout=None):
+def _call(kind, x, i, host_dropout):
     from mindspore import ops
     if kind == "kernel, same seeds":
         return ops.Dropout(0.9, 7, 1)(x)[0]
