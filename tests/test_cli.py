@@ -1,3 +1,4 @@
+import os
 import pathlib
 import subprocess
 import sys
@@ -153,7 +154,6 @@ def test_train_refuses_pipeline_flags_it_cannot_run_before_anything_starts(capsy
 
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "0.5x", "--steps", "9"], "--steps: with --budget, expected at least 10"),
-    (["--budget", "0.5x", "--tp", "2"], "--budget: plans the layers of one process; it can't be combined with --tp"),
     (["--budget", "0.5"], "--budget: '0.5' reads as 0.5 bytes"),
     (["--budget", "2x", "--model", "no_such_module:build", "--steps", "4"], "--steps: with --budget"),
 ])
@@ -161,3 +161,27 @@ def test_train_budget_mistakes_are_caught_before_anything_starts(capsys, argv, m
     assert main(["train", *argv]) == 2
     assert message in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("argv, ranks", [
+    (["--dp", "2"], 2), (["--tp", "2"], 2), (["--pp", "2"], 2), (["--moe", "--ep", "2"], 2),
+    (["--dp", "2", "--tp", "2"], 4), (["--dp", "2", "--pp", "2"], 4), (["--budget", "0.5x", "--tp", "2"], 2),
+])
+def test_a_parallel_train_without_msrun_says_how_to_launch_it_in_one_line(capsys, monkeypatch, argv, ranks):
+    monkeypatch.delenv("MS_WORKER_NUM", raising=False)
+    assert main(["train", *argv, "--layers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    flags = " ".join(a for a in argv if a not in ("--moe", "--budget", "0.5x"))
+    assert err.startswith(f"error: {flags}: runs {ranks} ranks under msrun; launch it with: python -m "
+                          f"mindformers_ac.harness.launch --nproc {ranks} $(which mindformers-ac) train {' '.join(argv)}")
+
+
+def test_the_installed_command_prints_the_launcher_line_alone(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MS_WORKER_NUM"}
+    env["PYTHONPATH"] = str(pathlib.Path(__file__).resolve().parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "mindformers_ac.harness.cli", "train", "--dp", "2"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["error: --dp 2: runs 2 ranks under msrun; launch it with: python -m "
+                                        "mindformers_ac.harness.launch --nproc 2 $(which mindformers-ac) train --dp 2"]

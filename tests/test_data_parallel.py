@@ -137,7 +137,6 @@ def test_layout_follows_mindformers_model_parallel_groups_of_consecutive_ranks(r
 @pytest.mark.parametrize("flags, message", [
     (["--dp", "2", "--model", "x:y"], "--model: can't be combined with --dp"),
     (["--dp", "2", "--ep", "2", "--moe"], "can't be combined with --dp"),
-    (["--dp", "2", "--budget", "0.5x"], "--budget: can't be combined with --dp"),
 ])
 def test_dp_refuses_what_it_does_not_combine_with(capsys, flags, message):
     config = os.path.join(ROOT, "configs", "full_swap.yaml")

@@ -90,6 +90,7 @@ def cmd_train(args):
     check_data_parallel_flags(args)
     spec = spec_from_args(args, steps=args.steps, tp=args.tp, ep=args.ep, pp=args.pp, microbatches=args.microbatches,
                           dp=args.dp)
+    require_launcher(args)   # after every flag's own check: a wrong flag is said first
     config = args.config or (None if args.budget is not None else default_config_path())
     loaded = AcConfig.from_yaml(config) if config else AcConfig()   # structural errors first, before any model
     with contextlib.ExitStack() as stack:
@@ -104,17 +105,14 @@ def cmd_train(args):
 def budget_config(args, config):
     """``--budget``: ``config`` with ``memory_budget.activations`` set, as a temporary YAML (the runs read a path).
 
-    Checked before anything runs: the size's spelling, one process (no --tp/--ep/--pp), and enough
-    ``--steps`` to profile, install the choice and measure it.
+    Checked before anything runs: the size's spelling and enough ``--steps`` to profile, install the choice
+    and measure it. Under msrun the ranks choose together (``budget.agreement``).
     """
     import dataclasses
     import tempfile
 
     from ..budget.sizes import parse_budget
     parse_budget(args.budget, 1, "--budget")
-    for flag in ("tp", "ep", "pp", "dp"):
-        if getattr(args, flag, 1) > 1:
-            raise ConfigError("--budget", f"plans the layers of one process; it can't be combined with --{flag}")
     settings = dataclasses.replace(config.memory_budget, activations=args.budget)   # CONFIG's profile_steps too
     if args.steps < settings.profile_steps + 2:
         raise ConfigError("--steps", f"with --budget, expected at least {settings.profile_steps + 2}: "
@@ -161,6 +159,29 @@ def _train(args, spec, config):
     return exit_status(result)
 
 
+def ranks_needed(args):
+    """How many ranks ``train``'s parallel flags run on: data-parallel replicas of a TP group, a pipeline or an
+    expert-parallel group (1: one process)."""
+    return args.dp * max(args.tp, args.pp, args.ep)
+
+
+def parallel_flags(args):
+    """The parallel flags given, as typed (``--dp 2 --tp 2``)."""
+    return " ".join(f"--{flag} {getattr(args, flag)}" for flag in ("dp", "tp", "pp", "ep") if getattr(args, flag) > 1)
+
+
+def require_launcher(args):
+    """Raise ``ConfigError`` naming the parallel flags unless this process is a rank started by msrun: without
+    it MindSpore's ``init()`` fails with a traceback and a C++ stack (msrun sets ``MS_WORKER_NUM`` in every
+    worker's environment)."""
+    ranks = ranks_needed(args)
+    if ranks == 1 or os.environ.get("MS_WORKER_NUM"):
+        return
+    raise ConfigError(parallel_flags(args), f"runs {ranks} ranks under msrun; launch it with: python -m "
+                                            f"mindformers_ac.harness.launch --nproc {ranks} "
+                                            f"$(which mindformers-ac) {' '.join(args.command_line)}")
+
+
 def check_pipeline_flags(args):
     """``--pp`` / ``--microbatches``: two stages of the reference GPT, one per rank, nothing else combined."""
     from .pipeline import MAX_MICROBATCHES
@@ -187,7 +208,7 @@ def check_data_parallel_flags(args):
     if args.dp == 1:
         return
     for flag, given in (("--model", args.model is not None), ("--ep", args.ep > 1),
-                        ("--moe", bool(getattr(args, "moe", False))), ("--budget", args.budget is not None)):
+                        ("--moe", bool(getattr(args, "moe", False)))):
         if given:
             raise ConfigError(flag, "can't be combined with --dp: data parallel trains replicas of the reference "
                                     "GPT (alone, with --tp or with --pp)")
@@ -413,6 +434,7 @@ def _signals_unwind():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)   # --help and usage errors exit here, before any MindSpore setting
+    args.command_line = list(sys.argv[1:] if argv is None else argv)   # as typed: error messages repeat it
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         with _signals_unwind():
