@@ -299,10 +299,10 @@ def test_plans_within_the_timing_noise_are_chosen_by_bytes_and_do_not_flip():
 
 
 def test_train_summary_says_the_tie():
-    from mindformers_ac.harness.report import _budget_lines  # pylint: disable=protected-access
+    from mindformers_ac.harness.report import budget_lines
     record = {"activations": "0.4x", "budget_bytes": 3 << 20, "chosen": "0-3: full", "first_step": 8,
               "predicted_peak_bytes": 2 << 20, "measured_peak_bytes": 2 << 20, "fits": True, "replanned": False,
               "tie": "0-3: select mlp was predicted 1.0 ms faster, within the timing noise ...: chosen by bytes"}
-    lines = _budget_lines(record)
+    lines = budget_lines(record)
     assert lines[1] == f"  a tie: {record['tie']}" and lines[-1].startswith("  real peak")
-    assert not any("a tie" in line for line in _budget_lines({**record, "tie": None}))
+    assert not any("a tie" in line for line in budget_lines({**record, "tie": None}))

@@ -70,6 +70,8 @@ import time
 import weakref
 from enum import Enum
 
+import numpy as np
+
 from ..accounting import OTHER, StepMemory, StepMeter
 from ..config import MemoryBudgetConfig
 from ..construct_patch import ConstructPatch
@@ -78,6 +80,7 @@ from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
 from ..tensors import MiB, is_tracked, tensor_leaves
+from .agreement import Agreement, agreed_profile, initialised_world
 from .options import OptionSample, applied_layers, candidate_options, profile_with_noise
 from .sizes import format_bytes
 from .solver import OptionKind, option_config, plan_within, summarize, widened_by_miss
@@ -244,6 +247,12 @@ class BudgetController:
         self._skipped = 0        # forwards in a row made while one was in flight
         self._warned = set()
         self._patch = None
+        # the ranks that choose together (``budget.agreement``): the world when MindSpore's communication is
+        # initialised, except on a pipeline stage, whose ranks across replicas only the trainer knows
+        # (``agree_within``); None: this process chooses alone
+        world = initialised_world()
+        self.agreement = Agreement(world) if world is not None and state.plan.pp == 1 else None
+        self.own_figures = None   # this rank's own baseline (step seconds, kept bytes) when ranks agree
 
     # -- hooks -------------------------------------------------------------------------------------------
 
@@ -356,6 +365,9 @@ class BudgetController:
             memory = scaled_memory(memory, factor)
             self.measured_peak = measured_peak(memory, self.layer_ids, self.prefetch)
             self.measured_step_s = seconds * factor
+            if self.agreement is not None:   # the verdicts below (over the budget, a missed time) are the group's
+                peak, self.measured_step_s = self.agreement.worst([self.measured_peak, self.measured_step_s])
+                self.measured_peak = int(peak)
             self._check(memory)
 
     def _choose(self):
@@ -382,8 +394,13 @@ class BudgetController:
         profile = profile_with_noise(steps, len(self.layer_ids), self.prefetch, description=description)
         base = steps[0].memory
         profile.other_bytes += self._unplanned_bytes(base)
+        base_kept = base.kept_bytes
+        if self.agreement is not None:
+            self.own_figures = (profile.baseline_step_s, base_kept)
+            profile, (base_kept,) = agreed_profile(self.agreement, profile, base_kept)
+            base_kept = int(base_kept)
         if self.budget_bytes is None:
-            self.budget_bytes = self.settings.budget_bytes(base.kept_bytes) if self.settings.is_fraction \
+            self.budget_bytes = self.settings.budget_bytes(base_kept) if self.settings.is_fraction \
                 else self.settings.budget_bytes(0)
         self.profile = profile
         self._solve()
@@ -459,6 +476,8 @@ class BudgetController:
         other = memory.layers[OTHER].kept_bytes + self._unplanned_bytes(memory)
         self.profile = dataclasses.replace(self.profile, mem=mem, transient=transient,
                                            other_bytes=max(self.profile.other_bytes, other))
+        if self.agreement is not None:
+            self.profile = agreed_profile(self.agreement, self.profile)[0]
 
     def _unplanned_bytes(self, memory):
         """What layers the budget does not plan keep (MTP layers): beside the decoder's, with the embedding
@@ -479,6 +498,15 @@ class BudgetController:
             self._note(f"memory_budget: new input shapes {shapes}: predicted peak {format_bytes(predicted)} (the "
                        f"peak at {[list(s) for s, _ in origin]} scaled by the inputs' size) fits the "
                        f"budget {format_bytes(self.budget_bytes)}; the plan stays")
+        elif self.agreement is not None and self.agreement.size > 1:
+            # profiling again would need the ranks to agree here, but a rank that sees a known shape makes no
+            # collective at this step: the plan stays
+            self.plans[shape], self.active_shape = (config, predicted), shape
+            self._warn_once("agreed", f"memory_budget: new input shapes {shapes} predict a peak of "
+                                      f"{format_bytes(predicted)}, over the budget "
+                                      f"{format_bytes(self.budget_bytes)}; the ranks of "
+                                      f"{self.agreement.group} chose their plan together and profile only once: "
+                                      f"it stays for this and any further new shape")
         elif self.profiles < MAX_PROFILES:
             self.profiles += 1
             self._note(f"memory_budget: new input shapes {shapes}: predicted peak {format_bytes(predicted)} is over "
@@ -572,6 +600,12 @@ class BudgetController:
             lines.append(f"  a tie: {c.tie}")
         if self.replanned:
             lines.append("  chosen a second time, with the first choice's measured figures")
+        if self.own_figures is not None:
+            own_s, own_kept = self.own_figures
+            lines.append(f"  chosen together by the {self.agreement.size} ranks of {self.agreement.group} (this is "
+                         f"rank {self.agreement.rank}), from the worst rank's figures: this rank measured "
+                         f"{own_s * 1000:.1f} ms without AC and kept {format_bytes(own_kept)}, the group's worst "
+                         f"{p.baseline_step_s * 1000:.1f} ms and {format_bytes(baseline)}")
         if not self.fits:
             lines.append("  the budget is below the least reachable peak: the plan with the least peak is installed")
         return lines
@@ -588,8 +622,23 @@ class BudgetController:
                 "replanned_because": self.replanned_because,
                 "predicted_step_s": c.predicted_step_s if c else None,
                 "baseline_step_s": self.profile.baseline_step_s if self.profile else None,
-                "describe": self.describe(), "events": list(self.events),
+                "describe": self.describe(), "events": list(self.events), "agreement": self._agreement_record(),
                 "config": self.state.plan.to_yaml() if c else None}
+
+    def agree_within(self, group):
+        """Choose together with the ranks of communication group ``group`` (None: alone); before profiling ends."""
+        if self.choice is not None:
+            raise RuntimeError("memory_budget: the plan is chosen already; set the group before the first steps")
+        self.agreement = Agreement(group) if group is not None else None
+
+    def _agreement_record(self):
+        if self.agreement is None:
+            return None
+        own_s, own_kept = self.own_figures or (None, None)
+        costs = {o.name: float(np.nansum(self.profile.time[:, k])) for k, o in enumerate(self.profile.options)} \
+            if self.profile else None
+        return {"group": self.agreement.group, "ranks": self.agreement.size, "rank": self.agreement.rank,
+                "own_baseline_step_s": own_s, "own_baseline_kept_bytes": own_kept, "step_cost_s": costs}
 
     def summary(self):
         """One line: the phase, the budget, the plan and its measured peak."""
@@ -607,3 +656,15 @@ def install_budget(state, model, stack):
     state.add_undo(controller.uninstall)
     state.budget = controller
     return controller
+
+
+def agree_within(model, group):
+    """Make the ``memory_budget`` of ``model`` (``apply_ac`` with a budget, before its profiling ends) choose
+    together with the ranks of communication group ``group`` (``budget.agreement``; None: alone). The default
+    is the world group when MindSpore's communication is initialised, none on a pipeline stage: a trainer that
+    runs data-parallel replicas of a pipeline gives each stage the group of its ranks across the replicas."""
+    from ..apply import ac_state
+    state = ac_state(model)
+    if state is None or state.budget is None:
+        raise ValueError("agree_within: the model has no memory_budget (apply_ac with a memory_budget section)")
+    state.budget.agree_within(group)

@@ -126,7 +126,7 @@ def budget_config(args, config):
 
 
 def _train(args, spec, config):
-    from .report import layer_table, module_table, summary_text, write_report
+    from .report import budget_lines, layer_table, module_table, summary_text, write_report
     from .train import exit_status, train_and_compare
     if spec.dp > 1:
         from .data_parallel import train_and_compare_dp
@@ -156,6 +156,9 @@ def _train(args, spec, config):
                 os.path.join(args.report, f"rank{rank}" if spec.dp > 1 else f"stage{rank}")
             for path in write_report(result, directory):
                 print(f"wrote {path}")
+    elif result["summary"].get("memory_budget"):   # the plan the ranks chose together, said on every rank
+        print(f"\nrank {rank} of {max(spec.tp, spec.ep)}:")
+        print("\n".join(budget_lines(result["summary"]["memory_budget"])))
     return exit_status(result)
 
 

@@ -178,7 +178,8 @@ def _one_run(spec, config_path, label, layout):
         from .pipeline import run_stage
         stages = []
         record = run_stage(spec, config_path, label, layout.inner_rank, WorldGatherLink(layout),
-                           make_inputs=dp_batches(spec, layout), reduce_grads=average, on_stage=stages.append)
+                           make_inputs=dp_batches(spec, layout), reduce_grads=average, on_stage=stages.append,
+                           budget_group=layout.dp_group)
         params = list(stages[0].get_parameters())
     else:
         from .variant import run_variant

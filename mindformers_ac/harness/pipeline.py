@@ -21,7 +21,8 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from ..accounting import StepMeter
-from ..apply import apply_ac
+from ..apply import ac_state, apply_ac
+from ..budget.controller import agree_within
 from ..planner.stages import stage_layers
 from .exactness import record_initial_state, record_step, tensor_digest
 from .models import build_gpt
@@ -104,10 +105,13 @@ class StageRun:
     reverse order, exchanging with the other stage through ``link``; returns
     ``(losses, grads, StepMemory, seconds)`` (``losses``: the microbatches' losses, on both stages)."""
 
-    def __init__(self, stage, rank, link, config=None, lr=0.05, hidden_shape=None, reduce_grads=None):
+    def __init__(self, stage, rank, link, config=None, lr=0.05, hidden_shape=None, reduce_grads=None,
+                 budget_group=None):
         self.stage, self.rank, self.link, self.hidden_shape = stage, rank, link, hidden_shape
         self.reduce_grads = reduce_grads   # (params, grads) -> grads before the update: data parallel's average
         self.plan = apply_ac(stage, config=config, pp=2) if config else None
+        if budget_group is not None and ac_state(stage).budget is not None:
+            agree_within(stage, budget_group)   # this stage's ranks across the replicas choose together
         self.optimizer = nn.SGD(stage.trainable_params(), learning_rate=lr)
         self.meter = StepMeter(stage)
 
@@ -140,12 +144,14 @@ class StageRun:
         return losses, grads, memory, time.perf_counter() - start
 
 
-def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_grads=None, on_stage=None):
+def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_grads=None, on_stage=None,
+              budget_group=None):
     """Train this rank's stage for ``spec.steps`` steps; the record ``harness.train.compare`` reads.
 
     ``rank`` is the stage; ``make_inputs`` (default: the spec's synthetic batches), ``reduce_grads`` and
     ``on_stage(stage)`` (called with the stage cell as built) are data parallel's: this pipeline's batches,
-    the gradient average before the update, and the parameters the replicas compare."""
+    the gradient average before the update, and the parameters the replicas compare; ``budget_group``: the
+    communication group whose ranks choose a ``memory_budget`` plan with this one (the stage's replicas)."""
     from .process_memory import reset_hwm, vm_hwm
     gpt = build_gpt(spec.gpt, spec.seed)
     stage = split_gpt(gpt, own_process=True)[rank]
@@ -153,7 +159,7 @@ def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_gra
         on_stage(stage)
     make_inputs = make_inputs or spec.synthetic_batches()
     hidden_shape = (spec.batch, spec.gpt.seq_length, spec.gpt.hidden_size)
-    run = StageRun(stage, rank, link, config_path, spec.lr, hidden_shape, reduce_grads)
+    run = StageRun(stage, rank, link, config_path, spec.lr, hidden_shape, reduce_grads, budget_group)
     record = {"losses": [], "step_times": [], "memory": [], "collectives": []}
     record_initial_state(record, stage, [p.name for p in run.optimizer.parameters])
     reset_hwm()
@@ -165,7 +171,11 @@ def run_stage(spec, config_path, label, rank, link, make_inputs=None, reduce_gra
         record["step_times"].append(seconds)
         record["memory"].append(memory.as_dict())
     record["vm_hwm_bytes"] = vm_hwm()
-    record["plan"] = {str(i): lp.describe() for i, lp in run.plan.layers.items()} if run.plan else {}
+    state = ac_state(stage)
+    plan = state.plan if state is not None else None   # with memory_budget: the plan it chose
+    record["plan"] = {str(i): lp.describe() for i, lp in plan.layers.items()} if plan else {}
+    if state is not None and state.budget is not None:
+        record["budget"] = state.budget.as_record()
     return record
 
 

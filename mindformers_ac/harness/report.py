@@ -96,12 +96,12 @@ def summary_text(result):
         f"process peak RSS (VmHWM, sanity figure): {_mib(s['baseline_vm_hwm_bytes'])} MiB without, "
         f"{_mib(s['ac_vm_hwm_bytes'])} MiB with",
         verdict_line(s),
-    ] + _budget_lines(s.get("memory_budget")) + _pipeline_lines(s.get("pipeline")) \
+    ] + budget_lines(s.get("memory_budget")) + _pipeline_lines(s.get("pipeline")) \
         + data_parallel_lines(s.get("data_parallel")) + _collectives_lines(s.get("collectives_per_step"),
                            "expert parallel" if result["spec"].get("ep", 1) > 1 else "tensor parallel"))
 
 
-def _budget_lines(budget):
+def budget_lines(budget):
     if not budget:
         return []
     if budget["chosen"] is None:
@@ -118,6 +118,11 @@ def _budget_lines(budget):
         lines.append("  the budget is below the least reachable peak: the plan with the least peak was used")
     if budget["replanned"]:
         lines.append(f"  chosen twice: {budget.get('replanned_because') or REPLANNED_OVER_BUDGET}")
+    agreed = budget.get("agreement")
+    if agreed and agreed["own_baseline_step_s"] is not None:
+        lines.append(f"  chosen together by the {agreed['ranks']} ranks of {agreed['group']}, from the worst rank's "
+                     f"figures; this rank ({agreed['rank']}) measured {agreed['own_baseline_step_s'] * 1000:.1f} ms "
+                     f"a step without AC, the slowest {budget['baseline_step_s'] * 1000:.1f} ms")
     return lines
 
 

@@ -71,9 +71,11 @@ __all__ = [
 
 
 def init_tp():
-    """``mindspore.communication.init()`` (mccl on CPU), then ``(rank, world_size)``."""
-    from mindspore.communication import get_group_size, get_rank, init
-    init()
+    """``mindspore.communication.init()`` (mccl on CPU) unless done already in this process (several
+    comparisons in one msrun job), then ``(rank, world_size)``."""
+    from mindspore.communication import GlobalComm, get_group_size, get_rank, init
+    if not GlobalComm.INITED:
+        init()
     return get_rank(), get_group_size()
 
 
