@@ -418,22 +418,18 @@ def check_layer_ids(config, num_layers, pp=1):
     left to ``plan_ac``. Returns the layer plans (empty without a count).
     """
     _check_pp(pp)
-    config = _budget_config(resolve_config(config), pp)
+    config = _budget_config(resolve_config(config))
     if num_layers is None:
         return {}
     check_int(num_layers, "num_layers", 1, MAX_LAYERS)
     return _PlanPass(config, pp, num_layers).plan()
 
 
-def _budget_config(config, pp):
+def _budget_config(config):
     """With ``memory_budget`` set, the config the profiling plan starts from: its layer lists are the
     budget's to choose (a warning names the hand-written ones it replaces), its settings stay."""
     if not config.memory_budget.enabled:
         return config
-    if pp > 1:
-        raise ConfigError("memory_budget", f"pp={pp}: a memory budget plans the layers of one process; on pipeline "
-                                           f"stages plan each stage's layers with mindformers-ac plan --budget ... "
-                                           f"--pp {pp} and give each stage its YAML")
     cleared = with_layer_lists(config)
     given = [f"{name}.{key}" for name in ("recompute", "recompute_comm", "swap")
              for key in LAYER_LIST_FIELDS[name]
@@ -469,7 +465,7 @@ def plan_with_layers(model, recompute=None, recompute_comm=None, swap=None, pp=1
                      config=None, layers=None, layer_offset=None, num_layers=None):
     """``plan_ac`` that also returns the ``LayerStack`` it planned against (for ``apply_ac``)."""
     _check_pp(pp)
-    config = _budget_config(resolve_config(config, recompute, recompute_comm, swap), pp)
+    config = _budget_config(resolve_config(config, recompute, recompute_comm, swap))
     check_pynative()
     refuse_copied_patches(model)
     if isinstance(mtp_block, ms.nn.Cell):

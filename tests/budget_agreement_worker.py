@@ -17,7 +17,7 @@ from mindformers_ac.harness import cli
 from mindformers_ac.harness.data_parallel import init_data_parallel
 from mindformers_ac.mindspore_compat import synchronous_pynative
 
-SLEEP_S = 0.25
+SLEEP_S = 0.5
 
 
 def slow_full_recompute_backward(rank, slept):

@@ -282,7 +282,7 @@ def test_bad_sections_name_the_field_and_leave_the_model_untouched(section, mess
     assert message in str(err.value) and mac.ac_state(model) is None
 
 
-def test_hand_written_lists_give_way_with_one_warning_and_pp_is_refused(caplog):
+def test_hand_written_lists_give_way_with_one_warning(caplog):
     model = PATTERNS["int_bool_inputs"].build()
     config = {**budget(), "recompute": {"mode": "full", "full_recompute_layer": [0]},
               "swap": {"enable": True, "layer_swap": [{"layers": [1]}]}}
@@ -292,5 +292,3 @@ def test_hand_written_lists_give_way_with_one_warning_and_pp_is_refused(caplog):
     assert len(warned) == 1 and "lists (recompute.full_recompute_layer, swap.layer_swap) are not applied" in warned[0]
     assert not plan.active_layers() and "memory budget 0.5x: the first 5 training steps" in plan.summary()
     assert mac.AcConfig.from_dict(plan.to_dict()).memory_budget == plan.config.memory_budget
-    with pytest.raises(mac.ConfigError, match="memory_budget: pp=2"):
-        mac.plan_ac(model, config=budget(), pp=2)

@@ -146,6 +146,20 @@ def scaled_memory(memory, factor):
     return StepMemory(layers)
 
 
+def held_in_flight(memory, copies):
+    """A ``StepMemory`` of one training forward as ``copies`` forwards in flight hold it (a pipeline stage's
+    microbatches): the kept bytes ``copies`` times; a rebuild and an offload come back one at a time, as
+    ``planner.stages`` counts them offline. ``memory`` itself when ``copies`` is 1."""
+    if copies == 1:
+        return memory
+    layers = {}
+    for key, lm in memory.layers.items():
+        held = dataclasses.replace(lm, kept_bytes=lm.kept_bytes * copies)
+        held.kept_by_module = {k: v * copies for k, v in lm.kept_by_module.items()}
+        layers[key] = held
+    return StepMemory(layers)
+
+
 def measured_peak(memory, layer_ids, prefetch):
     """A step's real peak from its ``StepMemory``, the figure the solver bounds: kept bytes, plus the
     largest rebuild in backward, plus the ``prefetch`` largest offloads (back on the device ahead of use)."""
@@ -245,6 +259,7 @@ class BudgetController:
         self._open = None        # the MeasuredStep in progress
         self._awaiting = {}      # token -> weakref to a training forward's output its backward has not reached
         self._skipped = 0        # forwards in a row made while one was in flight
+        self.in_flight = 1       # the most training forwards seen in flight at once (a pipeline's microbatches)
         self._warned = set()
         self._patch = None
         # the ranks that choose together (``budget.agreement``): the world when MindSpore's communication is
@@ -290,6 +305,8 @@ class BudgetController:
         if self._in_flight() and self._skipped < MAX_IN_FLIGHT:
             self._skipped += 1
             return   # a backward is still to come: the plan stays, and this forward is not a sample
+        if self._skipped < MAX_IN_FLIGHT and self.phase != Phase.SETTLED:
+            self.in_flight = max(self.in_flight, self._skipped + 1)
         # past MAX_IN_FLIGHT the forwards in flight were abandoned (a loss kept but never differentiated)
         self._awaiting.clear()
         self._skipped = 0
@@ -350,7 +367,10 @@ class BudgetController:
     def _finish(self, step):
         option, shape = step.option, step.shape
         seconds, complete = step.seconds(), step.complete
-        memory = step.finish()
+        # a measured step is one forward (the first microbatch; those in flight with it are no samples) and its
+        # backward: the plan must hold every forward in flight, and a step runs them all
+        memory = held_in_flight(step.finish(), self.in_flight)
+        seconds = seconds * self.in_flight if complete else None
         if not complete:   # its forward raised, or no gradient reached it: the figures are not a step's
             logger.debug("memory_budget: a measured step did not complete its forward and backward; not used")
             return
@@ -377,14 +397,18 @@ class BudgetController:
         shapes = self.sample_shapes[_BASELINE:]
         self.profile_shape = max(shapes, key=_elements)
         target = _elements(self.profile_shape)
-        steps = [OptionSample(s.option, s.applied, s.seconds * target / _elements(shape),
-                              scaled_memory(s.memory, target / _elements(shape)))
-                 for s, shape in zip(self.samples[_BASELINE:], shapes)]
+        scaled = [scaled_memory(s.memory, target / _elements(shape))
+                  for s, shape in zip(self.samples[_BASELINE:], shapes)]
+        steps = [OptionSample(s.option, s.applied, s.seconds * target / _elements(shape), self._by_row(memory))
+                 for s, shape, memory in zip(self.samples[_BASELINE:], shapes, scaled)]
         inputs = ", ".join(f"{list(s)} {d}" for s, d in self.profile_shape)
         distinct = len(set(shapes))
         description = f"{len(self.samples)} training steps, inputs {inputs}"
         if len({s.option for s in steps}) < len(steps):
             description += " (options timed more than once: the median of their steps)"
+        if self.in_flight > 1:
+            description += (f" ({self.in_flight} training forwards in flight, a pipeline stage's microbatches: "
+                            f"kept bytes and step times of one, times {self.in_flight})")
         if distinct > 1:
             description += (f" (the largest of {distinct} input shapes; the steps of the others scaled to it by "
                             f"element count)")
@@ -392,7 +416,7 @@ class BudgetController:
                        f"shapes; each step's figures are "
                        f"scaled by element count to the largest, {inputs}, and the plan is chosen for it")
         profile = profile_with_noise(steps, len(self.layer_ids), self.prefetch, description=description)
-        base = steps[0].memory
+        base = scaled[0]
         profile.other_bytes += self._unplanned_bytes(base)
         base_kept = base.kept_bytes
         if self.agreement is not None:
@@ -411,10 +435,10 @@ class BudgetController:
             self._warn_once("too_small", f"memory_budget: even the plan with the least peak needs "
                                          f"{format_bytes(self.choice.backward_peak)}, over the budget of "
                                          f"{format_bytes(self.budget_bytes)}; training goes on with it "
-                                         f"({self.choice.summary()})")
+                                         f"({self._chosen_text(self.choice)})")
         if self.choice.tie:
             self._note(f"memory_budget: a tie: {self.choice.tie}")
-        config = option_config(self.choice.options, self.base_config, self.prefetch)
+        config = option_config(self._by_layer(self.choice), self.base_config, self.prefetch)
         self.plans[self.profile_shape] = (config, self.choice.backward_peak)
         self._install(config)
         self.chosen_at = self.forwards - 1
@@ -437,7 +461,7 @@ class BudgetController:
             if again.choice != self.choice.choice and fits:
                 self.replanned = True
                 self.replanned_because = "the first choice's step time missed its prediction by more than the noise"
-                self._note(f"memory_budget: with that noise, {again.summary()} ties with the chosen plan and keeps "
+                self._note(f"memory_budget: with that noise, {self._chosen_text(again)} ties with the chosen plan and keeps "
                            f"fewer bytes: choosing it instead")
                 self._solve()
                 return
@@ -478,6 +502,14 @@ class BudgetController:
                                            other_bytes=max(self.profile.other_bytes, other))
         if self.agreement is not None:
             self.profile = agreed_profile(self.agreement, self.profile)[0]
+
+    def _by_row(self, memory):
+        """``memory`` with the planned layers keyed by their row (the profile's layer index: a pipeline stage's
+        layers have the global ids of the whole model), the rest dropped but the bytes outside the layers."""
+        layers = {row: memory.layers[i] for row, i in enumerate(self.layer_ids) if i in memory.layers}
+        if OTHER in memory.layers:
+            layers[OTHER] = memory.layers[OTHER]
+        return StepMemory(layers)
 
     def _unplanned_bytes(self, memory):
         """What layers the budget does not plan keep (MTP layers): beside the decoder's, with the embedding
@@ -526,6 +558,13 @@ class BudgetController:
         applied = applied_layers(option, len(self.layer_ids), self.prefetch)
         return option_config({self.layer_ids[r]: option for r in applied}, self.base_config, self.prefetch) \
             if applied else None
+
+    def _by_layer(self, plan):
+        """``plan``'s options by layer id (the solver's are by row: a pipeline stage's layers have global ids)."""
+        return {self.layer_ids[row]: option for row, option in plan.options.items()}
+
+    def _chosen_text(self, plan):
+        return summarize(self._by_layer(plan))
 
     def _install(self, config):
         if config is self.installed or config == self.installed:
@@ -585,7 +624,7 @@ class BudgetController:
         lines = [f"memory_budget: profiled on {p.description}; kept bytes and step-time cost per layer "
                  f"(* chosen):"] + ["  " + line for line in self.table()]
         lines.append(f"  budget {format_bytes(self.budget_bytes)} ({self.budget_bytes / baseline:.2f}x the "
-                     f"{format_bytes(baseline)} kept without AC); chosen: {c.summary()}")
+                     f"{format_bytes(baseline)} kept without AC); chosen: {self._chosen_text(c)}")
         verdict = "" if self.measured_peak is None else (
             f"; measured {format_bytes(self.measured_peak)}, "
             f"{'within' if self.measured_peak <= self.budget_bytes else 'over'} the budget")
@@ -615,7 +654,7 @@ class BudgetController:
         c = self.choice
         return {"activations": str(self.settings.activations), "budget_bytes": self.budget_bytes,
                 "phase": self.phase.value, "profiles": self.profiles, "first_step": self.chosen_at,
-                "chosen": summarize(c.options) if c else None,
+                "chosen": self._chosen_text(c) if c else None,
                 "predicted_peak_bytes": c.backward_peak if c else None, "tie": c.tie if c else None,
                 "predicted_kept_bytes": c.predicted_peak if c else None,
                 "measured_peak_bytes": self.measured_peak, "fits": self.fits, "replanned": self.replanned,
@@ -646,7 +685,7 @@ class BudgetController:
             return f"memory_budget {self.settings.activations}: {self.describe()[0].split(': ', 1)[1]}"
         measured = f", measured peak {format_bytes(self.measured_peak)}" if self.measured_peak is not None else ""
         return (f"memory_budget {self.settings.activations} ({format_bytes(self.budget_bytes)}): "
-                f"{summarize(self.choice.options)}{measured}")
+                f"{self._chosen_text(self.choice)}{measured}")
 
 
 def install_budget(state, model, stack):
