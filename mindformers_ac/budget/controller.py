@@ -665,7 +665,10 @@ class BudgetController:
                 "config": self.state.plan.to_yaml() if c else None}
 
     def agree_within(self, group):
-        """Choose together with the ranks of communication group ``group`` (None: alone); before profiling ends."""
+        """Choose together with the ranks of communication group ``group`` (None: alone); before profiling ends.
+        The default is the world group when MindSpore's communication is initialised, none on a pipeline stage:
+        a trainer that runs data-parallel replicas of a pipeline gives each stage's controller
+        (``ac_state(stage).budget``) the group of its ranks across the replicas."""
         if self.choice is not None:
             raise RuntimeError("memory_budget: the plan is chosen already; set the group before the first steps")
         self.agreement = Agreement(group) if group is not None else None
@@ -696,14 +699,3 @@ def install_budget(state, model, stack):
     state.budget = controller
     return controller
 
-
-def agree_within(model, group):
-    """Make the ``memory_budget`` of ``model`` (``apply_ac`` with a budget, before its profiling ends) choose
-    together with the ranks of communication group ``group`` (``budget.agreement``; None: alone). The default
-    is the world group when MindSpore's communication is initialised, none on a pipeline stage: a trainer that
-    runs data-parallel replicas of a pipeline gives each stage the group of its ranks across the replicas."""
-    from ..apply import ac_state
-    state = ac_state(model)
-    if state is None or state.budget is None:
-        raise ValueError("agree_within: the model has no memory_budget (apply_ac with a memory_budget section)")
-    state.budget.agree_within(group)

@@ -22,7 +22,6 @@ from mindspore import nn, ops
 
 from ..accounting import StepMeter
 from ..apply import ac_state, apply_ac
-from ..budget.controller import agree_within
 from ..planner.stages import stage_layers
 from .exactness import record_initial_state, record_step, tensor_digest
 from .models import build_gpt
@@ -111,7 +110,7 @@ class StageRun:
         self.reduce_grads = reduce_grads   # (params, grads) -> grads before the update: data parallel's average
         self.plan = apply_ac(stage, config=config, pp=2) if config else None
         if budget_group is not None and ac_state(stage).budget is not None:
-            agree_within(stage, budget_group)   # this stage's ranks across the replicas choose together
+            ac_state(stage).budget.agree_within(budget_group)   # this stage's ranks across the replicas agree
         self.optimizer = nn.SGD(stage.trainable_params(), learning_rate=lr)
         self.meter = StepMeter(stage)
 
