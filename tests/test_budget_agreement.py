@@ -4,7 +4,9 @@ One 2-rank job (``budget_agreement_worker.py``) runs ``mindformers-ac train --bu
 ``--dp 2``, ``--moe --ep 2`` and ``--pp 2 --microbatches 2``, rank 1's backward slowed by a sleeping hook
 while the budget profiles full recompute: the TP, DP and EP ranks agree on one plan chosen from the worst
 rank's figures, each pipeline stage plans its own layers with its microbatches in flight, and every rank
-trains bitwise against the same run without AC. Without msrun: the combining itself.
+trains bitwise against the same run without AC. The job is launched as two nodes of one rank each on this
+host (``launch_nodes``: two msrun processes, ``--node_rank 0/1``, master ``127.0.0.1``), as on two
+machines. Without msrun: the combining itself.
 """
 import json
 import os
@@ -15,7 +17,7 @@ import pytest
 from mindformers_ac.budget.agreement import agreed_profile
 from mindformers_ac.budget.options import BELOW_BASELINE
 from mindformers_ac.budget.solver import SPREAD_OF_REPEATS, Profile
-from mindformers_ac.harness.launch import launch_msrun
+from mindformers_ac.harness.launch import launch_nodes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {"PYTHONPATH": os.path.dirname(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -30,17 +32,17 @@ def ranks(tmp_path_factory):
     config = tmp / "budget.yaml"
     config.write_text("memory_budget:\n  profile_steps: 4\n")   # warm-up, baseline, full, layer swap
     cases = [f"{name}={flags},{config},{TINY}" for name, flags in CASES.items()]
-    res = launch_msrun([os.path.join(HERE, "budget_agreement_worker.py"), str(tmp), *cases], nproc=2,
-                       timeout_s=400, log_dir=tmp / "logs", env=ENV)
-    logs = [open(path, errors="replace").read() for path in res.worker_logs()]
-    assert res.returncode == 0, "\n".join(logs)[-4000:]
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], logs
+    nodes = launch_nodes([os.path.join(HERE, "budget_agreement_worker.py"), str(tmp), *cases], nodes=2,
+                         nproc_per_node=1, timeout_s=400, log_dir=tmp / "logs", env=ENV)
+    logs = [open(path, errors="replace").read() for node in nodes for path in node.worker_logs()]
+    assert nodes[0].returncode == 0 and not any(n.timed_out for n in nodes), "\n".join(logs)[-4000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(2)], logs, nodes
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["tp", "dp", "ep"])
 def test_ranks_slowed_apart_choose_one_plan_from_the_worst_figures_and_train_bitwise(ranks, case):
-    results, logs = ranks
+    results, logs, _ = ranks
     assert [r[case]["status"] for r in results] == [0, 0]   # bitwise against no AC, on each rank
     assert results[0][case]["slept"] == 0 and results[1][case]["slept"] > 0
     budgets = [r[case]["budgets"][0] for r in results]
@@ -58,7 +60,7 @@ def test_ranks_slowed_apart_choose_one_plan_from_the_worst_figures_and_train_bit
 
 @pytest.mark.slow
 def test_each_pipeline_stage_plans_its_own_layers_with_its_microbatches_in_flight(ranks):
-    results, _ = ranks
+    results, _, _ = ranks
     stages = [r["pp"] for r in results]
     assert [s["status"] for s in stages] == [0, 0]
     budgets = [s["budgets"][0] for s in stages]
@@ -66,6 +68,24 @@ def test_each_pipeline_stage_plans_its_own_layers_with_its_microbatches_in_fligh
     for stage, (budget, layers) in enumerate(zip(budgets, ("0-1", "2-3"))):
         assert budget["chosen"].startswith(f"{layers}:"), (stage, budget["chosen"])
         assert "2 training forwards in flight" in budget["describe"][0]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_host_run_tp_and_dp_bitwise(ranks):
+    results, logs, nodes = ranks
+    assert [len(node.worker_logs()) for node in nodes] == [1, 1]   # rank 0 on node 0, rank 1 on node 1
+    for case in ("tp", "dp"):
+        assert [r[case]["status"] for r in results] == [0, 0], case
+    for log in logs:   # the data-parallel replicas, one per node, end bitwise alike
+        assert "replicas [0, 1] hold bitwise the same parameters after the last step: yes" in log
+    # msrun starts a scheduler wherever --master_addr is a local address: node 1's, on the same host as node 0's,
+    # finds the port taken and fails at once; msrun says so after its worker ended (on two machines, node 1
+    # starts none)
+    with open(os.path.join(nodes[1].log_dir, "scheduler.log"), errors="replace") as f:
+        assert "Failed to create the TCP server" in f.read()
+    with open(os.path.join(nodes[1].log_dir, "msrun.log"), errors="replace") as f:
+        node1 = f.read()
+    assert "Scheduler process" in node1 and "Worker process" not in node1
 
 
 class TwoRanks:

@@ -143,13 +143,14 @@ def _alive(ps_proc):
 
 
 def launch_msrun(argv_of_script, nproc=2, timeout_s=600, log_dir=None, master_port=None,
-                 cluster_time_out=None, fail_grace_s=3.0, env=None, echo=False):
+                 cluster_time_out=None, fail_grace_s=3.0, env=None, echo=False, node=None):
     """Run ``msrun ... <script> <args>`` on ``nproc`` local ranks; returns a ``LaunchResult``.
 
     ``argv_of_script``: ``[script, *args]``. ``log_dir``: where msrun writes
     ``worker_{rank}.log`` / ``scheduler.log`` (default: a new temp dir), plus
     this launcher's ``msrun.log``. ``env``: extra environment variables.
-    ``echo``: also print msrun's output lines.
+    ``echo``: also print msrun's output lines. ``node``: ``(node_rank, worker_num)``
+    when this msrun is one node of a job of ``worker_num`` ranks (``launch_nodes``).
     """
     argv_of_script = [str(a) for a in argv_of_script]
     log_dir = os.path.abspath(log_dir or tempfile.mkdtemp(prefix="msrun_"))
@@ -157,7 +158,9 @@ def launch_msrun(argv_of_script, nproc=2, timeout_s=600, log_dir=None, master_po
     port = int(master_port or free_port())
     if cluster_time_out is None:
         cluster_time_out = int(max(30, min(timeout_s, 120)))
-    cmd = [_msrun_path(), "--worker_num", str(nproc), "--local_worker_num", str(nproc),
+    node_rank, worker_num = node or (0, nproc)
+    cmd = [_msrun_path(), "--worker_num", str(worker_num), "--local_worker_num", str(nproc),
+           "--node_rank", str(node_rank),
            "--master_addr", "127.0.0.1", "--master_port", str(port), "--join", "True",
            "--cluster_time_out", str(cluster_time_out), "--log_dir", log_dir, *argv_of_script]
     run_env = dict(os.environ)
@@ -215,6 +218,25 @@ def launch_msrun(argv_of_script, nproc=2, timeout_s=600, log_dir=None, master_po
     return LaunchResult(returncode=rc, log_dir=log_dir, timed_out=timed_out,
                         rank_failed=failed.is_set(), elapsed_s=round(time.monotonic() - start, 2),
                         port=port)
+
+
+def launch_nodes(argv_of_script, nodes=2, nproc_per_node=1, log_dir=None, **kwargs):
+    """One job of ``nodes`` x ``nproc_per_node`` ranks as ``nodes`` msrun processes on this host, as on several
+    machines (``--node_rank``, ``--local_worker_num``, ``--worker_num``, master ``127.0.0.1``, one port): a
+    ``LaunchResult`` per node, its logs in ``LOG_DIR/node{n}``. ``kwargs``: ``launch_msrun``'s."""
+    log_dir = os.path.abspath(log_dir or tempfile.mkdtemp(prefix="msrun_nodes_"))
+    port = kwargs.pop("master_port", None) or free_port()
+    results = [None] * nodes
+
+    def run(n):
+        results[n] = launch_msrun(argv_of_script, nproc=nproc_per_node, log_dir=os.path.join(log_dir, f"node{n}"),
+                                  master_port=port, node=(n, nodes * nproc_per_node), **kwargs)
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(nodes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def main(argv=None):
