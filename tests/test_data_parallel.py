@@ -144,10 +144,21 @@ def test_dp_refuses_what_it_does_not_combine_with(capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
-def test_plan_budget_dp_says_the_plan_is_per_rank(capsys):
-    assert cli.main(["plan", "--budget", "0.5x", "--dp", "2", "--layers", "2", *TINY[:-6], "--batch", "2",
-                     "--profile-steps", "2"]) == 0
+def test_plan_budget_dp_says_the_plan_is_per_rank_and_chooses_what_it_chooses_without(capsys, monkeypatch):
+    from mindformers_ac.harness import spec as spec_module
+    profiled, profile_spec = [], spec_module.profile_spec
+
+    def profile_once(*args, **kwargs):   # the second command plans from the first one's profile
+        if not profiled:
+            profiled.append(profile_spec(*args, **kwargs))
+        return profiled[0]
+    monkeypatch.setattr(spec_module, "profile_spec", profile_once)
+    argv = ["plan", "--budget", "0.5x", "--layers", "2", *TINY[:-6], "--batch", "2", "--profile-steps", "2"]
+    assert cli.main([*argv, "--dp", "2"]) == 0
     out = capsys.readouterr().out
     assert "data parallel 2 (MindFormers' data_parallel): this plan is per rank, the same on all 2 ranks" in out
     assert "its own batch of 2 (a global batch of 2 x 2)" in out and "activations don't shrink" in out
     assert "recompute:" in out or "swap:" in out   # the plan's YAML, as without --dp
+    assert cli.main(argv) == 0   # the flag changes nothing the choice reads: the same profile, the same plan
+    note = next(line for line in out.splitlines() if line.startswith("data parallel 2"))
+    assert out.replace(note + "\n", "") == capsys.readouterr().out
