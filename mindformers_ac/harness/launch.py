@@ -232,11 +232,26 @@ def launch_nodes(argv_of_script, nodes=2, nproc_per_node=1, log_dir=None, **kwar
         results[n] = launch_msrun(argv_of_script, nproc=nproc_per_node, log_dir=os.path.join(log_dir, f"node{n}"),
                                   master_port=port, node=(n, nodes * nproc_per_node), **kwargs)
     threads = [threading.Thread(target=run, args=(n,)) for n in range(nodes)]
-    for thread in threads:
+    threads[0].start()
+    # on one host every node's msrun starts a scheduler (the master address is local to each): node 0's must
+    # hold the port first, or another's takes it and node 0's fails
+    wait_for_listener(port, timeout_s=kwargs.get("timeout_s", 600), alive=threads[0].is_alive)
+    for thread in threads[1:]:
         thread.start()
     for thread in threads:
         thread.join()
     return results
+
+
+def wait_for_listener(port, timeout_s, alive, host="127.0.0.1"):
+    """Return once something accepts connections on ``host:port``, ``alive()`` turns false, or ``timeout_s``
+    passed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.2)
 
 
 def main(argv=None):
