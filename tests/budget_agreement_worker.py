@@ -46,7 +46,8 @@ def collect_budgets(installed):
 
 def main(out_dir, cases):
     synchronous_pynative("CPU")
-    rank, _ = init_data_parallel(2)   # the data-parallel context for --dp; the other cases run beside it
+    # the data-parallel context for --dp (every rank of the job); the other cases run beside it
+    rank, _ = init_data_parallel(int(os.environ["MS_WORKER_NUM"]))
     slept, installed = [], []
     slow_full_recompute_backward(rank, slept)
     collect_budgets(installed)

@@ -58,7 +58,16 @@ under any candidate plan without changing the training curve:
 A plan is only switched when no training forward is in flight: every earlier
 one's output has had its gradient, or is gone (``_in_flight``). With
 microbatches in flight the plan stays, and a forward made while another is in
-flight is not a profiling sample; nor is a step whose forward raised. The budget in bytes is fixed
+flight is not a profiling sample; nor is a step whose forward raised. A measured
+step's kept bytes and time count as many times as training forwards were seen in
+flight at once (``held_in_flight``: a pipeline stage's microbatches, all held in
+GPipe order); a rebuild in backward stays one at a time.
+
+Under MindSpore's communication the ranks that must run one plan choose it
+together (``budget.agreement``): the profile, and the chosen plan's measured
+step, are combined over the group (every figure its worst rank's) before each
+decision, so every rank installs the same plan and re-plans, or not, with the
+others. The group is the world, except on a pipeline stage (``agree_within``). The budget in bytes is fixed
 by the first profile (a fraction of its baseline); later profiles keep it.
 The profiling steps run without AC once each: the model must fit without AC
 for those steps (pin an offline plan, ``mindformers-ac plan``, where it does not).
