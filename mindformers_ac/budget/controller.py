@@ -67,8 +67,9 @@ Under MindSpore's communication the ranks that must run one plan choose it
 together (``budget.agreement``): the profile, and the chosen plan's measured
 step, are combined over the group (every figure its worst rank's) before each
 decision, so every rank installs the same plan and re-plans, or not, with the
-others. The group is the world, except on a pipeline stage (``agree_within``). The budget in bytes is fixed
-by the first profile (a fraction of its baseline); later profiles keep it.
+others. The group is the world, except on a pipeline stage (``agree_within``).
+
+The budget in bytes is fixed by the first profile (a fraction of its baseline); later profiles keep it.
 The profiling steps run without AC once each: the model must fit without AC
 for those steps (pin an offline plan, ``mindformers-ac plan``, where it does not).
 """

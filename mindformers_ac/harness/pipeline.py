@@ -109,8 +109,9 @@ class StageRun:
         self.stage, self.rank, self.link, self.hidden_shape = stage, rank, link, hidden_shape
         self.reduce_grads = reduce_grads   # (params, grads) -> grads before the update: data parallel's average
         self.plan = apply_ac(stage, config=config, pp=2) if config else None
-        if budget_group is not None and ac_state(stage).budget is not None:
-            ac_state(stage).budget.agree_within(budget_group)   # this stage's ranks across the replicas agree
+        budget = ac_state(stage).budget if self.plan is not None else None
+        if budget is not None and budget_group is not None:
+            budget.agree_within(budget_group)   # this stage's ranks across the replicas choose together
         self.optimizer = nn.SGD(stage.trainable_params(), learning_rate=lr)
         self.meter = StepMeter(stage)
 
