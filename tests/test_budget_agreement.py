@@ -47,6 +47,8 @@ def test_ranks_slowed_apart_choose_one_plan_from_the_worst_figures_and_train_bit
     assert results[0][case]["slept"] == 0 and results[1][case]["slept"] > 0
     budgets = [r[case]["budgets"][0] for r in results]
     assert budgets[0]["chosen"] == budgets[1]["chosen"] and budgets[0]["budget_bytes"] == budgets[1]["budget_bytes"]
+    for same in ("first_step", "replanned", "measured_peak_bytes", "predicted_step_s"):   # chosen again together
+        assert budgets[0][same] == budgets[1][same], same
     agreed = [b["agreement"] for b in budgets]
     assert [a["rank"] for a in agreed] == [0, 1] and all(a["ranks"] == 2 for a in agreed)
     assert agreed[0]["step_cost_s"] == agreed[1]["step_cost_s"]
