@@ -16,15 +16,20 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
-* ``EXECUTOR_CALLS`` (``ExecutorCalls``): from ``import mindformers_ac`` on, counters at
-  MindSpore's grad-call entry points (``mindspore.ops.composite.base``'s
-  ``_pynative_func_grad_forward`` / ``_backward``, the two halves of
-  ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp``) and at the
-  executor's ``set_mixed_precision_type`` / ``set_cell_use_dynamic_shape_process``:
-  what tells a higher-order backward from a first-order one, a save inside a
-  grad call the region's own function makes, and whether an early stop would
-  leave a cell's executor state behind, from what runs now (no Python frame
-  is read);
+* ``autodiff_engine_id``: ``get_current_autodiff_engine_id``, the key of a
+  region's re-run (one per backward that reaches it, as MindSpore's own
+  non-reentrant recompute keys them); ``recording_backward``: whether a
+  backward is recorded for a higher-order one (``requires_grad``);
+* ``EXECUTOR_CALLS`` (``ExecutorCalls``): only while an op-intercepting run
+  of a region runs (``counting()``), counters at MindSpore's grad-call entry
+  points (``mindspore.ops.composite.base``'s ``_pynative_func_grad_forward`` /
+  ``_backward``, and ``grad_func``'s) and at the executor's
+  ``set_mixed_precision_type`` / ``set_cell_use_dynamic_shape_process``: a
+  save inside a grad call the region's own function makes, and whether an
+  early stop would leave a cell's executor state behind (no Python frame is
+  read); MindSpore's own callables are back once no run counts;
+* ``chained_hook_pushes``: the meter's wrapping of the executor's
+  ``push_saved_tensor_hook``, for the duration of a measurement;
 * ``dispatch_mode_depth``: ``_DispatchGuardStack.depth()`` from
   ``mindspore._c_expression``, how many ``MsDispatchMode`` are entered (the
   failure-path tests check that none is left);
@@ -41,6 +46,7 @@ this one file:
 ``synchronous_pynative`` picks, per release, the API that sets synchronous
 PyNative execution.
 """
+import contextlib
 import functools
 import importlib
 import operator
@@ -84,67 +90,64 @@ _GRAD_ENTRY_MODULES = ("mindspore.ops.composite.base",   # GradOperation, ms.gra
                        "mindspore.ops.function.grad.grad_func")   # vjp (it imported both names)
 
 
+def _entry_points():
+    """``(owner, name)`` of each MindSpore callable ``ExecutorCalls`` wraps while it counts: the two halves of a
+    grad call in both modules that bind them, and the executor's two cell-state setters."""
+    points = []
+    for module_name in _GRAD_ENTRY_MODULES:
+        module = importlib.import_module(module_name)
+        points += [(module, name) for name in ("_pynative_func_grad_forward", "_pynative_func_grad_backward")
+                   if hasattr(module, name)]
+    return points + [(pynative_executor, "set_mixed_precision_type"),
+                     (pynative_executor, "set_cell_use_dynamic_shape_process")]
+
+
 class ExecutorCalls:
-    """What MindSpore's executor is doing on this thread, counted at its Python entry points.
+    """What MindSpore's executor does on this thread while a region's op-intercepting run runs, counted at its
+    Python entry points.
 
-    Installed once, by ``import mindformers_ac`` (``install()``), and kept
-    for the process: wrappers kept in ``try``/``finally`` count, per thread:
+    Nothing is wrapped at import, nor for good: ``counting()`` wraps the
+    entry points (``_entry_points``) while at least one run on any thread is
+    inside it, and puts MindSpore's own back when the last leaves (an entry
+    point another patcher rebound meanwhile is left to it). The wrappers
+    only count, per thread, in ``try``/``finally``; MindSpore's functions run
+    unchanged inside them. What the engine asks is relative to what it noted
+    when its run started, so a grad call already running then (the step's
+    own, outside any region) is no concern:
 
-    * ``grad_forward``: grad calls running their forward half
-      (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
-      forward of ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` /
-      ``vjp``, and the same name in ``grad_func``);
-    * ``grad_calls``: grad calls running either half (``..._grad_backward``
-      too);
+    * ``grad_calls()``: grad calls running either half
+      (``_pynative_func_grad_forward`` / ``_backward``, the two halves of
+      ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp``): a save
+      made while more run than when the region's run started is made inside a
+      grad call of the region's own function;
     * ``cell_state()``: mixed-precision types pushed on the executor
       (``set_mixed_precision_type``, what ``Cell.__call__`` does for
       ``to_float`` / amp O2-O3) and the dynamic-shape flag
-      (``set_cell_use_dynamic_shape_process``).
+      (``set_cell_use_dynamic_shape_process``): what an early stop of a re-run
+      would leave behind (MindSpore 2.10 undoes neither on an exception).
 
-    MindSpore 2.10 undoes none of these on an exception (no ``finally``): a
-    grad call whose function raised leaves its grad flag set for the rest of
-    the process, and a raise through a cell call leaves its type pushed. The
-    counters are what is running now, so they stay right after such a
-    failure; nothing here repairs the executor itself (docs/exactness.md,
-    "Higher-order gradients", says why).
-
-    Why at import and not with the first wrapper: counters installed later
-    can't tell a grad call that started before them from a flag a failed
-    call left set (MindSpore 2.10 has no state that tells them apart), and
-    ``checkpoint()`` is first called inside a grad call. The wrappers only
-    count; MindSpore's functions run unchanged inside them. A grad call
-    running while the package is imported is not counted:
-    ``grad_forward_running()`` answers from the executor's flag until the
-    next grad call this thread starts outside any counted one. No Python
-    frame is read.
+    A higher-order backward needs none of it: re-runs are keyed by the
+    autodiff engine (``autodiff_engine_id``). No Python frame is read.
     """
 
     def __init__(self):
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._installed = False
+        self._users = 0
+        self._originals = None   # [(owner, name, MindSpore's own attribute or None, our wrapper)] while counting
 
     def _state(self):
         local = self._local
-        if not hasattr(local, "grad_forward"):
-            local.grad_forward = local.grad_calls = local.precision_pushes = 0
+        if not hasattr(local, "grad_calls"):
+            local.grad_calls = local.precision_pushes = 0
             local.dynamic_shape = False
-            local.unseen = False   # install() sets it on the importing thread: a grad call may run there
         return local
 
     # -- what the engine asks ------------------------------------------------------------------
-    def grad_forward_running(self):
-        """True while a MindSpore grad call is running its forward on this thread (recording a graph).
-
-        A backward that runs meanwhile is being recorded for that grad: a
-        higher-order gradient. The executor's ``requires_grad()`` alone can't
-        tell: a grad call whose function raised leaves it set."""
-        local = self._state()
-        return local.grad_forward > 0 or (local.unseen and pynative_executor.requires_grad())
-
     def grad_calls(self):
-        """How many grad calls (either half) run on this thread: a region's run notes it when it starts,
-        and a save made while more run is made inside a grad call of the region's own function."""
+        """How many grad calls (either half) this thread runs inside ``counting()``: a region's run notes it
+        when it starts, and a save made while more run is made inside a grad call of the region's own
+        function."""
         return self._state().grad_calls
 
     def cell_state(self):
@@ -153,60 +156,64 @@ class ExecutorCalls:
         local = self._state()
         return local.precision_pushes, local.dynamic_shape
 
-    # -- installing ----------------------------------------------------------------------------
-    def install(self):
-        """Wrap MindSpore's entry points, once per process (``import mindformers_ac`` calls it)."""
+    # -- while a run counts --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def counting(self):
+        """Wrap the entry points for the duration (reentrant, any thread); MindSpore's own are back after."""
         with self._lock:
-            if self._installed:
-                return
-            self._install()
-            self._installed = True
-            self._state().unseen = bool(pynative_executor.requires_grad())
+            if not self._users:
+                self._install()
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    self._remove()
+
+    def installed(self):
+        return self._originals is not None
 
     def _install(self):
-        for name in _GRAD_ENTRY_MODULES:
-            module = importlib.import_module(name)
-            forward = getattr(module, "_pynative_func_grad_forward", None)
-            backward = getattr(module, "_pynative_func_grad_backward", None)
-            if forward is not None:
-                setattr(module, "_pynative_func_grad_forward", self._counted_forward(forward))
-            if backward is not None:
-                setattr(module, "_pynative_func_grad_backward", self._counted_backward(backward))
-        executor = pynative_executor
-        setattr(executor, "set_mixed_precision_type",
-                    self._counted_precision(type(executor).set_mixed_precision_type.__get__(executor)))
-        setattr(executor, "set_cell_use_dynamic_shape_process",
-                    self._noted_dynamic_shape(type(executor).set_cell_use_dynamic_shape_process.__get__(executor)))
+        originals = []
+        for owner, name in _entry_points():
+            own = vars(owner).get(name)   # None: the executor's method, from its class
+            current = getattr(owner, name)
+            wrapper = self._wrap(name, current)
+            setattr(owner, name, wrapper)
+            originals.append((owner, name, own, wrapper))
+        self._originals = originals
 
-    def _counted_forward(self, original):
+    def _remove(self):
+        for owner, name, own, wrapper in self._originals:
+            if vars(owner).get(name) is not wrapper:
+                continue   # rebound by someone else meanwhile: theirs now
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        self._originals = None
+
+    def _wrap(self, name, original):
+        if name == "_pynative_func_grad_forward" or name == "_pynative_func_grad_backward":
+            return self._counted_grad(original)
+        if name == "set_mixed_precision_type":
+            return self._counted_precision(original)
+        return self._noted_dynamic_shape(original)
+
+    def _counted_grad(self, original):
         state = self._state
 
         @functools.wraps(original)
-        def grad_forward(fn, *args, **kwargs):
-            local = state()
-            if not local.grad_forward:
-                local.unseen = False   # an outermost counted grad call: nothing uncounted runs below it
-            local.grad_forward += 1
-            local.grad_calls += 1
-            try:
-                return original(fn, *args, **kwargs)
-            finally:
-                local.grad_forward -= 1
-                local.grad_calls -= 1
-        return grad_forward
-
-    def _counted_backward(self, original):
-        state = self._state
-
-        @functools.wraps(original)
-        def grad_backward(*args, **kwargs):
+        def grad_half(*args, **kwargs):
             local = state()
             local.grad_calls += 1
             try:
                 return original(*args, **kwargs)
             finally:
                 local.grad_calls -= 1
-        return grad_backward
+        return grad_half
 
     def _counted_precision(self, original):
         state = self._state
@@ -231,7 +238,47 @@ class ExecutorCalls:
 
 EXECUTOR_CALLS = ExecutorCalls()
 """The process's one ``ExecutorCalls``: MindSpore's entry points are process-wide, so is what wraps them
-(installed by ``mindformers_ac/__init__.py``)."""
+while a region's run counts (``ExecutorCalls.counting``)."""
+
+
+def autodiff_engine_id():
+    """A key for the backward running now: MindSpore's id of the autodiff engine running it
+    (``get_current_autodiff_engine_id``, what MindSpore's own non-reentrant recompute keys by), or, outside
+    any backward (the engine answers -1), a new object, so such an unpack shares no re-run."""
+    engine = pynative_executor.get_current_autodiff_engine_id()
+    return engine if engine != -1 else object()
+
+
+def recording_backward():
+    """Whether the executor records what runs now for a gradient: in a backward, that it is being recorded for
+    a higher-order one (``requires_grad``; also left set by a grad call that raised, which then only costs
+    keeping a light region's inputs till its graph dies)."""
+    return bool(pynative_executor.requires_grad())
+
+
+_PUSH = "push_saved_tensor_hook"
+
+
+@contextlib.contextmanager
+def chained_hook_pushes(wrap):
+    """While entered, every saved-tensor hook pair pushed on the executor goes through ``wrap(pack, unpack) ->
+    (pack, unpack)`` first (the meter's view of what each hook keeps); the executor's push (its own, or an outer
+    measurement's) is back after."""
+    executor = pynative_executor
+    had, previous = _PUSH in vars(executor), vars(executor).get(_PUSH)
+    push = getattr(executor, _PUSH)
+
+    def chained_push(pack_hook, unpack_hook):
+        return push(*wrap(pack_hook, unpack_hook))
+
+    setattr(executor, _PUSH, chained_push)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(executor, _PUSH, previous)
+        else:
+            delattr(executor, _PUSH)
 
 
 def dispatch_mode_depth():

@@ -567,6 +567,10 @@ class Region(RegionBase):
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
 
     def run_forward(self, args, kwargs):
+        with EXECUTOR_CALLS.counting():   # grad calls of its own (inner_grad_save)
+            return self._run_forward(args, kwargs)
+
+    def _run_forward(self, args, kwargs):
         run = RegionRun(self, FORWARD, self.tracker)
         self.precision = cell_precision(self.root)
         self.stats.intercepted_calls += 1
@@ -582,8 +586,15 @@ class Region(RegionBase):
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
                     self.replaced.watch(run.engine_ops):
                 out = self.fn(*args, **kwargs)
+            self.finish_forward(run, args, kwargs, out)   # its own ops: not an enclosing region's (N1)
         finally:
             ENGINE.pop(run)
+        return out
+
+    def finish_forward(self, run, args, kwargs, out):
+        """What the end of the forward keeps, while ``run`` is still on the ENGINE stack: an enclosing
+        region's dispatch then does not number the ops it runs (the ``_Held`` view of a saved output),
+        which its re-run, replaying this region, would not run (rule N1 of docs/exactness.md)."""
         producer = self.bytes.producer
         self.saved_outputs = tuple(j for j, t in enumerate(tensor_leaves(out))
                                    if (storage_info(t)[0], producer.get(storage_info(t)[0])) in self.packed)
@@ -595,7 +606,6 @@ class Region(RegionBase):
         self.fwd_npacks = run.npacks
         self._swap_holders = None
         self.stats.open_region(self, self.bytes.close())
-        return out
 
     def replay(self, args, kwargs):
         """Run again inside a parent's recompute, with this region's kept outputs and masks."""
@@ -618,6 +628,7 @@ class Region(RegionBase):
 
     def _rerun(self):
         run = RegionRun(self, RECOMPUTE, self.tracker)
+        self.recomputed = {}   # this backward's (R1)
         wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
 
         def pack(t):
@@ -626,7 +637,7 @@ class Region(RegionBase):
 
         args, kwargs = self.load_inputs()
         outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
-        with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
+        with EXECUTOR_CALLS.counting(), self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
