@@ -8,8 +8,6 @@ another's forward is its child: the parent's recompute *replays* it (same kept
 outputs, same dropout masks).
 """
 import contextlib
-import functools
-import weakref
 
 import mindspore as ms
 from mindspore import Tensor, ops
@@ -18,7 +16,7 @@ from mindspore.ops import Primitive
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import RecomputeConfig
 from ..errors import RecomputeError
-from ..mindspore_compat import EXECUTOR_CALLS, no_grad
+from ..mindspore_compat import EXECUTOR_CALLS, no_grad, recording_backward
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
@@ -37,6 +35,7 @@ from .rerun import (
     recompute_graph,
     rerun_inputs,
     unpack_saved,
+    weak_pack,
 )
 from .side_effects import (
     KEEP,
@@ -539,6 +538,13 @@ class Region(RegionBase):
                 raise StopRerun()
         return None
 
+    @staticmethod
+    def pack_replay(_region, run, t):
+        """Replay pack hook: the replay graph is never backpropagated, so it keeps nothing, but for a save made
+        inside a grad call that the enclosing re-run's function makes (``c(grad(c(f)))``): that call's
+        backward, run inside the re-run, reads it (rule N1)."""
+        return t if EXECUTOR_CALLS.grad_calls() > run.grad_calls else None
+
     def inner_grad_save(self, t):
         """A save made inside a grad call that the region's function makes (gradients computed inside a
         forward, PyTorch's nested-checkpoint ``g``): it belongs to that call's graph, whose backward runs
@@ -583,7 +589,7 @@ class Region(RegionBase):
                 if self.swap_inputs and self.swap_executor is not None else None
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
+                    ms.saved_tensors_hooks(weak_pack(run, Region.pack_forward, keep_saved), unpack_saved), \
                     self.replaced.watch(run.engine_ops):
                 out = self.fn(*args, **kwargs)
             self.finish_forward(run, args, kwargs, out)   # its own ops: not an enclosing region's (N1)
@@ -607,13 +613,15 @@ class Region(RegionBase):
         self._swap_holders = None
         self.stats.open_region(self, self.bytes.close())
 
-    def replay(self, args, kwargs):
-        """Run again inside a parent's recompute, with this region's kept outputs and masks."""
+    def replay(self, args, kwargs, grad_calls):
+        """Run again inside a parent's recompute, with this region's kept outputs and masks. ``grad_calls``:
+        the grad calls running when the enclosing re-run started (``pack_replay``)."""
         run = RegionRun(self, REPLAY, self.tracker)
+        run.grad_calls = grad_calls
         ENGINE.push(run)
         try:
             with self.run_context(REPLAY), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(drop_saved, keep_saved):
+                    ms.saved_tensors_hooks(weak_pack(run, Region.pack_replay), keep_saved):
                 return self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
@@ -629,17 +637,13 @@ class Region(RegionBase):
     def _rerun(self):
         run = RegionRun(self, RECOMPUTE, self.tracker)
         self.recomputed = {}   # this backward's (R1)
-        wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
-
-        def pack(t):
-            r = wrun()
-            return r.region.pack_recompute(r, t) if r is not None else None
-
         args, kwargs = self.load_inputs()
-        outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
+        # its own grad calls need a top cell of their own (see recompute_graph), but not in a backward recorded
+        # for a higher-order one: that would replace the top cell being recorded ("Can not find top cell")
+        outputs = [] if "inner_grad" in self.intercept and not recording_backward() else None
         with EXECUTOR_CALLS.counting(), self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
-                ms.saved_tensors_hooks(pack, keep_saved):
+                ms.saved_tensors_hooks(weak_pack(run, Region.pack_recompute, drop_saved), keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
                 args, kwargs = rerun_inputs(args, kwargs)
             self.stop_after, self.stop_state = self.stop_point(), EXECUTOR_CALLS.cell_state()
@@ -670,7 +674,7 @@ def run_region(fn, args, kwargs, **options):
         child = top.region.next_child(top)
         ENGINE.enter_recompute()
         try:
-            return child.replay(args, kwargs)
+            return child.replay(args, kwargs, top.grad_calls)
         finally:
             ENGINE.exit_recompute()
     if top is None and not _executor.requires_grad():

@@ -84,6 +84,20 @@ def drop_saved(_tensor):
     return None
 
 
+def weak_pack(run, pack, after=drop_saved):
+    """A pack hook calling ``pack(region, run, t)`` while ``run`` lives, ``after(t)`` once it is gone.
+
+    MindSpore keeps a hook function as long as the graph that used it (an inner grad call's made in a
+    forward outlived every step: one region a step kept, PyTorch's nested-grad test ported,
+    ``test_an_inner_grad_call_keeps_no_region_alive``): the hook holds the run, and so the region, weakly."""
+    wrun = weakref.ref(run)
+
+    def hook(t):
+        r = wrun()
+        return pack(r.region, r, t) if r is not None else after(t)
+    return hook
+
+
 class RegionRun:
     """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry.
 
