@@ -23,11 +23,12 @@ this one file:
 * ``EXECUTOR_CALLS`` (``ExecutorCalls``): only while an op-intercepting run
   of a region runs (``counting()``), counters at MindSpore's grad-call entry
   points (``mindspore.ops.composite.base``'s ``_pynative_func_grad_forward`` /
-  ``_backward``, and ``grad_func``'s) and at the executor's
-  ``set_mixed_precision_type`` / ``set_cell_use_dynamic_shape_process``: a
-  save inside a grad call the region's own function makes, and whether an
-  early stop would leave a cell's executor state behind (no Python frame is
-  read); MindSpore's own callables are back once no run counts;
+  ``_backward``, and ``grad_func``'s): a save inside a grad call the region's
+  own function makes (no Python frame is read); MindSpore's own functions
+  are back once no run counts;
+* ``pushes_cell_state``: a cell's ``mixed_precision_type`` and
+  ``_dynamic_shape_inputs``, what ``Cell.__call__`` pushes on the executor
+  (early stop is off for a region whose cells push it);
 * ``chained_hook_pushes``: the meter's wrapping of the executor's
   ``push_saved_tensor_hook``, for the duration of a measurement;
 * ``dispatch_mode_depth``: ``_DispatchGuardStack.depth()`` from
@@ -90,73 +91,47 @@ _GRAD_ENTRY_MODULES = ("mindspore.ops.composite.base",   # GradOperation, ms.gra
                        "mindspore.ops.function.grad.grad_func")   # vjp (it imported both names)
 
 
+_GRAD_HALVES = ("_pynative_func_grad_forward", "_pynative_func_grad_backward")
+
+
 def _entry_points():
-    """``(owner, name)`` of each MindSpore callable ``ExecutorCalls`` wraps while it counts: the two halves of a
-    grad call in both modules that bind them, and the executor's two cell-state setters."""
-    points = []
-    for module_name in _GRAD_ENTRY_MODULES:
-        module = importlib.import_module(module_name)
-        points += [(module, name) for name in ("_pynative_func_grad_forward", "_pynative_func_grad_backward")
-                   if hasattr(module, name)]
-    return points + [(pynative_executor, "set_mixed_precision_type"),
-                     (pynative_executor, "set_cell_use_dynamic_shape_process")]
+    """``(module, name)`` of each MindSpore callable ``ExecutorCalls`` wraps while it counts: the two halves of a
+    grad call, in both modules that bind them."""
+    modules = [importlib.import_module(name) for name in _GRAD_ENTRY_MODULES]
+    return [(module, name) for module in modules for name in _GRAD_HALVES if hasattr(module, name)]
 
 
 class ExecutorCalls:
-    """What MindSpore's executor does on this thread while a region's op-intercepting run runs, counted at its
-    Python entry points.
+    """How many MindSpore grad calls run on this thread while a region's op-intercepting run runs, counted at
+    their Python entry points.
 
-    Nothing is wrapped at import, nor for good: ``counting()`` wraps the
-    entry points (``_entry_points``) while at least one run on any thread is
-    inside it, and puts MindSpore's own back when the last leaves (an entry
-    point another patcher rebound meanwhile is left to it). The wrappers
-    only count, per thread, in ``try``/``finally``; MindSpore's functions run
-    unchanged inside them. What the engine asks is relative to what it noted
-    when its run started, so a grad call already running then (the step's
-    own, outside any region) is no concern:
-
-    * ``grad_calls()``: grad calls running either half
-      (``_pynative_func_grad_forward`` / ``_backward``, the two halves of
-      ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp``): a save
-      made while more run than when the region's run started is made inside a
-      grad call of the region's own function;
-    * ``cell_state()``: mixed-precision types pushed on the executor
-      (``set_mixed_precision_type``, what ``Cell.__call__`` does for
-      ``to_float`` / amp O2-O3) and the dynamic-shape flag
-      (``set_cell_use_dynamic_shape_process``): what an early stop of a re-run
-      would leave behind (MindSpore 2.10 undoes neither on an exception).
-
-    A higher-order backward needs none of it: re-runs are keyed by the
-    autodiff engine (``autodiff_engine_id``). No Python frame is read.
+    Nothing is wrapped at import, nor for good: ``counting()`` wraps the two
+    halves of a grad call (``_pynative_func_grad_forward`` / ``_backward``,
+    what ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp`` run)
+    while at least one run on any thread is inside it, and puts MindSpore's
+    own back when the last leaves (one another patcher rebound meanwhile is
+    left to it). The wrappers only count, per thread, in ``try``/``finally``;
+    MindSpore's functions run unchanged inside them. ``grad_calls()`` is read
+    relative to what a run noted when it started, so a grad call already
+    running then (the step's own) is no concern: a save made while more run
+    is made inside a grad call of the region's own function. A higher-order
+    backward needs none of it (re-runs are keyed by ``autodiff_engine_id``),
+    nor does early stop (``pushes_cell_state``). No Python frame is read.
     """
 
     def __init__(self):
         self._local = threading.local()
         self._lock = threading.Lock()
         self._users = 0
-        self._originals = None   # [(owner, name, MindSpore's own attribute or None, our wrapper)] while counting
+        self._originals = None   # [(module, name, MindSpore's function, our wrapper)] while counting
 
-    def _state(self):
-        local = self._local
-        if not hasattr(local, "grad_calls"):
-            local.grad_calls = local.precision_pushes = 0
-            local.dynamic_shape = False
-        return local
-
-    # -- what the engine asks ------------------------------------------------------------------
     def grad_calls(self):
-        """How many grad calls (either half) this thread runs inside ``counting()``: a region's run notes it
-        when it starts, and a save made while more run is made inside a grad call of the region's own
-        function."""
-        return self._state().grad_calls
+        """How many grad calls (either half) this thread runs inside ``counting()``."""
+        return getattr(self._local, "grad_calls", 0)
 
-    def cell_state(self):
-        """``(mixed-precision types pushed, dynamic-shape flag)`` on this thread: what a raise through a
-        ``Cell.__call__`` would leave behind if it changed since a point the caller noted."""
-        local = self._state()
-        return local.precision_pushes, local.dynamic_shape
+    def installed(self):
+        return self._originals is not None
 
-    # -- while a run counts --------------------------------------------------------------------
     @contextlib.contextmanager
     def counting(self):
         """Wrap the entry points for the duration (reentrant, any thread); MindSpore's own are back after."""
@@ -172,73 +147,52 @@ class ExecutorCalls:
                 if not self._users:
                     self._remove()
 
-    def installed(self):
-        return self._originals is not None
-
     def _install(self):
         originals = []
-        for owner, name in _entry_points():
-            own = vars(owner).get(name)   # None: the executor's method, from its class
-            current = getattr(owner, name)
-            wrapper = self._wrap(name, current)
-            setattr(owner, name, wrapper)
-            originals.append((owner, name, own, wrapper))
+        for module, name in _entry_points():
+            original = getattr(module, name)
+            wrapper = self._counted(original)
+            setattr(module, name, wrapper)
+            originals.append((module, name, original, wrapper))
         self._originals = originals
 
     def _remove(self):
-        for owner, name, own, wrapper in self._originals:
-            if vars(owner).get(name) is not wrapper:
-                continue   # rebound by someone else meanwhile: theirs now
-            if own is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, own)
+        for module, name, original, wrapper in self._originals:
+            if getattr(module, name) is wrapper:   # else rebound by someone else meanwhile: theirs now
+                setattr(module, name, original)
         self._originals = None
 
-    def _wrap(self, name, original):
-        if name == "_pynative_func_grad_forward" or name == "_pynative_func_grad_backward":
-            return self._counted_grad(original)
-        if name == "set_mixed_precision_type":
-            return self._counted_precision(original)
-        return self._noted_dynamic_shape(original)
-
-    def _counted_grad(self, original):
-        state = self._state
+    def _counted(self, original):
+        local = self._local
 
         @functools.wraps(original)
         def grad_half(*args, **kwargs):
-            local = state()
-            local.grad_calls += 1
+            local.grad_calls = getattr(local, "grad_calls", 0) + 1
             try:
                 return original(*args, **kwargs)
             finally:
                 local.grad_calls -= 1
         return grad_half
 
-    def _counted_precision(self, original):
-        state = self._state
-
-        @functools.wraps(original)
-        def set_mixed_precision_type(mixed_precision_type, is_push=True):
-            out = original(mixed_precision_type, is_push)
-            state().precision_pushes += 1 if is_push else -1
-            return out
-        return set_mixed_precision_type
-
-    def _noted_dynamic_shape(self, original):
-        state = self._state
-
-        @functools.wraps(original)
-        def set_cell_use_dynamic_shape_process(flag):
-            out = original(flag)
-            state().dynamic_shape = bool(flag)
-            return out
-        return set_cell_use_dynamic_shape_process
-
 
 EXECUTOR_CALLS = ExecutorCalls()
 """The process's one ``ExecutorCalls``: MindSpore's entry points are process-wide, so is what wraps them
 while a region's run counts (``ExecutorCalls.counting``)."""
+
+
+def pushes_cell_state(root):
+    """Whether calling ``root`` (a Cell, or a function: the Cells it is bound to or closes over) runs a
+    ``Cell.__call__`` that pushes executor state it pops only on return: a mixed-precision type
+    (``mixed_precision_type``: ``to_float``, amp O2-O3) or the dynamic-shape flag (``_dynamic_shape_inputs``:
+    ``set_inputs``). A re-run stopped early inside one would leave it set (MindSpore 2.10 undoes neither on an
+    exception)."""
+    if isinstance(root, mindspore.nn.Cell):
+        roots = [root]
+    else:
+        closure = [c.cell_contents for c in getattr(root, "__closure__", None) or () if c.cell_contents is not None]
+        roots = [v for v in closure if isinstance(v, mindspore.nn.Cell)]
+    return any(cell.mixed_precision_type is not None or getattr(cell, "_dynamic_shape_inputs", None) is not None
+               for r in roots for _, cell in r.cells_and_names())
 
 
 def autodiff_engine_id():

@@ -16,7 +16,7 @@ from mindspore.ops import Primitive
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import RecomputeConfig
 from ..errors import RecomputeError
-from ..mindspore_compat import EXECUTOR_CALLS, no_grad, recording_backward
+from ..mindspore_compat import EXECUTOR_CALLS, no_grad, pushes_cell_state, recording_backward
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
@@ -65,6 +65,9 @@ class Region(RegionBase):
         self.settings = settings if settings is not None else RecomputeConfig()
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
+        # Rule S1 of docs/exactness.md: a re-run stopped inside a cell call that pushes executor state would
+        # leave it pushed (MindSpore pops it only on return): decided once, when the region is made
+        self.early_stop = self.settings.early_stop and not pushes_cell_state(root if root is not None else fn)
         params = list(root.get_parameters()) if root is not None else []
         ptrs = param_ptrs(params)
         self.params = tuple(params)
@@ -119,7 +122,6 @@ class Region(RegionBase):
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
-        self.stop_state = None    # ExecutorCalls.cell_state() when that re-run started (may_stop)
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
 
     # -- swap -------------------------------------------------------------------
@@ -307,20 +309,11 @@ class Region(RegionBase):
         """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
-        gradients computed inside the forward."""
-        if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
+        gradients computed inside the forward, a root whose cells push executor state (``early_stop``, S1)."""
+        if (not self.early_stop or self.recorder is not None or self.feeds_next or self.children
                 or "inner_grad" in self.intercept or not self.token_meta):
             return None
         return max(idx for idx, _ in self.token_meta)
-
-    def may_stop(self):
-        """Whether the re-run may stop here (``early_stop``): not through a cell call that would leave
-        executor state behind (a mixed-precision type pushed or the dynamic-shape flag set since the
-        re-run started, ``ExecutorCalls.cell_state``); when it would, the re-run runs whole."""
-        if EXECUTOR_CALLS.cell_state() != self.stop_state:
-            self.stop_after = None
-            return False
-        return True
 
     def check_recompute(self, run, stopped=False):
         """After a recompute: raise ``RecomputeError`` naming the op and what differed unless it ran every op,
@@ -533,7 +526,7 @@ class Region(RegionBase):
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
             if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
-                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0]) and self.may_stop()):
+                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0])):
                 # the last dropped tensor is rebuilt, after its op returned and made all its saves (early_stop)
                 raise StopRerun()
         return None
@@ -646,7 +639,7 @@ class Region(RegionBase):
                 ms.saved_tensors_hooks(weak_pack(run, Region.pack_recompute, drop_saved), keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
                 args, kwargs = rerun_inputs(args, kwargs)
-            self.stop_after, self.stop_state = self.stop_point(), EXECUTOR_CALLS.cell_state()
+            self.stop_after = self.stop_point()
             self.n_needed = len(self.token_meta)
             stopped = False
             try:
