@@ -281,6 +281,8 @@ class LightRegion(RegionBase):
 
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):
+        if self.fn is None:   # let go after a re-run no later backward was to reach (R1): a second backward
+            raise messages.already_used("a saved tensor")
         run = RegionRun(self, RECOMPUTE)
         run.keeps = self.check.keep_proxies or None
         collector = self._collector = _Collector()
