@@ -259,8 +259,20 @@ MODES = {
     "select_op": {"recompute": {"mode": "select", "select_module": {"act": ["0-2"]}}},
     "select_in_full": {"recompute": {"mode": "full", "full_recompute_layer": ["0-2"],
                                      "select_module": {"attention": ["0-2"]}}},
+    "select_in_full_exclude": {"recompute": {"mode": "full", "full_recompute_layer": ["0-2"],
+                                             "select_module": {"attention": ["0-2"]}, "exclude_op": ["MatMul"]}},
     "layer_swap": {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}},
 }
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_nested_and_plain_regions_with_dropout_train_bitwise_in_each_ac_mode(mode):
+    """First order, three steps, with Softmax and nn.Dropout in the attention sub-cell: a select region inside
+    a full one (kept matmuls inside both, ``exclude_op``) and every other mode, bitwise."""
+    expected = train(Model())
+    model = Model()
+    mac.apply_ac(model, config=mac.AcConfig.from_dict(MODES[mode]))
+    assert equal(train(model), expected)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
