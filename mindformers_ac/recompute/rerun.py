@@ -281,9 +281,9 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
     on the engine stack (an op output's re-run, whose forward had no run either).
 
     ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that
-    makes grad calls of its own (docs/exactness.md, "Higher-order gradients and nested regions"; without it the second
-    such call fails: "The pointer[top_cell_] is null"): a top cell of its own (``new_graph``), ended
-    with the output the caller appends to ``outputs``.
+    makes grad calls of its own (docs/exactness.md, "Higher-order gradients and nested regions";
+    without it the second such call fails: "The pointer[top_cell_] is null"): a top cell of its own
+    (``new_graph``), ended with the output the caller appends to ``outputs``.
     """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
