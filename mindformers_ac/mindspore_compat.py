@@ -180,17 +180,24 @@ EXECUTOR_CALLS = ExecutorCalls()
 while a region's run counts (``ExecutorCalls.counting``)."""
 
 
+def _closure_values(fn):
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:   # an empty cell: a name its scope binds later
+            pass
+    return values
+
+
 def pushes_cell_state(root):
     """Whether calling ``root`` (a Cell, or a function: the Cells it is bound to or closes over) runs a
     ``Cell.__call__`` that pushes executor state it pops only on return: a mixed-precision type
     (``mixed_precision_type``: ``to_float``, amp O2-O3) or the dynamic-shape flag (``_dynamic_shape_inputs``:
     ``set_inputs``). A re-run stopped early inside one would leave it set (MindSpore 2.10 undoes neither on an
     exception)."""
-    if isinstance(root, mindspore.nn.Cell):
-        roots = [root]
-    else:
-        closure = [c.cell_contents for c in getattr(root, "__closure__", None) or () if c.cell_contents is not None]
-        roots = [v for v in closure if isinstance(v, mindspore.nn.Cell)]
+    roots = [root] if isinstance(root, mindspore.nn.Cell) else \
+        [v for v in _closure_values(root) if isinstance(v, mindspore.nn.Cell)]
     return any(cell.mixed_precision_type is not None or getattr(cell, "_dynamic_shape_inputs", None) is not None
                for r in roots for _, cell in r.cells_and_names())
 
