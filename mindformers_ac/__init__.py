@@ -10,12 +10,6 @@ from .mindspore_compat import require_mindspore
 
 require_mindspore()   # before any engine import: a clear error instead of a missing attribute later
 
-from .mindspore_compat import EXECUTOR_CALLS  # noqa: E402
-
-# MindSpore's grad-call entry points counted from here on, for the process: what tells a running grad from
-# a flag a failed one left set (docs/exactness.md, "Higher-order gradients"; ``ExecutorCalls`` says why now)
-EXECUTOR_CALLS.install()
-
 from . import swap  # the swap engine; callable as swap(fn, *args) (HyperParallel's API)
 from .accounting import StepMemory, measure_step
 from .apply import ac_state, apply_ac, remove_ac

@@ -137,9 +137,10 @@ class RecomputeError(RuntimeError):
     Raised when a recomputed region's re-run took another code path than its
     forward (other ops, fewer ops, other nested regions or ``nn.Dropout``
     calls), saved other tensors (count, shape or dtype), when a saved tensor is
-    asked for a second time (the graph was backpropagated twice), for a
-    higher-order gradient through a recomputed region, or when the engine's own
-    state was misused (a region exited out of order). The message starts with
+    asked for a second time in one backward (the graph was backpropagated
+    twice), or when the engine's own state was misused (a region exited out of
+    order). A higher-order gradient through a recomputed region is not refused:
+    each backward re-runs it (docs/exactness.md, rule R1). The message starts with
     ``mindformers_ac:``, names the op and its cell path where known, and says
     what to change. A ``RuntimeError`` subclass, so code that caught
     ``RuntimeError`` before keeps working. As after any exception inside

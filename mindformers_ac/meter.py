@@ -33,7 +33,7 @@ import mindspore as ms
 from mindspore import Tensor, nn
 
 from .logs import OnceLogger
-from .mindspore_compat import pynative_executor, registered_pack_hook
+from .mindspore_compat import chained_hook_pushes, registered_pack_hook
 from .tensors import param_ptrs, storage_info, tensor_leaves
 
 logger = logging.getLogger("mindformers_ac.meter")
@@ -44,7 +44,6 @@ CHAIN_PASSED = "mac_meter_counts_passed"
 # memory-budget controller measures inside ``train``'s meter, which must still count every step).
 SEEN_THROUGH = "mac_meter_seen_through"
 
-_PUSH = "push_saved_tensor_hook"
 _PACKAGE = __name__.split(".")[0]
 _MINDSPORE_DIR = os.path.dirname(ms.__file__)
 
@@ -104,23 +103,13 @@ class _HookChain:
         self._saved = None
 
     def __enter__(self):
-        ex = pynative_executor
-        own = vars(ex)
-        self._saved = (_PUSH in own, own.get(_PUSH))
-        push = getattr(ex, _PUSH)   # the executor's own, or an outer meter's wrapper
-
-        def chained_push(pack_hook, unpack_hook):
-            return push(*self.wrap(pack_hook, unpack_hook))
-
-        setattr(ex, _PUSH, chained_push)
+        self._saved = chained_hook_pushes(self.wrap)
+        self._saved.__enter__()
         return self
 
     def __exit__(self, *exc):
-        had, previous = self._saved
-        if had:
-            setattr(pynative_executor, _PUSH, previous)
-        else:
-            delattr(pynative_executor, _PUSH)
+        saved, self._saved = self._saved, None
+        saved.__exit__(*exc)
 
     def wrap(self, pack, unpack):
         passed = getattr(pack, CHAIN_PASSED, False) is True

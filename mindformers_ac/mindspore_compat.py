@@ -16,15 +16,21 @@ this one file:
 * ``no_grad``: ``mindspore._no_grad``, a context that records no graph;
 * ``MixedPrecisionType``: from ``mindspore._c_expression``, the type
   ``Cell.__call__`` pushes on the executor for ``to_float`` / amp O2-O3;
-* ``EXECUTOR_CALLS`` (``ExecutorCalls``): from ``import mindformers_ac`` on, counters at
-  MindSpore's grad-call entry points (``mindspore.ops.composite.base``'s
-  ``_pynative_func_grad_forward`` / ``_backward``, the two halves of
-  ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp``) and at the
-  executor's ``set_mixed_precision_type`` / ``set_cell_use_dynamic_shape_process``:
-  what tells a higher-order backward from a first-order one, a save inside a
-  grad call the region's own function makes, and whether an early stop would
-  leave a cell's executor state behind, from what runs now (no Python frame
-  is read);
+* ``autodiff_engine_id``: ``get_current_autodiff_engine_id``, the key of a
+  region's re-run (one per backward that reaches it, as MindSpore's own
+  non-reentrant recompute keys them); ``recording_backward``: whether a
+  backward is recorded for a higher-order one (``requires_grad``);
+* ``EXECUTOR_CALLS`` (``ExecutorCalls``): only while an op-intercepting run
+  of a region runs (``counting()``), counters at MindSpore's grad-call entry
+  points (``mindspore.ops.composite.base``'s ``_pynative_func_grad_forward`` /
+  ``_backward``, and ``grad_func``'s): a save inside a grad call the region's
+  own function makes (no Python frame is read); MindSpore's own functions
+  are back once no run counts;
+* ``pushes_cell_state``: a cell's ``mixed_precision_type`` and
+  ``_dynamic_shape_inputs``, what ``Cell.__call__`` pushes on the executor
+  (early stop is off for a region whose cells push it);
+* ``chained_hook_pushes``: the meter's wrapping of the executor's
+  ``push_saved_tensor_hook``, for the duration of a measurement;
 * ``dispatch_mode_depth``: ``_DispatchGuardStack.depth()`` from
   ``mindspore._c_expression``, how many ``MsDispatchMode`` are entered (the
   failure-path tests check that none is left);
@@ -41,6 +47,7 @@ this one file:
 ``synchronous_pynative`` picks, per release, the API that sets synchronous
 PyNative execution.
 """
+import contextlib
 import functools
 import importlib
 import operator
@@ -84,154 +91,155 @@ _GRAD_ENTRY_MODULES = ("mindspore.ops.composite.base",   # GradOperation, ms.gra
                        "mindspore.ops.function.grad.grad_func")   # vjp (it imported both names)
 
 
+_GRAD_HALVES = ("_pynative_func_grad_forward", "_pynative_func_grad_backward")
+
+
+def _entry_points():
+    """``(module, name)`` of each MindSpore callable ``ExecutorCalls`` wraps while it counts: the two halves of a
+    grad call, in both modules that bind them."""
+    modules = [importlib.import_module(name) for name in _GRAD_ENTRY_MODULES]
+    return [(module, name) for module in modules for name in _GRAD_HALVES if hasattr(module, name)]
+
+
 class ExecutorCalls:
-    """What MindSpore's executor is doing on this thread, counted at its Python entry points.
+    """How many MindSpore grad calls run on this thread while a region's op-intercepting run runs, counted at
+    their Python entry points.
 
-    Installed once, by ``import mindformers_ac`` (``install()``), and kept
-    for the process: wrappers kept in ``try``/``finally`` count, per thread:
-
-    * ``grad_forward``: grad calls running their forward half
-      (``mindspore.ops.composite.base._pynative_func_grad_forward``, the
-      forward of ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` /
-      ``vjp``, and the same name in ``grad_func``);
-    * ``grad_calls``: grad calls running either half (``..._grad_backward``
-      too);
-    * ``cell_state()``: mixed-precision types pushed on the executor
-      (``set_mixed_precision_type``, what ``Cell.__call__`` does for
-      ``to_float`` / amp O2-O3) and the dynamic-shape flag
-      (``set_cell_use_dynamic_shape_process``).
-
-    MindSpore 2.10 undoes none of these on an exception (no ``finally``): a
-    grad call whose function raised leaves its grad flag set for the rest of
-    the process, and a raise through a cell call leaves its type pushed. The
-    counters are what is running now, so they stay right after such a
-    failure; nothing here repairs the executor itself (docs/exactness.md,
-    "Higher-order gradients", says why).
-
-    Why at import and not with the first wrapper: counters installed later
-    can't tell a grad call that started before them from a flag a failed
-    call left set (MindSpore 2.10 has no state that tells them apart), and
-    ``checkpoint()`` is first called inside a grad call. The wrappers only
-    count; MindSpore's functions run unchanged inside them. A grad call
-    running while the package is imported is not counted:
-    ``grad_forward_running()`` answers from the executor's flag until the
-    next grad call this thread starts outside any counted one. No Python
-    frame is read.
+    Nothing is wrapped at import, nor for good: ``counting()`` wraps the two
+    halves of a grad call (``_pynative_func_grad_forward`` / ``_backward``,
+    what ``ms.grad`` / ``value_and_grad`` / ``GradOperation`` / ``vjp`` run)
+    while at least one run on any thread is inside it, and puts MindSpore's
+    own back when the last leaves (one another patcher rebound meanwhile is
+    left to it). The wrappers only count, per thread, in ``try``/``finally``;
+    MindSpore's functions run unchanged inside them. ``grad_calls()`` is read
+    relative to what a run noted when it started, so a grad call already
+    running then (the step's own) is no concern: a save made while more run
+    is made inside a grad call of the region's own function. A higher-order
+    backward needs none of it (re-runs are keyed by ``autodiff_engine_id``),
+    nor does early stop (``pushes_cell_state``). No Python frame is read.
     """
 
     def __init__(self):
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._installed = False
-
-    def _state(self):
-        local = self._local
-        if not hasattr(local, "grad_forward"):
-            local.grad_forward = local.grad_calls = local.precision_pushes = 0
-            local.dynamic_shape = False
-            local.unseen = False   # install() sets it on the importing thread: a grad call may run there
-        return local
-
-    # -- what the engine asks ------------------------------------------------------------------
-    def grad_forward_running(self):
-        """True while a MindSpore grad call is running its forward on this thread (recording a graph).
-
-        A backward that runs meanwhile is being recorded for that grad: a
-        higher-order gradient. The executor's ``requires_grad()`` alone can't
-        tell: a grad call whose function raised leaves it set."""
-        local = self._state()
-        return local.grad_forward > 0 or (local.unseen and pynative_executor.requires_grad())
+        self._users = 0
+        self._originals = None   # [(module, name, MindSpore's function, our wrapper)] while counting
 
     def grad_calls(self):
-        """How many grad calls (either half) run on this thread: a region's run notes it when it starts,
-        and a save made while more run is made inside a grad call of the region's own function."""
-        return self._state().grad_calls
+        """How many grad calls (either half) this thread runs inside ``counting()``."""
+        return getattr(self._local, "grad_calls", 0)
 
-    def cell_state(self):
-        """``(mixed-precision types pushed, dynamic-shape flag)`` on this thread: what a raise through a
-        ``Cell.__call__`` would leave behind if it changed since a point the caller noted."""
-        local = self._state()
-        return local.precision_pushes, local.dynamic_shape
+    def installed(self):
+        return self._originals is not None
 
-    # -- installing ----------------------------------------------------------------------------
-    def install(self):
-        """Wrap MindSpore's entry points, once per process (``import mindformers_ac`` calls it)."""
+    @contextlib.contextmanager
+    def counting(self):
+        """Wrap the entry points for the duration (reentrant, any thread); MindSpore's own are back after."""
         with self._lock:
-            if self._installed:
-                return
-            self._install()
-            self._installed = True
-            self._state().unseen = bool(pynative_executor.requires_grad())
+            if not self._users:
+                self._install()
+            self._users += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    self._remove()
 
     def _install(self):
-        for name in _GRAD_ENTRY_MODULES:
-            module = importlib.import_module(name)
-            forward = getattr(module, "_pynative_func_grad_forward", None)
-            backward = getattr(module, "_pynative_func_grad_backward", None)
-            if forward is not None:
-                setattr(module, "_pynative_func_grad_forward", self._counted_forward(forward))
-            if backward is not None:
-                setattr(module, "_pynative_func_grad_backward", self._counted_backward(backward))
-        executor = pynative_executor
-        setattr(executor, "set_mixed_precision_type",
-                    self._counted_precision(type(executor).set_mixed_precision_type.__get__(executor)))
-        setattr(executor, "set_cell_use_dynamic_shape_process",
-                    self._noted_dynamic_shape(type(executor).set_cell_use_dynamic_shape_process.__get__(executor)))
+        originals = []
+        for module, name in _entry_points():
+            original = getattr(module, name)
+            wrapper = self._counted(original)
+            setattr(module, name, wrapper)
+            originals.append((module, name, original, wrapper))
+        self._originals = originals
 
-    def _counted_forward(self, original):
-        state = self._state
+    def _remove(self):
+        for module, name, original, wrapper in self._originals:
+            if getattr(module, name) is wrapper:   # else rebound by someone else meanwhile: theirs now
+                setattr(module, name, original)
+        self._originals = None
 
-        @functools.wraps(original)
-        def grad_forward(fn, *args, **kwargs):
-            local = state()
-            if not local.grad_forward:
-                local.unseen = False   # an outermost counted grad call: nothing uncounted runs below it
-            local.grad_forward += 1
-            local.grad_calls += 1
-            try:
-                return original(fn, *args, **kwargs)
-            finally:
-                local.grad_forward -= 1
-                local.grad_calls -= 1
-        return grad_forward
-
-    def _counted_backward(self, original):
-        state = self._state
+    def _counted(self, original):
+        local = self._local
 
         @functools.wraps(original)
-        def grad_backward(*args, **kwargs):
-            local = state()
-            local.grad_calls += 1
+        def grad_half(*args, **kwargs):
+            local.grad_calls = getattr(local, "grad_calls", 0) + 1
             try:
                 return original(*args, **kwargs)
             finally:
                 local.grad_calls -= 1
-        return grad_backward
-
-    def _counted_precision(self, original):
-        state = self._state
-
-        @functools.wraps(original)
-        def set_mixed_precision_type(mixed_precision_type, is_push=True):
-            out = original(mixed_precision_type, is_push)
-            state().precision_pushes += 1 if is_push else -1
-            return out
-        return set_mixed_precision_type
-
-    def _noted_dynamic_shape(self, original):
-        state = self._state
-
-        @functools.wraps(original)
-        def set_cell_use_dynamic_shape_process(flag):
-            out = original(flag)
-            state().dynamic_shape = bool(flag)
-            return out
-        return set_cell_use_dynamic_shape_process
+        return grad_half
 
 
 EXECUTOR_CALLS = ExecutorCalls()
 """The process's one ``ExecutorCalls``: MindSpore's entry points are process-wide, so is what wraps them
-(installed by ``mindformers_ac/__init__.py``)."""
+while a region's run counts (``ExecutorCalls.counting``)."""
+
+
+def _closure_values(fn):
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:   # an empty cell: a name its scope binds later
+            pass
+    return values
+
+
+def pushes_cell_state(root):
+    """Whether calling ``root`` (a Cell, or a function: the Cells it is bound to or closes over) runs a
+    ``Cell.__call__`` that pushes executor state it pops only on return: a mixed-precision type
+    (``mixed_precision_type``: ``to_float``, amp O2-O3) or the dynamic-shape flag (``_dynamic_shape_inputs``:
+    ``set_inputs``). A re-run stopped early inside one would leave it set (MindSpore 2.10 undoes neither on an
+    exception)."""
+    roots = [root] if isinstance(root, mindspore.nn.Cell) else \
+        [v for v in _closure_values(root) if isinstance(v, mindspore.nn.Cell)]
+    return any(cell.mixed_precision_type is not None or getattr(cell, "_dynamic_shape_inputs", None) is not None
+               for r in roots for _, cell in r.cells_and_names())
+
+
+def autodiff_engine_id():
+    """A key for the backward running now: MindSpore's id of the autodiff engine running it
+    (``get_current_autodiff_engine_id``, what MindSpore's own non-reentrant recompute keys by), or, outside
+    any backward (the engine answers -1), a new object, so such an unpack shares no re-run."""
+    engine = pynative_executor.get_current_autodiff_engine_id()
+    return engine if engine != -1 else object()
+
+
+def recording_backward():
+    """Whether the executor records what runs now for a gradient: in a backward, that it is being recorded for
+    a higher-order one (``requires_grad``; also left set by a grad call that raised, which then only costs
+    keeping a light region's inputs till its graph dies)."""
+    return bool(pynative_executor.requires_grad())
+
+
+_PUSH = "push_saved_tensor_hook"
+
+
+@contextlib.contextmanager
+def chained_hook_pushes(wrap):
+    """While entered, every saved-tensor hook pair pushed on the executor goes through ``wrap(pack, unpack) ->
+    (pack, unpack)`` first (the meter's view of what each hook keeps); the executor's push (its own, or an outer
+    measurement's) is back after."""
+    executor = pynative_executor
+    had, previous = _PUSH in vars(executor), vars(executor).get(_PUSH)
+    push = getattr(executor, _PUSH)
+
+    def chained_push(pack_hook, unpack_hook):
+        return push(*wrap(pack_hook, unpack_hook))
+
+    setattr(executor, _PUSH, chained_push)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(executor, _PUSH, previous)
+        else:
+            delattr(executor, _PUSH)
 
 
 def dispatch_mode_depth():

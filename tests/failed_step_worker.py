@@ -44,12 +44,12 @@ run). It must end with a settled plan that acted on the last step.
 
 Where a mode runs in its process once mattered (``test_failed_steps.py``
 still places them so): a budget installs its plans inside a training forward,
-and MindSpore's grad-call counters (``EXECUTOR_CALLS``) used to be installed by
-the first holder, inside that forward, where they could not tell a failed
-grad call's flag from a running one; the ``checkpoint`` API, first in its
-process, met the same. They are counted from ``import mindformers_ac`` now;
-the budget still runs in a process where no ``checkpoint()`` ran, and the
-``checkpoint`` API first in its own, so that either would show it again.
+and MindSpore's grad-call counters (``EXECUTOR_CALLS``) once had to tell a
+failed grad call's flag from a running grad of a grad. Re-runs are keyed by
+the autodiff engine now, and the counters are wrapped only while a region's
+intercepting run runs; the budget still runs in a process where no
+``checkpoint()`` ran, and the ``checkpoint`` API first in its own, so that
+either would show a state left behind.
 """
 import hashlib
 import json
@@ -170,10 +170,9 @@ def library_state():
             "saved_tensor_hook": bool(pynative_executor.is_saved_tensor_hook_active()),
             "dispatch_modes": dispatch_mode_depth(),
             "swap_group": mac.SwapManager().scheduler.current_group() is not None,
-            # what the higher-order check reads: no grad call counted as running once the failed one is gone
-            # (MindSpore's own flag stays set after the failure, AC or not)
-            "grad_calls": EXECUTOR_CALLS.grad_calls(),
-            "grad_forward": EXECUTOR_CALLS.grad_forward_running()}
+            # the counters a region's intercepting run wraps MindSpore's entry points with: removed with the run
+            "entry_points_wrapped": EXECUTOR_CALLS.installed(),
+            "grad_calls": EXECUTOR_CALLS.grad_calls()}
 
 
 def _digests(record):

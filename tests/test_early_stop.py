@@ -163,9 +163,9 @@ class TailLayer(nn.Cell):
 
 
 def test_no_early_stop_inside_a_cell_that_pushed_executor_state():
-    """What Cell.__call__ pushed (ExecutorCalls.cell_state, counted at the executor's entry points, no frame
-    read) decides: the re-run runs whole and training stays bitwise; the same layer without the type stops
-    early."""
+    """A region whose cells push executor state in Cell.__call__ (a mixed-precision type; rule S1, decided once
+    when the region is made, from the cells' attributes: nothing of MindSpore is wrapped) re-runs whole and
+    trains bitwise; the same layer without the type stops early."""
     def train(layer_type, stats=None):
         wrap = (lambda layer, v, s: layer(v)) if stats is None else \
             (lambda layer, v, s: mac.checkpoint(layer, v, stats=s))

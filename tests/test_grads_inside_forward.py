@@ -7,8 +7,8 @@ checkpoint. And from HyperParallel's tests/torch/activation_checkpoint/checkpoin
 TestCheckpoint.test_grad_inside_forward_matches_regular_autograd, whose function uses its inner
 gradient in its output. Saves made inside such an inner grad call belong to its own graph (its
 backward runs before the region's forward ends), so the region keeps them as they are and
-recomputes the rest. A real higher-order gradient through a recomputed tensor still raises the
-documented ``RecomputeError``, before MindSpore's executor sees a missing tensor.
+recomputes the rest. Higher-order gradients through a recomputed region, and PyTorch's whole
+``TestNestedCheckpoint`` matrix: ``test_higher_order.py``.
 """
 import mindspore as ms
 import numpy as np
@@ -17,8 +17,6 @@ from mindspore import Tensor, mint, nn, ops
 
 import mindformers_ac as mac
 from mindformers_ac.recompute import get_checkpoint_stats
-
-from isolated import run_isolated
 
 X = Tensor(np.array([0.3, -0.7, 1.1, 0.05], np.float32))
 
@@ -81,24 +79,6 @@ def test_checkpoint_wrapper_keeps_such_a_cell_on_the_intercepting_path():
     stats = get_checkpoint_stats(block)
     assert stats.light_calls == 0 and stats.intercepted_calls == 3 and stats.recompute_calls == 3
     assert "its function computes gradients inside its forward" in str(stats.as_dict())
-
-
-def test_a_real_higher_order_gradient_raises_the_documented_error():
-    proc = run_isolated("""
-        import numpy as np
-        from mindspore import Tensor, ops
-        import mindformers_ac as mac
-        x = Tensor(np.array([0.3, -0.7, 1.1], np.float32))
-        f = lambda v: ops.sin(ops.exp(ops.sin(v)))
-        inner = lambda u: ms.grad(lambda v: mac.checkpoint(f, v).sum())(u)
-        try:
-            ms.grad(lambda u: inner(u).sum())(x)
-        except mac.RecomputeError as exc:
-            print("raised:", str(exc).splitlines()[0])
-    """)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "raised: mindformers_ac: higher-order gradients (a grad of a grad" in proc.stdout
-    assert "pointer" not in proc.stderr
 
 
 def uses_vjp(x):

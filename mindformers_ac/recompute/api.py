@@ -146,7 +146,10 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     callable is a TypeError naming it, raised here.
 
     Without gradient recording (no ``value_and_grad`` around) ``fn`` just runs.
-    Nested calls are fine: a region inside a region is replayed, not redrawn.
+    Nested calls (any depth, with ``checkpoint_wrapper`` and ``apply_ac`` regions too) are replayed by the
+    enclosing re-run, not redrawn, and re-run by their own backward (rule N1); each backward that reaches a
+    region re-runs it once, keyed by MindSpore's autodiff engine (rule R1), so a grad of a grad through it
+    equals the same without AC (docs/exactness.md, "Higher-order gradients and nested regions").
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
@@ -255,6 +258,9 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
 
     ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
     region reads its settings from it (default: ``RecomputeConfig()``'s).
+
+    Nesting and higher-order gradients: as for ``checkpoint`` (a wrapped sub-cell of a wrapped cell is a
+    nested region).
     """
     torch_options = CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check,
                                       debug, early_stop)

@@ -131,7 +131,7 @@ class RegionDispatch(MsDispatchMode):
         if region.debug_log is not None:
             region.debug_log.note(True, idx, name, run.cell_path())
         idx = run.op_idx = region.align(run, idx, name, args)
-        if region.stop_after is not None and idx > region.stop_after and region.may_stop():
+        if region.stop_after is not None and idx > region.stop_after:
             raise StopRerun()   # no later op left a tensor for backward (early_stop)
         if region.policy_fn is not None:
             region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run

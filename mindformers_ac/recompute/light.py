@@ -15,7 +15,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from ..mindspore_compat import no_grad
+from ..mindspore_compat import no_grad, recording_backward
 from ..precision import no_casts
 from ..tensors import output_tensors, tensor_leaves, tensors_equal
 from . import messages
@@ -146,8 +146,7 @@ class LightRegion(RegionBase):
 
     def take(self, i):
         """The tensor the recompute saved at position ``i`` (single use: ``RecomputeError`` the second time)."""
-        self.ensure_recomputed()
-        recomputed = self.recomputed
+        recomputed = self.ensure_recomputed()
         t = recomputed[i]
         if t is None:
             raise messages.already_used(f"saved tensor #{i}")
@@ -166,9 +165,9 @@ class LightRegion(RegionBase):
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.replaced.watch():
                 out = self.fn(*args, **kwargs)
             self.probe = _OutputProbe(out, self.check)
+            self.stamp(args, kwargs, out, self.check.saved_outputs)   # its own ops: not an enclosing region's (N1)
         finally:
             ENGINE.pop(run)
-        self.stamp(args, kwargs, out, self.check.saved_outputs)
         self.keep_replaced()
         self.finish_chain(out)
         check = self.check
@@ -282,6 +281,8 @@ class LightRegion(RegionBase):
 
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):
+        if self.fn is None:   # let go after a re-run no later backward was to reach (R1): a second backward
+            raise messages.already_used("a saved tensor")
         run = RegionRun(self, RECOMPUTE)
         run.keeps = self.check.keep_proxies or None
         collector = self._collector = _Collector()
@@ -304,14 +305,16 @@ class LightRegion(RegionBase):
             raise messages.other_output()
         self.keep_rerun_output(out)
         self.recomputed = saved
-        self.inputs = self.sig = self.kept = None
         check, stats = self.check, self.stats
         stats.ops_rerun += check.n_rerun
         stats.rerun_by_op.update(check.rerun_counts)
         stats.ops_reused += run.dropout_idx + check.n_kept_ops
+        if recording_backward():
+            return   # this backward is recorded for a higher-order one, whose backward re-runs it again (R1)
         # Its model too: the graph (a loss kept past its step holds it) still refers to this region, which
         # needs neither its function, its Parameters nor its signature's check again, so a dropped model is
         # not kept alive through it.
+        self.inputs = self.sig = self.kept = None
         self.fn = self.replaced = self.check = self._checks = None
 
     def _check(self, saved, run):

@@ -186,14 +186,6 @@ def already_used(what):
         "and an earlier backward took it. Was the graph backpropagated twice? Run backward once per forward.")
 
 
-def higher_order():
-    return RecomputeError(
-        "mindformers_ac: higher-order gradients (a grad of a grad, e.g. ms.grad(ms.grad(f))) through a "
-        "recomputed region or op are not supported: the first backward is being recorded for a second "
-        "one. Leave the layers that take part out of recompute (swap is exact here), or compute the "
-        "higher-order gradient without mindformers_ac.")
-
-
 def recompute_reentered():
     return RecomputeError("mindformers_ac: a region's recompute asked for its own saved tensors")
 

@@ -27,7 +27,7 @@ from . import messages
 from .dispatch import op_name_of
 from .op_slot import OpSlot, release, slot_at
 from .random_ops import is_random_op_name, is_unreplayable_random_op
-from .rerun import SavedInput, keep_saved, map_inputs, recompute_graph, recompute_input, refuse_higher_order
+from .rerun import SavedInput, keep_saved, map_inputs, recompute_graph, recompute_input
 from .side_effects import may_write
 from .state import ENGINE
 from .stats import RecomputeStats
@@ -228,8 +228,8 @@ class _OutputRecord:
         return t
 
     def rerun(self):
-        """Run the op again on its inputs, once per backward: outputs, and its saves when it saved any."""
-        refuse_higher_order()
+        """Run the op again on its inputs, once per backward (a grad of a grad's too: R1): outputs, and its saves
+        when it saved any."""
         target = self.target
         args, kwargs = map_inputs(lambda _, a: recompute_input(a), *self.inputs)
         if any(m is not None for m in self.inner_meta):

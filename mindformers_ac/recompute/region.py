@@ -8,8 +8,6 @@ another's forward is its child: the parent's recompute *replays* it (same kept
 outputs, same dropout masks).
 """
 import contextlib
-import functools
-import weakref
 
 import mindspore as ms
 from mindspore import Tensor, ops
@@ -18,7 +16,7 @@ from mindspore.ops import Primitive
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import RecomputeConfig
 from ..errors import RecomputeError
-from ..mindspore_compat import EXECUTOR_CALLS, no_grad
+from ..mindspore_compat import EXECUTOR_CALLS, no_grad, pushes_cell_state, recording_backward
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
 from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
@@ -37,6 +35,7 @@ from .rerun import (
     recompute_graph,
     rerun_inputs,
     unpack_saved,
+    weak_pack,
 )
 from .side_effects import (
     KEEP,
@@ -66,6 +65,9 @@ class Region(RegionBase):
         self.settings = settings if settings is not None else RecomputeConfig()
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
+        # Rule S1 of docs/exactness.md: a re-run stopped inside a cell call that pushes executor state would
+        # leave it pushed (MindSpore pops it only on return): decided once, when the region is made
+        self.early_stop = self.settings.early_stop and not pushes_cell_state(root if root is not None else fn)
         params = list(root.get_parameters()) if root is not None else []
         ptrs = param_ptrs(params)
         self.params = tuple(params)
@@ -120,7 +122,6 @@ class Region(RegionBase):
         self._swap_holders = {}   # (op index, ptr) -> SwappedTensor: one offload per storage and op
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
-        self.stop_state = None    # ExecutorCalls.cell_state() when that re-run started (may_stop)
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
 
     # -- swap -------------------------------------------------------------------
@@ -308,20 +309,11 @@ class Region(RegionBase):
         """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
-        gradients computed inside the forward."""
-        if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
+        gradients computed inside the forward, a root whose cells push executor state (``early_stop``, S1)."""
+        if (not self.early_stop or self.recorder is not None or self.feeds_next or self.children
                 or "inner_grad" in self.intercept or not self.token_meta):
             return None
         return max(idx for idx, _ in self.token_meta)
-
-    def may_stop(self):
-        """Whether the re-run may stop here (``early_stop``): not through a cell call that would leave
-        executor state behind (a mixed-precision type pushed or the dynamic-shape flag set since the
-        re-run started, ``ExecutorCalls.cell_state``); when it would, the re-run runs whole."""
-        if EXECUTOR_CALLS.cell_state() != self.stop_state:
-            self.stop_after = None
-            return False
-        return True
 
     def check_recompute(self, run, stopped=False):
         """After a recompute: raise ``RecomputeError`` naming the op and what differed unless it ran every op,
@@ -534,10 +526,17 @@ class Region(RegionBase):
         if key is not None and key in self.token_meta:
             self.recomputed[key] = t
             if (self.stop_after is not None and not run.inside and len(self.recomputed) >= self.n_needed
-                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0]) and self.may_stop()):
+                    and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0])):
                 # the last dropped tensor is rebuilt, after its op returned and made all its saves (early_stop)
                 raise StopRerun()
         return None
+
+    @staticmethod
+    def pack_replay(_region, run, t):
+        """Replay pack hook: the replay graph is never backpropagated, so it keeps nothing, but for a save made
+        inside a grad call that the enclosing re-run's function makes (``c(grad(c(f)))``): that call's
+        backward, run inside the re-run, reads it (rule N1)."""
+        return t if EXECUTOR_CALLS.grad_calls() > run.grad_calls else None
 
     def inner_grad_save(self, t):
         """A save made inside a grad call that the region's function makes (gradients computed inside a
@@ -567,6 +566,10 @@ class Region(RegionBase):
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
 
     def run_forward(self, args, kwargs):
+        with EXECUTOR_CALLS.counting():   # grad calls of its own (inner_grad_save)
+            return self._run_forward(args, kwargs)
+
+    def _run_forward(self, args, kwargs):
         run = RegionRun(self, FORWARD, self.tracker)
         self.precision = cell_precision(self.root)
         self.stats.intercepted_calls += 1
@@ -579,11 +582,18 @@ class Region(RegionBase):
                 if self.swap_inputs and self.swap_executor is not None else None
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
+                    ms.saved_tensors_hooks(weak_pack(run, Region.pack_forward, keep_saved), unpack_saved), \
                     self.replaced.watch(run.engine_ops):
                 out = self.fn(*args, **kwargs)
+            self.finish_forward(run, args, kwargs, out)   # its own ops: not an enclosing region's (N1)
         finally:
             ENGINE.pop(run)
+        return out
+
+    def finish_forward(self, run, args, kwargs, out):
+        """What the end of the forward keeps, while ``run`` is still on the ENGINE stack: an enclosing
+        region's dispatch then does not number the ops it runs (the ``_Held`` view of a saved output),
+        which its re-run, replaying this region, would not run (rule N1 of docs/exactness.md)."""
         producer = self.bytes.producer
         self.saved_outputs = tuple(j for j, t in enumerate(tensor_leaves(out))
                                    if (storage_info(t)[0], producer.get(storage_info(t)[0])) in self.packed)
@@ -595,15 +605,16 @@ class Region(RegionBase):
         self.fwd_npacks = run.npacks
         self._swap_holders = None
         self.stats.open_region(self, self.bytes.close())
-        return out
 
-    def replay(self, args, kwargs):
-        """Run again inside a parent's recompute, with this region's kept outputs and masks."""
+    def replay(self, args, kwargs, grad_calls):
+        """Run again inside a parent's recompute, with this region's kept outputs and masks. ``grad_calls``:
+        the grad calls running when the enclosing re-run started (``pack_replay``)."""
         run = RegionRun(self, REPLAY, self.tracker)
+        run.grad_calls = grad_calls
         ENGINE.push(run)
         try:
             with self.run_context(REPLAY), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(drop_saved, keep_saved):
+                    ms.saved_tensors_hooks(weak_pack(run, Region.pack_replay), keep_saved):
                 return self.fn(*args, **kwargs)
         finally:
             ENGINE.pop(run)
@@ -618,20 +629,17 @@ class Region(RegionBase):
 
     def _rerun(self):
         run = RegionRun(self, RECOMPUTE, self.tracker)
-        wrun = weakref.ref(run)   # the recompute graph may outlive this call: don't let it own the run
-
-        def pack(t):
-            r = wrun()
-            return r.region.pack_recompute(r, t) if r is not None else None
-
+        self.recomputed = {}   # this backward's (R1)
         args, kwargs = self.load_inputs()
-        outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
-        with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
+        # its own grad calls need a top cell of their own (see recompute_graph), but not in a backward recorded
+        # for a higher-order one: that would replace the top cell being recorded ("Can not find top cell")
+        outputs = [] if "inner_grad" in self.intercept and not recording_backward() else None
+        with EXECUTOR_CALLS.counting(), self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
-                ms.saved_tensors_hooks(pack, keep_saved):
+                ms.saved_tensors_hooks(weak_pack(run, Region.pack_recompute, drop_saved), keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
                 args, kwargs = rerun_inputs(args, kwargs)
-            self.stop_after, self.stop_state = self.stop_point(), EXECUTOR_CALLS.cell_state()
+            self.stop_after = self.stop_point()
             self.n_needed = len(self.token_meta)
             stopped = False
             try:
@@ -659,7 +667,7 @@ def run_region(fn, args, kwargs, **options):
         child = top.region.next_child(top)
         ENGINE.enter_recompute()
         try:
-            return child.replay(args, kwargs)
+            return child.replay(args, kwargs, top.grad_calls)
         finally:
             ENGINE.exit_recompute()
     if top is None and not _executor.requires_grad():

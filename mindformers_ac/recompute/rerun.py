@@ -13,7 +13,7 @@ import weakref
 from mindspore import Parameter, Tensor, ops
 
 from ..ledger import ActivationLedger
-from ..mindspore_compat import EXECUTOR_CALLS, RandomState, no_grad, tensor_stamp
+from ..mindspore_compat import EXECUTOR_CALLS, RandomState, autodiff_engine_id, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
 from ..tensors import detached, is_tracked, tensor_leaves
@@ -55,8 +55,7 @@ class Token:
         if self.tensor is not None:
             return self.tensor
         region = self.region
-        region.ensure_recomputed()
-        t = region.recomputed.pop(self.key, None)
+        t = region.ensure_recomputed().pop(self.key, None)
         if t is None:
             # The recompute checked that it regenerated every dropped tensor (Region.check_recompute) but
             # those of ops it skipped under the marker, so a missing one was skipped or handed out already.
@@ -83,6 +82,20 @@ def keep_saved(obj):
 def drop_saved(_tensor):
     # The replay graph is never backpropagated: keep nothing alive for it.
     return None
+
+
+def weak_pack(run, pack, after=drop_saved):
+    """A pack hook calling ``pack(region, run, t)`` while ``run`` lives, ``after(t)`` once it is gone.
+
+    MindSpore keeps a hook function as long as the graph that used it (an inner grad call's made in a
+    forward outlived every step: one region a step kept, PyTorch's nested-grad test ported,
+    ``test_an_inner_grad_call_keeps_no_region_alive``): the hook holds the run, and so the region, weakly."""
+    wrun = weakref.ref(run)
+
+    def hook(t):
+        r = wrun()
+        return pack(r.region, r, t) if r is not None else after(t)
+    return hook
 
 
 class RegionRun:
@@ -256,14 +269,6 @@ def rerun_inputs(args, kwargs):
     return map_inputs(lambda _, a: a.made() if isinstance(a, _RerunInput) else a, args, kwargs)
 
 
-def refuse_higher_order():
-    """Raise ``RecomputeError`` when this backward is itself being recorded for a gradient (grad of grad;
-    why, and what "recorded" means: docs/exactness.md, "Higher-order gradients"). Inside a recompute the
-    engine records a throw-away graph on purpose, so only the outermost re-run checks."""
-    if not ENGINE.in_recompute() and _executor.requires_grad() and EXECUTOR_CALLS.grad_forward_running():
-        raise messages.higher_order()
-
-
 def _rerun_top_cell():
     """What names the top cell a re-run records in when its function makes grad calls of its own."""
 
@@ -276,9 +281,9 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
     on the engine stack (an op output's re-run, whose forward had no run either).
 
     ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that
-    makes grad calls of its own (docs/exactness.md, "Higher-order gradients"; without it the second
-    such call fails: "The pointer[top_cell_] is null"): a top cell of its own (``new_graph``), ended
-    with the output the caller appends to ``outputs``.
+    makes grad calls of its own (docs/exactness.md, "Higher-order gradients and nested regions";
+    without it the second such call fails: "The pointer[top_cell_] is null"): a top cell of its own
+    (``new_graph``), ended with the output the caller appends to ``outputs``.
     """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
@@ -338,7 +343,8 @@ class RegionBase:
         self.children = []        # regions nested in this one's forward, in call order
         self.bytes = ActivationLedger(param_ptrs)
         self.stamps = ()             # (weakref, stamp, description) of what a later write must not touch
-        self.done = False
+        self.recomputed = None       # what the re-run running now rebuilt (``_recompute`` fills it)
+        self.reruns = {}             # autodiff engine id -> its re-run's ``recomputed``, taken on unpack (R1)
         self._running = False
         self._recompute_ctx = None   # the recompute context made with this call's forward context
 
@@ -523,25 +529,29 @@ class RegionBase:
         return child
 
     def ensure_recomputed(self):
-        """Run the recompute on the first unpack of backward; later calls do nothing.
+        """What the re-run of the running backward rebuilt and no unpack took yet: re-run now on its first unpack.
 
-        Raises ``RecomputeError`` for a higher-order gradient, for a recompute
-        that asks for its own saved tensors, and (from ``_recompute``) for one
-        that diverged from its forward; the region then stays not done.
+        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of
+        its own, keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant
+        recompute and PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them
+        a second time. Raises ``RecomputeError`` for a recompute that asks for its own saved tensors, and
+        (from ``_recompute``) for one that diverged from its forward; that engine then has no re-run.
         """
-        if self.done:
-            return
+        engine = autodiff_engine_id()
+        saved = self.reruns.get(engine)
+        if saved is not None:
+            return saved
         if self._running:
             raise messages.recompute_reentered()
-        refuse_higher_order()
         self.check_unwritten()
         self._running = True
         try:
             self._recompute()
         finally:
             self._running = False
-        self.done = True
+        saved = self.reruns[engine] = self.recomputed
         self.stats.recompute_calls += 1
+        return saved
 
     def _recompute(self):
         raise NotImplementedError
