@@ -23,6 +23,7 @@ from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts, under_precision
 from ..tensors import detached, output_tensors, param_ptrs, storage_info, tensor_leaves
+from ..whitelist import registry_slot
 from . import messages
 from .dispatch import op_name_of
 from .op_slot import OpSlot, release, slot_at
@@ -486,15 +487,17 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """
-    holder = owner_cell if registry is None else getattr(owner_cell, registry, None)
+    holder, key = owner_cell, attr_name
     if registry is None:
         if not hasattr(owner_cell, attr_name):
             raise AttributeError(f"{type(owner_cell).__name__} has no op attribute '{attr_name}'")
         op = getattr(owner_cell, attr_name)
     else:
-        if not isinstance(holder, dict) or attr_name not in holder:
+        table = getattr(owner_cell, registry, None)
+        if not isinstance(table, dict) or attr_name not in table:
             raise AttributeError(f"{type(owner_cell).__name__}.{registry} has no op '{attr_name}'")
-        op = holder[attr_name]
+        holder, key = registry_slot(table, attr_name)   # MindFormers' {'fn': op, ...} entry, or the op
+        op = holder[key]
     slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
     if slot is not None:
         op = slot.mac_inner
@@ -518,7 +521,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         # returns, which a proxy around the call would see too late to drop.
         patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
                                undo="remove() its OpOutputHandle")
-        return OpOutputHandle(holder, attr_name, target, patch)
-    slot = slot_at(holder, attr_name)
+        return OpOutputHandle(holder, key, target, patch)
+    slot = slot_at(holder, key)
     slot.mac_output = target
-    return OpOutputHandle(holder, attr_name, target, None, slot)
+    return OpOutputHandle(holder, key, target, None, slot)

@@ -1,0 +1,154 @@
+"""MindFormers 2.1.0's collective registry as it is, under ``exclude_op`` and ``recompute_comm``.
+
+``register_comm_op`` fills ``module._comm_ops`` with ``{'fn': fn, 'domain': d}`` dicts under dotted slot
+names, and ``RowwiseParallel`` / ``ColwiseParallel`` call them through ``_call_comm_op`` from a forward
+(pre-)hook of the linear (``mindformers_standin``, in MindFormers' shape). Each test trains a 2-layer model
+for 3 steps against the same model without AC, bitwise, and counts the collectives that really ran in the
+last step (an outer ``MsDispatchMode``: the stand-in all-reduce is the model's only ``Identity``, the stand-in
+all-gather its only ``Concat``).
+"""
+import collections
+
+import mindformers_standin as mf
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, mint, nn, ops
+from mindspore.utils import MsDispatchMode
+
+import mindformers_ac as mac
+from mindformers_ac.accounting import StepMeter
+from mindformers_ac.errors import ConfigError
+from mindformers_ac.recompute.dispatch import op_name_of
+
+from model_patterns import init_weights
+
+H, S, B, STEPS = 16, 4, 2, 3
+SLOTS = {".*linear_proj.output.allreduce": [0, 1], ".*linear_fc1.input.allgather": [0, 1]}
+
+
+class SelfAttention(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.linear_proj = mf.rowwise_parallel(mint.nn.Linear(H, H))
+
+    def construct(self, x):
+        return self.linear_proj(ops.tanh(x))
+
+
+class MLP(nn.Cell):
+    """fc1 gathers the sequence-sharded input (a group of two ranks holding the same shard)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear_fc1 = mf.colwise_parallel(mint.nn.Linear(H, H))
+        self.linear_fc2 = mint.nn.Linear(H, H)
+
+    def construct(self, x):
+        return self.linear_fc2(mint.nn.functional.silu(self.linear_fc1(x)))[:S]
+
+
+class Layer(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.self_attention = SelfAttention()
+        self.mlp = MLP()
+
+    def construct(self, x):
+        h = x + mint.nn.functional.silu(self.self_attention(x))   # silu saves the all-reduce's output
+        return h + self.mlp(h)
+
+
+class Model(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([Layer() for _ in range(2)])
+
+    def construct(self, x, y):
+        for layer in self.layers:
+            x = layer(x)
+        return ((x.sum(-1) - y) ** 2).mean()
+
+
+class _CountOps(MsDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        self.counts[op_name_of(func, args)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _batch(step):
+    rng = np.random.RandomState(step)
+    return Tensor(rng.randn(S, B, H).astype(np.float32)), Tensor(rng.randn(S, B).astype(np.float32))
+
+
+def train(config=None):
+    """(per step: loss and grads as bytes; per step: layer 0's kept bytes; last step's collective counts)."""
+    model = init_weights(Model())
+    if config is not None:
+        mac.apply_ac(model, config=config)
+    grad_fn, meter = ms.value_and_grad(model, None, model.trainable_params()), StepMeter(model)
+    history, kept, counter = [], [], _CountOps()
+    for step in range(STEPS):
+        with meter.step() as figures:
+            if step == STEPS - 1:
+                with counter:
+                    loss, grads = grad_fn(*_batch(step))
+            else:
+                loss, grads = grad_fn(*_batch(step))
+        history.append([loss.asnumpy().tobytes()] + [g.asnumpy().tobytes() for g in grads])
+        kept.append(figures.layers[0].kept_bytes)
+    return history, kept, {"allreduce": counter.counts["Identity"], "allgather": counter.counts["Concat"]}
+
+
+FULL = {"mode": "full", "full_recompute_layer": [0, 1]}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return train()
+
+
+@pytest.fixture(scope="module")
+def full():
+    return train({"recompute": FULL})
+
+
+def test_exclude_op_keeps_mindformers_registry_collectives(plain, full):
+    """The slots' outputs are kept (more than plain full keeps, the same every step) and their collectives
+    run once, in forward, as without AC."""
+    history, kept, counts = train({"recompute": {**FULL, "exclude_op": SLOTS}})
+    assert history == plain[0] == full[0]
+    assert counts == plain[2] == {"allreduce": 2, "allgather": 2}
+    assert full[2] == {"allreduce": 4, "allgather": 4}
+    assert kept[0] > full[1][0] and len(set(kept)) == 1
+
+
+def test_recompute_comm_reruns_mindformers_registry_collectives_bitwise(plain):
+    """The all-gather's output (fc1's saved input, twice the gathered shard) is dropped and re-run."""
+    config = {"recompute_comm": {"enable": True, "select_module": {".*linear_fc1.input.allgather": [0, 1]}}}
+    history, kept, counts = train(config)
+    assert history == plain[0]
+    assert counts == {"allreduce": 2, "allgather": 4}
+    assert kept[-1] < plain[1][-1]
+
+
+@pytest.mark.parametrize("field", ["recompute_comm.select_module", "recompute.exclude_op"])
+def test_a_registry_slot_without_a_callable_is_refused_naming_the_field(field):
+    model = init_weights(Model())
+    entry = model.layers[1].self_attention.linear_proj._comm_ops["output.allreduce"]
+    entry["fn"] = "all_reduce"   # a name where the op should be
+    section, key = field.split(".")
+    config = {"recompute": FULL, section: {"enable": True, key: SLOTS}} if section == "recompute_comm" else \
+        {"recompute": {**FULL, key: SLOTS}}
+    with pytest.raises(ConfigError) as err:
+        mac.apply_ac(model, config=config)
+    assert str(err.value).startswith(f"{field}['.*linear_proj.output.allreduce']: ")
+    assert "self_attention.linear_proj.output.allreduce in layer 1" in str(err.value)
+    assert "_comm_ops['output.allreduce']['fn'] of Linear is str, expected a callable" in str(err.value)
+    assert mac.ac_state(model) is None and entry["fn"] == "all_reduce"
+    assert type(model.layers[0].self_attention.linear_proj._comm_ops["output.allreduce"]["fn"]).__name__ \
+        == "function"
