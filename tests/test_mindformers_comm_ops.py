@@ -152,3 +152,14 @@ def test_a_registry_slot_without_a_callable_is_refused_naming_the_field(field):
     assert mac.ac_state(model) is None and entry["fn"] == "all_reduce"
     assert type(model.layers[0].self_attention.linear_proj._comm_ops["output.allreduce"]["fn"]).__name__ \
         == "function"
+
+
+def test_a_list_form_exclude_op_name_that_matches_no_op_is_told_once(plain, full, caplog):
+    """``FlashAttentionScore`` (no such op on CPU) keeps nothing: one warning naming it after the first step's
+    forwards; ``tanh``, which matches, is not named."""
+    with caplog.at_level("WARNING", logger="mindformers_ac"):
+        history, kept, _ = train({"recompute": {**FULL, "exclude_op": ["FlashAttentionScore", "tanh"]}})
+    told = [r.getMessage() for r in caplog.records if "matched no op" in r.getMessage()]
+    assert history == plain[0]
+    assert len(told) == 1 and told[0].startswith("recompute.exclude_op: 'FlashAttentionScore' matched no op")
+    assert kept[0] > full[1][0]   # tanh's outputs are kept
