@@ -92,7 +92,7 @@ class _NormRecompute(Action):
 
     def install(self, state, lp, layer, model):
         for path in self.paths:
-            install_op_output(state, layer, lp.targets[path], state.stats_for(lp.layer_id))
+            install_op_output(state, lp, layer, lp.targets[path], state.stats_for(lp.layer_id))
 
 
 def test_an_action_registered_from_outside_needs_no_change_to_plan_or_apply(monkeypatch):

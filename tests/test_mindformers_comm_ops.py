@@ -163,3 +163,66 @@ def test_a_list_form_exclude_op_name_that_matches_no_op_is_told_once(plain, full
     assert history == plain[0]
     assert len(told) == 1 and told[0].startswith("recompute.exclude_op: 'FlashAttentionScore' matched no op")
     assert kept[0] > full[1][0]   # tanh's outputs are kept
+
+
+# -- a select op target that saves nothing (issue 52): mindcv's ConvNeXt block, LayerNorm then the matmul ------
+
+D = 8
+
+
+class ConvNeXtBlock(nn.Cell):
+    """mindcv's ConvNeXt ``Block``: depthwise conv, channels last, LayerNorm, pointwise Dense, GELU, Dense."""
+
+    def __init__(self):
+        super().__init__()
+        self.dwconv = nn.Conv2d(D, D, kernel_size=3, group=D, has_bias=True, pad_mode="same")
+        self.norm = nn.LayerNorm((D,), epsilon=1e-6)
+        self.pwconv1 = nn.Dense(D, 4 * D)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Dense(4 * D, D)
+
+    def construct(self, x):
+        y = ops.transpose(self.dwconv(x), (0, 2, 3, 1))
+        y = self.pwconv2(self.act(self.pwconv1(self.norm(y))))
+        return x + ops.transpose(y, (0, 3, 1, 2))
+
+
+class ConvNeXt(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([ConvNeXtBlock() for _ in range(2)])
+
+    def construct(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return (x * x).sum()
+
+
+def _convnext_steps(config=None):
+    model = init_weights(ConvNeXt())
+    if config is not None:
+        mac.apply_ac(model, config=config)
+    grad_fn = ms.value_and_grad(model, None, model.trainable_params())
+    x = Tensor(np.random.RandomState(0).randn(2, D, 4, 4).astype(np.float32))
+    return [[t.asnumpy().tobytes() for t in (loss, *grads)] for loss, grads in (grad_fn(x) for _ in range(STEPS))], model
+
+
+def test_a_select_op_target_that_saves_nothing_is_taken_off_and_never_rerun(caplog):
+    """``pwconv1.matmul``'s output is read by BiasAdd only (which saves nothing): its output recompute saves
+    nothing, says so once, and is taken off after the first step: no call of it is re-run, and the layer's
+    plan notes why; ``norm.layer_norm`` (whose output the matmul saves) is re-run every step."""
+    config = {"recompute": {"mode": "select", "select_module": {"norm.layer_norm|pwconv1.matmul": [0, 1]}}}
+    plain, _ = _convnext_steps()
+    with caplog.at_level("WARNING", logger="mindformers_ac"):
+        history, model = _convnext_steps(config)
+    assert history == plain
+    state = mac.ac_state(model)
+    assert [dict(s.rerun_by_op) for s in state.recompute_stats.values()] == [{"LayerNorm.layer_norm": STEPS}] * 2
+    told = [r.getMessage() for r in caplog.records if "saves nothing" in r.getMessage()]
+    assert len(told) == 1 and told[0].startswith("output recompute of Dense.matmul saves nothing")
+    for lp in state.plan.layers.values():
+        assert lp.notes == (f"output recompute of op 'pwconv1.matmul' is not in effect: taken off after the first "
+                            f"training step, nothing re-runs it ({told[0]})",)
+    slot = model.layers[0].pwconv1.matmul
+    assert slot.mac_output.retired == told[0]
+    assert "Notes:\n  layer 0: output recompute of op 'pwconv1.matmul' is not in effect" in str(state.plan)

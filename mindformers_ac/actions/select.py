@@ -85,7 +85,7 @@ class SelectRecompute(RegionAction):
         for path in self.paths:
             entry = lp.targets[path]
             if entry.is_op:
-                install_op_output(state, layer, entry, stats)
+                install_op_output(state, lp, layer, entry, stats)
             elif entry.is_method:
                 # the region is rooted at the method's cell: exclude paths are relative to it
                 _install_method(state, layer, entry, self.policy_for(state, entry.owner_path), stats)

@@ -351,9 +351,12 @@ class _Scope:
             next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
         for stats, ledger in ledgers.values():
             stats.open_region(run, ledger.close())
-        for warning in why.values():
+        for target, warning in why.items():
             if warning is not None:
                 ENGINE.warnings.warning(*warning)
+                if not target.settled_once:
+                    target.retire(warning)
+            target.settled_once = True
 
     def record(self, rec, out):
         rec.note_outputs(out)
@@ -393,14 +396,26 @@ def _kept_warning(name, rec, freeable, gain, cost):
 class _Target:
     """The wrapped op: calls it, records it in the scope, re-runs it in backward."""
 
-    def __init__(self, op, name, owner, scope, stats):
+    def __init__(self, op, name, owner, scope, stats, on_retire=None):
         self.op, self.name, self.owner, self.scope, self.stats = op, name, owner, scope, stats
         self.keep_output = None   # True: never re-run (random or writes parameters); decided on the first recorded call
+        self.settled_once = False
+        self.retired = None       # why, once its first training forward dropped none of its calls
+        self.on_retire = on_retire
+
+    def retire(self, warning):
+        """Its first training forward saved nothing by any call (``warning``: the warn-once key, text and
+        arguments that said why): from now on the op runs plainly, unrecorded and never re-run, so the work
+        agrees with the log; ``on_retire`` is told why (``apply_ac`` notes it on the layer's plan)."""
+        _, text, *args = warning
+        self.retired = text % tuple(args)
+        if self.on_retire is not None:
+            self.on_retire(self.retired)
 
     def active(self):
         scope = self.scope
-        return (self.keep_output is not True and scope.run is not None and not scope.calling
-                and ENGINE.top() is None and not ENGINE.in_recompute())
+        return (self.keep_output is not True and self.retired is None and scope.run is not None
+                and not scope.calling and ENGINE.top() is None and not ENGINE.in_recompute())
 
     def decide_rerun(self, random_ops, side_effect_ops=()):
         """Decide, from the first recorded call, whether the op can be run again at all."""
@@ -470,7 +485,7 @@ def _scope_of(cell):
     return scope
 
 
-def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None):
+def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None, on_retire=None):
     """Drop the output of op ``owner_cell.<attr_name>`` (or ``owner_cell.<registry>[attr_name]``) for backward.
 
     The op may be a Python function, a Primitive, or a Cell (e.g. a collective
@@ -483,7 +498,9 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     frees more than the inputs cost (else the call keeps what it would without
     recompute, and a warning says why); backward rebuilds them by running the
     op again on its inputs, counted in ``stats`` (``ops_rerun``,
-    ``recompute_calls``, ``dropped_bytes``, ``kept_bytes``). Returns an
+    ``recompute_calls``, ``dropped_bytes``, ``kept_bytes``). An op whose first training forward dropped
+    none of its calls (it saves nothing: the warning says why) is retired: it runs plainly from then on,
+    and ``on_retire(why)`` is called. Returns an
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """
@@ -509,7 +526,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         raise TypeError(f"'{attr_name}' of {type(owner_cell).__name__} is not callable ({type(op).__name__})")
     name = f"{type(owner_cell).__name__}.{attr_name}"
     target = _Target(op, name, owner_cell, _scope_of(scope if scope is not None else owner_cell),
-                     stats if stats is not None else RecomputeStats())
+                     stats if stats is not None else RecomputeStats(), on_retire)
     if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
         logger.warning(messages.OUTPUT_RANDOM_OP, name, op)
         target.keep_output = True
