@@ -94,3 +94,23 @@ def test_check_ignores_a_budget_choice_made_again_on_its_step_time():
     assert regen.timing_masked(chosen + peak) == regen.timing_masked(chosen.replace("step 8", "step 9") + peak + again)
     over = "  chosen twice: the first choice measured over the budget\n"
     assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen + peak + over)
+
+
+def test_the_code_figures_in_the_docs_are_the_code_s():
+    """Every ``<!-- fig: ... -->`` figure (lines, modules) is what ``regen_docs --figures`` computes now; the test
+    count, which needs a collection run, is checked by ``.ci/run`` (``regen_docs.py --figures --check``)."""
+    markers = []
+    for doc in regen.FIGURE_DOCS:
+        text = (REPO / doc).read_text()
+        markers += [(doc, m) for m in regen.FIGURE.finditer(text) if m.group(1) != "tests"]
+        assert regen.figures(text, kinds={"lines", "modules"}) == text, f"{doc}: run python scripts/regen_docs.py --figures"
+    assert {m.group(1) for _, m in markers} == {"lines", "modules"} and len(markers) >= 19
+
+
+def test_a_figure_marker_is_rewritten_and_an_unknown_path_refused():
+    text = "(`ledger.py`, <!-- fig: lines mindformers_ac/ledger.py -->1<!-- /fig --> lines)"
+    lines = len((REPO / "mindformers_ac" / "ledger.py").read_text().splitlines())
+    assert regen.figures(text) == text.replace(">1<", f">{lines:,}<")
+    assert regen.figures("<!-- fig: tests -->9<!-- /fig -->", tests=lambda: 1234) == "<!-- fig: tests -->1,234<!-- /fig -->"
+    with pytest.raises(SystemExit, match="names no file"):
+        regen.figures("<!-- fig: modules no/such/*.py -->3<!-- /fig -->")
