@@ -53,8 +53,10 @@ from .whitelist import layer_inventory, sub_cell, unusable_registry_op
 logger = logging.getLogger("mindformers_ac")
 
 
-# The attributes DESIGN.md promises on a layer plan, each with its value when no action of the layer gives
-# one; the actions give them (``Action.facts``), and ``LayerPlan.fact`` is the one query that reads them.
+# The attributes a layer plan answers (``lp.full_recompute`` ...: the public reading of a plan, which
+# tests/test_actions.py reads back from a plan with every action), each with its value when no action of
+# the layer gives one; the actions give them (``Action.facts``), and ``LayerPlan.fact`` is the one query
+# that reads them.
 LAYER_FACTS = {
     "full_recompute": False,   # the whole layer is recomputed
     "recompute": (),           # select-recompute target paths (cells, methods or ops)

@@ -1,7 +1,7 @@
 """One class per action: the plan, its table, summary and YAML, and ``apply_ac`` loop over ``actions.ACTIONS``.
 
 Every registered action answers the whole contract; a plan with all six reads them back through the
-``LayerPlan`` attributes DESIGN.md promises; and an action registered from outside (a scratch norm
+``LayerPlan`` attributes (``plan.LAYER_FACTS``); and an action registered from outside (a scratch norm
 recompute, written back as the ``recompute_comm`` paths it amounts to) is planned, shown, installed,
 bitwise and removed with no change to ``plan.py`` or ``apply.py``; its targets go through every model
 check (a jit cell, a cell shared by two layers) and the overlap table, as the six's do.

@@ -1,7 +1,9 @@
 """The command output shown in the docs is what the commands print (scripts/regen_docs.py rewrites it)."""
+import ast
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -114,3 +116,26 @@ def test_a_figure_marker_is_rewritten_and_an_unknown_path_refused():
     assert regen.figures("<!-- fig: tests -->9<!-- /fig -->", tests=lambda: 1234) == "<!-- fig: tests -->1,234<!-- /fig -->"
     with pytest.raises(SystemExit, match="names no file"):
         regen.figures("<!-- fig: modules no/such/*.py -->3<!-- /fig -->")
+
+
+NAMED_TEST = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)`")
+
+
+def test_every_test_a_doc_names_for_a_claim_exists():
+    """docs/config.md and docs/exactness.md name the test that holds each claim a user acts on (which call
+    styles stay light, what a rule costs, what is refused): each named test is defined in that file."""
+    named = {(doc, m.groups()) for doc in ("docs/config.md", "docs/exactness.md")
+             for m in NAMED_TEST.finditer((REPO / doc).read_text())}
+    assert {doc for doc, _ in named} == {"docs/config.md", "docs/exactness.md"} and len(named) >= 20
+    missing = []
+    for doc, (path, name) in sorted(named):
+        tree = ast.parse((REPO / path).read_text()) if (REPO / path).exists() else ast.Module(body=[])
+        if name not in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}:
+            missing.append(f"{doc}: {path}::{name}")
+    assert missing == []
+
+
+def test_the_named_test_scan_sees_a_missing_test():
+    text = "(test: `tests/test_plan.py::test_no_such_test`)"
+    ((path, name),) = [m.groups() for m in NAMED_TEST.finditer(text)]
+    assert name not in {n.name for n in ast.parse((REPO / path).read_text()).body if isinstance(n, ast.FunctionDef)}
