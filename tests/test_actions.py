@@ -6,6 +6,8 @@ recompute, written back as the ``recompute_comm`` paths it amounts to) is planne
 bitwise and removed with no change to ``plan.py`` or ``apply.py``; its targets go through every model
 check (a jit cell, a cell shared by two layers) and the overlap table, as the six's do.
 """
+import dataclasses
+
 import mindspore as ms
 import pytest
 
@@ -215,6 +217,9 @@ def test_each_section_reaches_its_engine_whole(monkeypatch):
     given = mac.ac_state(model).config
     assert seen and {id(s) for s in seen} == {id(given.recompute), id(given.swap)}
     assert "early_stop" not in region_module.Region.__init__.__code__.co_varnames   # read from the section
+    # min_bytes and default_prefetch travel in the section only: the engine lists no field of it
+    from mindformers_ac.actions.swap_section import SwapEngine
+    assert {f.name for f in dataclasses.fields(SwapEngine)} == {"executor", "params", "mtp", "settings"}
     mac.remove_ac(model)
 
 
