@@ -107,6 +107,20 @@ class _AllReduceFunction(_Function):
         return grad_output, None
 
 
+class _AllGatherSliceFunction(_Function):
+    """AllGather (dim 0) with a local-slice backward for replicated outputs (``all_gather``: MindFormers'
+    collective, a stand-in on one process)."""
+
+    @staticmethod
+    def forward(ctx, tensor, all_gather, rank):
+        ctx.rank, ctx.size = rank, tensor.shape[0]
+        return all_gather(tensor)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output[ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size], None, None
+
+
 def single_process_all_reduce(tensor):
     """The all-reduce of a group of one: a copy of ``tensor`` (and no handle), as ``ops_comm.all_reduce``
     returns it."""
@@ -132,11 +146,12 @@ def rowwise_parallel(module, all_reduce=single_process_all_reduce):
     return module
 
 
-def colwise_parallel(module, all_gather=two_rank_all_gather):
+def colwise_parallel(module, all_gather=two_rank_all_gather, rank=0):
     """``ColwiseParallel._apply`` with ``gather_input``: the slot ``input.allgather`` and a forward pre-hook
-    that gathers the sequence-sharded input through ``_call_comm_op``."""
+    that gathers the sequence-sharded input through ``_call_comm_op`` (``rank``: this rank's place in the
+    gathered sequence, whose slice of the gradient its backward takes)."""
     def _ag_fn(tensor):
-        return all_gather(tensor)
+        return _AllGatherSliceFunction.apply(tensor, all_gather, rank)
     register_comm_op(module, "input.allgather", _ag_fn, "tp")
 
     def _pre_hook(cell, args):

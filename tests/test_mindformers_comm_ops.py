@@ -8,6 +8,7 @@ last step (an outer ``MsDispatchMode``: the stand-in all-reduce is the model's o
 all-gather its only ``Concat``).
 """
 import collections
+from typing import NamedTuple
 
 import mindformers_standin as mf
 import mindspore as ms
@@ -27,10 +28,30 @@ H, S, B, STEPS = 16, 4, 2, 3
 SLOTS = {".*linear_proj.output.allreduce": [0, 1], ".*linear_fc1.input.allgather": [0, 1]}
 
 
+class Collectives(NamedTuple):
+    """The all-reduce and the sequence all-gather the model's registry slots run, and their op names."""
+
+    all_reduce: object
+    all_gather: object
+    all_reduce_op: str
+    all_gather_op: str
+    rank: int = 0
+
+
+ONE_PROCESS = Collectives(mf.single_process_all_reduce, mf.two_rank_all_gather, "Identity", "Concat")
+
+
+def on_two_ranks():
+    """The real collectives of a 2-rank job (``init`` done): MindFormers' all-reduce and all-gather."""
+    from mindspore.communication import get_rank
+    all_reduce, all_gather = ops.AllReduce(), ops.AllGather()
+    return Collectives(lambda t: (all_reduce(t), None), all_gather, "AllReduce", "AllGather", get_rank())
+
+
 class SelfAttention(nn.Cell):
-    def __init__(self):
+    def __init__(self, comm):
         super().__init__()
-        self.linear_proj = mf.rowwise_parallel(mint.nn.Linear(H, H))
+        self.linear_proj = mf.rowwise_parallel(mint.nn.Linear(H, H), comm.all_reduce)
 
     def construct(self, x):
         return self.linear_proj(ops.tanh(x))
@@ -39,9 +60,9 @@ class SelfAttention(nn.Cell):
 class MLP(nn.Cell):
     """fc1 gathers the sequence-sharded input (a group of two ranks holding the same shard)."""
 
-    def __init__(self):
+    def __init__(self, comm):
         super().__init__()
-        self.linear_fc1 = mf.colwise_parallel(mint.nn.Linear(H, H))
+        self.linear_fc1 = mf.colwise_parallel(mint.nn.Linear(H, H), comm.all_gather, comm.rank)
         self.linear_fc2 = mint.nn.Linear(H, H)
 
     def construct(self, x):
@@ -49,10 +70,10 @@ class MLP(nn.Cell):
 
 
 class Layer(nn.Cell):
-    def __init__(self):
+    def __init__(self, comm):
         super().__init__()
-        self.self_attention = SelfAttention()
-        self.mlp = MLP()
+        self.self_attention = SelfAttention(comm)
+        self.mlp = MLP(comm)
 
     def construct(self, x):
         h = x + mint.nn.functional.silu(self.self_attention(x))   # silu saves the all-reduce's output
@@ -60,9 +81,9 @@ class Layer(nn.Cell):
 
 
 class Model(nn.Cell):
-    def __init__(self):
+    def __init__(self, comm=ONE_PROCESS):
         super().__init__()
-        self.layers = nn.CellList([Layer() for _ in range(2)])
+        self.layers = nn.CellList([Layer(comm) for _ in range(2)])
 
     def construct(self, x, y):
         for layer in self.layers:
@@ -85,9 +106,9 @@ def _batch(step):
     return Tensor(rng.randn(S, B, H).astype(np.float32)), Tensor(rng.randn(S, B).astype(np.float32))
 
 
-def train(config=None):
+def train(config=None, comm=ONE_PROCESS):
     """(per step: loss and grads as bytes; per step: layer 0's kept bytes; last step's collective counts)."""
-    model = init_weights(Model())
+    model = init_weights(Model(comm))
     if config is not None:
         mac.apply_ac(model, config=config)
     grad_fn, meter = ms.value_and_grad(model, None, model.trainable_params()), StepMeter(model)
@@ -101,10 +122,21 @@ def train(config=None):
                 loss, grads = grad_fn(*_batch(step))
         history.append([loss.asnumpy().tobytes()] + [g.asnumpy().tobytes() for g in grads])
         kept.append(figures.layers[0].kept_bytes)
-    return history, kept, {"allreduce": counter.counts["Identity"], "allgather": counter.counts["Concat"]}
+    counts = counter.counts
+    return history, kept, {"allreduce": counts[comm.all_reduce_op], "allgather": counts[comm.all_gather_op]}
 
 
 FULL = {"mode": "full", "full_recompute_layer": [0, 1]}
+COMM = {"recompute_comm": {"enable": True, "select_module": {".*linear_fc1.input.allgather": [0, 1]}}}
+
+
+def registry_results(comm):
+    """What the tests below check, for a job of several ranks (``parallel_worker.py tp``): bitwise against no
+    AC, kept bytes of layer 0 per step, and the collectives run in the last step, per mode."""
+    runs = {"none": train(None, comm), "full": train({"recompute": FULL}, comm),
+            "exclude": train({"recompute": {**FULL, "exclude_op": SLOTS}}, comm), "comm": train(COMM, comm)}
+    return {mode: {"bitwise": history == runs["none"][0], "kept": kept, "counts": counts}
+            for mode, (history, kept, counts) in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +161,7 @@ def test_exclude_op_keeps_mindformers_registry_collectives(plain, full):
 
 def test_recompute_comm_reruns_mindformers_registry_collectives_bitwise(plain):
     """The all-gather's output (fc1's saved input, twice the gathered shard) is dropped and re-run."""
-    config = {"recompute_comm": {"enable": True, "select_module": {".*linear_fc1.input.allgather": [0, 1]}}}
-    history, kept, counts = train(config)
+    history, kept, counts = train(COMM)
     assert history == plain[0]
     assert counts == {"allreduce": 2, "allgather": 4}
     assert kept[-1] < plain[1][-1]
