@@ -7,7 +7,6 @@ for 3 steps against the same model without AC, bitwise, and counts the collectiv
 last step (an outer ``MsDispatchMode``: the stand-in all-reduce is the model's only ``Identity``, the stand-in
 all-gather its only ``Concat``).
 """
-import collections
 from typing import NamedTuple
 
 import mindformers_standin as mf
@@ -15,14 +14,13 @@ import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor, mint, nn, ops
-from mindspore.utils import MsDispatchMode
 
 import mindformers_ac as mac
 from mindformers_ac.accounting import StepMeter
 from mindformers_ac.errors import ConfigError
-from mindformers_ac.recompute.dispatch import op_name_of
 
 from model_patterns import init_weights
+from steps import CountOps
 
 H, S, B, STEPS = 16, 4, 2, 3
 SLOTS = {".*linear_proj.output.allreduce": [0, 1], ".*linear_fc1.input.allgather": [0, 1]}
@@ -91,15 +89,6 @@ class Model(nn.Cell):
         return ((x.sum(-1) - y) ** 2).mean()
 
 
-class _CountOps(MsDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __ms_dispatch__(self, func, args, kwargs=None):
-        self.counts[op_name_of(func, args)] += 1
-        return func(*args, **(kwargs or {}))
-
 
 def _batch(step):
     rng = np.random.RandomState(step)
@@ -112,7 +101,7 @@ def train(config=None, comm=ONE_PROCESS):
     if config is not None:
         mac.apply_ac(model, config=config)
     grad_fn, meter = ms.value_and_grad(model, None, model.trainable_params()), StepMeter(model)
-    history, kept, counter = [], [], _CountOps()
+    history, kept, counter = [], [], CountOps()
     for step in range(STEPS):
         with meter.step() as figures:
             if step == STEPS - 1:
