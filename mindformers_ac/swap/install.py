@@ -54,6 +54,12 @@ class SwapInstallation:
         self.scheduler.close()
 
 
+def _section(settings, min_bytes):
+    """The swap section an installer's scheduler holds: ``settings`` (default ``SwapConfig()``), with the
+    caller's own ``min_bytes`` when it gave one."""
+    return with_min_bytes(settings if settings is not None else SwapConfig(), min_bytes)
+
+
 def _make_scheduler(executor, report, params, max_pool_bytes, settings):
     if executor is not None and report is not None and executor.report is not report:
         raise ValueError("pass the report to the executor instead: SwapExecutor(report=report)")
@@ -177,7 +183,7 @@ def install_layer_swap(layers, layer_ids, prefetch=None, executor=None, report=N
             default: ``SwapConfig()``'s).
     Returns a ``SwapInstallation``; report keys are the global layer ids.
     """
-    settings = with_min_bytes(settings if settings is not None else SwapConfig(), min_bytes)
+    settings = _section(settings, min_bytes)
     prefetch = settings.default_prefetch if prefetch is None else prefetch
     triggers = dict(triggers or {})
     layer_ids = list(layer_ids)
@@ -221,7 +227,7 @@ def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, e
     key = layer_id if layer_id is not None else f"{type(layer).__name__}@{id(layer):x}"
     if params is None:
         params = _params_of(model if model is not None else layer)
-    sched = _make_scheduler(executor, report, params, max_pool_bytes, with_min_bytes(settings or SwapConfig(), min_bytes))
+    sched = _make_scheduler(executor, report, params, max_pool_bytes, _section(settings, min_bytes))
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
     layer_inputs = []   # a stack: the layer may be re-entered
