@@ -58,6 +58,7 @@ class AcState:
         self.recompute_stats = {}               # global id -> RecomputeStats
         self.chains = {}                        # first layer id of a recompute group -> its LayerChain
         self.swap_executor = None
+        self.unmatched_keeps = None             # actions.region.UnmatchedNames of a list-form exclude_op
         self.swap_engine = None                 # actions.swap_section.SwapEngine, made by the first swap action
         self._undo = []                         # callables, run in reverse by remove()
 

@@ -133,11 +133,19 @@ def format_layer_specs(layer_ids):
     return specs
 
 
-def swappable_layers(num_layers, prefetch):
-    """Ids of the layers that can be swapped with prefetch distance ``prefetch``.
+def prefetch_trigger_id(layer_id, prefetch):
+    """The layer whose backward start fetches swapped layer ``layer_id`` back: layer ``i + prefetch`` (the one
+    place the trigger is computed; ``trigger_within`` is its one bound)."""
+    return layer_id + prefetch
 
-    Layer i comes back when layer ``i + prefetch`` starts its backward, so
-    that layer must exist: ``i + prefetch < num_layers``. ``prefetch`` 0 (load
-    on demand, no trigger) allows every layer.
-    """
-    return range(max(0, num_layers - prefetch)) if prefetch else range(num_layers)
+
+def trigger_within(layer_id, prefetch, end):
+    """Whether layer ``layer_id``'s prefetch trigger is a layer below ``end`` (the model's layer count, or a
+    pipeline stage's end): ``i + prefetch < end``."""
+    return prefetch_trigger_id(layer_id, prefetch) < end
+
+
+def swappable_layers(num_layers, prefetch):
+    """Ids of the layers that can be swapped with prefetch distance ``prefetch``: those whose trigger
+    exists (``trigger_within``). ``prefetch`` 0 (load on demand, no trigger) allows every layer."""
+    return [i for i in range(num_layers) if not prefetch or trigger_within(i, prefetch, num_layers)]

@@ -1,15 +1,19 @@
 """The one ledger of activation bytes: what a recompute region or a swap group keeps, drops and swaps.
 
-Every engine counts a forward's bytes here, and nowhere else: a recompute
-region (both ways into it) and output recompute's scope
-(``recompute.rerun``, ``recompute.output``), and a swap group
-(``swap.scheduler``). ``close()`` ends the forward and hands back its
-``LedgerTotals``; what reads them adds what only it knows:
-``recompute.stats.RecomputeStats`` holds a region's totals while the region
-lives (its backward frees them), ``swap.executor.SwapReport`` adds a group's
-to its layer's step figures beside the load figures a backward makes (in
-time, late, on demand) and the refcounted bytes resident across groups, and
-``accounting.LayerMeter`` reads those two.
+Every engine counts the bytes of a forward it runs here: a recompute region
+(both ways into it) and output recompute's scope (``recompute.rerun``,
+``recompute.output``), and a swap group (``swap.scheduler``). ``close()``
+ends the forward and hands back its ``LedgerTotals``; what reads them adds
+what only it knows: ``recompute.stats.RecomputeStats`` holds a region's
+totals while the region lives (its backward frees them),
+``swap.executor.SwapReport`` adds a group's to its layer's step figures
+beside the load figures a backward makes (in time, late, on demand) and the
+refcounted bytes resident across groups, and ``accounting.LayerMeter`` reads
+those two. One writer counts outside a ledger: ``SwapExecutor.offload``, the
+synchronous offload other engines call with no group around it (a recompute
+region's swapped inputs), counts into ``SwapReport`` directly, and the
+region's own ledger counts the same tensor as swapped
+(docs/architecture.md, "The ledger").
 """
 from typing import NamedTuple
 

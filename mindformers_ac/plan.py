@@ -48,13 +48,15 @@ from .layers import find_layer_stack
 from .limits import MAX_LAYERS
 from .matching import MatchBudget, match_entries
 from .model_checks import check_engine_reach, check_shared_layers, check_shared_targets, refuse_copied_patches
-from .whitelist import layer_inventory
+from .whitelist import layer_inventory, sub_cell, unusable_registry_op
 
 logger = logging.getLogger("mindformers_ac")
 
 
-# The attributes DESIGN.md promises on a layer plan, each with its value when no action of the layer gives
-# one; the actions give them (``Action.facts``), and ``LayerPlan.fact`` is the one query that reads them.
+# The attributes a layer plan answers (``lp.full_recompute`` ...: the public reading of a plan, which
+# tests/test_actions.py reads back from a plan with every action), each with its value when no action of
+# the layer gives one; the actions give them (``Action.facts``), and ``LayerPlan.fact`` is the one query
+# that reads them.
 LAYER_FACTS = {
     "full_recompute": False,   # the whole layer is recomputed
     "recompute": (),           # select-recompute target paths (cells, methods or ops)
@@ -335,12 +337,24 @@ class _PlanPass:
             return {}
         local = [i for i in layer_ids if i in self.plans]
         found = {i: match_entries(pattern, self.inventory(i), field_path, self.budget) for i in local}
+        for i, entries in found.items():
+            self.refuse_unusable_ops(i, entries, field_path)
         self.matches.append(PatternMatch(field_path, pattern, tuple(layer_ids),
                                          {i: [e.path for e in es] for i, es in found.items()}))
         if local and not any(found.values()):
             section = field_path.split("[")[0]
             self.warn(f"{section} pattern '{clip(pattern)}' did not match any module")
         return found
+
+    def refuse_unusable_ops(self, layer_id, entries, field_path):
+        """A registry slot matched by ``field_path`` that holds no callable op can't be acted on: refused
+        now, before anything is installed."""
+        for entry in entries:
+            if entry.registry:
+                owner = sub_cell(self.stack.cell(layer_id), entry.owner_path)
+                why = unusable_registry_op(owner, entry.attr, entry.registry)
+                if why is not None:
+                    raise ConfigError(field_path, f"{entry.path} in layer {layer_id}: {why}")
 
     def is_mtp(self, layer_id):
         return layer_id >= self.num_decoder

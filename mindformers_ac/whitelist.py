@@ -5,7 +5,9 @@ A layer's whitelist is every sub-cell path (``self_attention``,
 callables assigned to a cell instance (Python or ``mint``/``ops`` functions,
 ``Primitive`` instances, other callable objects) and the slots of a cell's
 ``_comm_ops`` registry, where tensor-parallel layers register their
-collectives. Then every method path: public methods that the cell's own
+collectives (an entry is the op itself, or MindFormers' ``{'fn': op,
+'domain': d}`` under a dotted name such as ``output.allreduce``:
+``registry_slot``). Then every method path: public methods that the cell's own
 classes define (``self_attention.get_query_key_value_tensors``), as
 MindFormers' whitelist walker lists them, so a ``select_module`` pattern can
 name a method. Methods of MindSpore's classes (``construct``, ``nn.Cell``'s
@@ -59,6 +61,28 @@ def _is_op(cell, name, value):
     if isinstance(value, (nn.Cell, Tensor, type)):
         return False
     return callable(value)
+
+
+def registry_slot(registry, name):
+    """``(holder, key)`` of the op a registry slot runs: MindFormers' ``register_comm_op`` entries are
+    ``{'fn': op, 'domain': d}`` dicts (``_call_comm_op`` calls ``entry['fn']``), other registries hold the
+    op itself."""
+    entry = registry[name]
+    if isinstance(entry, dict) and "fn" in entry:
+        return entry, "fn"
+    return registry, name
+
+
+def unusable_registry_op(cell, name, registry=COMM_OPS_REGISTRY):
+    """Why ``cell.<registry>[name]`` can't be acted on as an op (a text), or None when it can."""
+    table = vars(cell)[registry]
+    holder, key = registry_slot(table, name)
+    op = holder[key]
+    if callable(op):
+        return None
+    where = f"{registry}[{name!r}]" + ("" if holder is table else f"[{key!r}]")
+    return (f"{where} of {type(cell).__name__} is {type(op).__name__}, expected a callable op or a "
+            f"{{'fn': callable, 'domain': ...}} entry as MindFormers' register_comm_op makes")
 
 
 def cell_op_entries(cell, path):

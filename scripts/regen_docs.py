@@ -3,6 +3,8 @@
     python scripts/regen_docs.py              # rewrite every marked block (and image) from fresh runs
     python scripts/regen_docs.py --check      # exit 1 when a block differs in more than timing figures
     python scripts/regen_docs.py --only docs/own_model.md
+    python scripts/regen_docs.py --figures    # only the code figures (lines, modules, tests): seconds
+    python scripts/regen_docs.py --figures --check
 
 A block is regenerated when a marker comment (invisible once rendered) sits
 on the line right above its opening fence:
@@ -15,6 +17,16 @@ on the line right above its opening fence:
         ``peak activation memory`` to the verdict, and a memory budget's lines);
     <!-- regen_docs: file NAME -->
         the block is written to NAME before the doc's commands run.
+
+A figure about the code, in running text or a table, sits between two inline
+markers (invisible once rendered) and is rewritten in place:
+
+    <!-- fig: lines mindformers_ac/ledger.py -->120<!-- /fig -->    lines of the files a glob names
+    <!-- fig: modules mindformers_ac/recompute/*.py -->19<!-- /fig -->    how many files it names
+    <!-- fig: tests -->1600<!-- /fig -->    tests ``pytest --collect-only`` collects
+
+``--figures`` processes only those markers (in ``FIGURE_DOCS``), running no
+command but the collection: what CI and ``tests/test_docs_output.py`` check.
 
 An image marker needs no block: ``<!-- regen_docs: image SRC DEST -->`` copies
 SRC, written by a command of the same doc, to DEST (a path in the
@@ -30,6 +42,7 @@ that as a difference (regenerate, and read the diff).
 import argparse
 import dataclasses
 import difflib
+import glob
 import os
 import re
 import shlex
@@ -40,6 +53,8 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("README.md", "docs/own_model.md")
+FIGURE_DOCS = ("README.md", "docs/architecture.md", "docs/config.md", "docs/exactness.md")
+FIGURE = re.compile(r"<!-- fig: (\w+) ?([^>]*?) -->([^<]*)<!-- /fig -->")
 MARKER = re.compile(r"^<!-- regen_docs: (run|file|image)\b ?(.*?) -->$")
 SUMMARY_FIRST, SUMMARY_LAST = "peak activation memory:", "losses, gradients and all parameters"
 # Figures that depend on the machine's speed or load, per line: masked by --check.
@@ -140,6 +155,73 @@ def timing_masked(text):
     return RSS.sub("<rss>", text)
 
 
+def _files(pattern):
+    paths = sorted(glob.glob(os.path.join(REPO, pattern)))
+    if not paths:
+        raise SystemExit(f"regen_docs: fig {pattern!r} names no file")
+    return paths
+
+
+def collected_tests():
+    """How many tests ``pytest --collect-only`` finds in this checkout."""
+    out = run(shlex.join([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "no:cacheprovider"]),
+              REPO)
+    match = re.search(r"^(\d+) tests? collected", out, re.MULTILINE)
+    if match is None:
+        raise SystemExit(f"regen_docs: pytest --collect-only printed no count:\n{out[-2000:]}")
+    return int(match.group(1))
+
+
+def figure_value(kind, arg, tests=None):
+    """The figure a ``<!-- fig: KIND ARG -->`` marker shows, as the docs write it (``1,234``); ``tests``: a
+    callable giving the collected test count (collected once per run)."""
+    if kind == "lines":
+        value = 0
+        for path in _files(arg):
+            with open(path, encoding="utf-8") as f:
+                value += sum(1 for _ in f)
+    elif kind == "modules":
+        value = len(_files(arg))
+    elif kind == "tests":
+        value = (tests or collected_tests)()
+    else:
+        raise SystemExit(f"regen_docs: unknown figure kind {kind!r} (lines, modules, tests)")
+    return f"{value:,}"
+
+
+def figures(text, tests=None, kinds=None):
+    """``text`` with every figure marker's value (of ``kinds``, default all) computed now."""
+    def value(match):
+        kind, arg, _ = match.groups()
+        if kinds is not None and kind not in kinds:
+            return match.group(0)
+        return f"<!-- fig: {kind}{' ' + arg if arg else ''} -->{figure_value(kind, arg, tests)}<!-- /fig -->"
+    return FIGURE.sub(value, text)
+
+
+def process_figures(docs, check):
+    """Rewrite (or compare) the figure markers of ``docs``; returns the differences."""
+    cache = []
+
+    def tests():
+        if not cache:
+            cache.append(collected_tests())
+        return cache[0]
+    differences = []
+    for doc in docs:
+        path = os.path.join(REPO, doc)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new = figures(text, tests)
+        if new != text:
+            differences += difflib.unified_diff(text.splitlines(), new.splitlines(), f"{doc} (docs)",
+                                                f"{doc} (code now)", lineterm="", n=0)
+            if not check:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(new)
+    return differences
+
+
 def process(doc, check):
     """Regenerate ``doc``'s blocks; returns the differences (check) or writes the doc (no check)."""
     path = os.path.join(REPO, doc)
@@ -176,16 +258,19 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="compare instead of rewriting; exit 1 on a difference beyond timing (default: rewrite)")
-    parser.add_argument("--only", nargs="+", default=list(DOCS), metavar="DOC",
-                        help=f"docs to process, repository paths (default: {' '.join(DOCS)})")
+    parser.add_argument("--only", nargs="+", default=None, metavar="DOC",
+                        help=f"docs to process, repository paths (default: {' '.join(DOCS)}; with --figures: "
+                             f"{' '.join(FIGURE_DOCS)})")
+    parser.add_argument("--figures", action="store_true",
+                        help="only the code figures (lines, modules, tests), running no documented command")
     args = parser.parse_args(argv)
-    differences = []
-    for doc in args.only:
+    differences = process_figures(args.only or FIGURE_DOCS, args.check)
+    for doc in ([] if args.figures else args.only or DOCS):
         differences += process(doc, args.check)
     if differences:
         print("\n".join(differences))
-        print("\nthe docs differ from what the commands print now beyond timing figures: "
-              "run python scripts/regen_docs.py", file=sys.stderr)
+        print("\nthe docs differ from what the commands print now beyond timing figures, or from the code's "
+              f"figures: run python scripts/regen_docs.py{' --figures' if args.figures else ''}", file=sys.stderr)
         return 1 if args.check else 0
     return 0
 

@@ -7,7 +7,11 @@ marker API (``mindformers/pynative/distributed/activation_checkpoint.py``:
 its MoE logging tracker (``moe_utils.save_to_aux_losses_tracker``, guarded
 by that marker) are rebuilt below and installed under MindFormers' module
 names for a test's duration (``installed()``), so that ``apply_ac``'s bridge
-finds them exactly where it would find MindFormers' own.
+finds them exactly where it would find MindFormers' own. Its collective registry
+(``mindformers/pynative/distributed/style.py``: ``register_comm_op`` filling
+``module._comm_ops`` with ``{'fn', 'domain'}`` dicts under dotted slot names,
+``_call_comm_op``, and ``RowwiseParallel``'s forward hook that reduces a
+linear's partial output through it) is copied in its shape below.
 """
 import contextlib
 import contextvars
@@ -16,6 +20,7 @@ import types
 from collections import defaultdict, deque
 
 from mindspore import mint, ops
+from mindspore.common._grad_function import _Function
 
 MARKER_MODULE = "mindformers.pynative.distributed.activation_checkpoint"
 MOE_UTILS_MODULE = "mindformers.pynative.transformers.moe.moe_utils"
@@ -72,6 +77,88 @@ def get_recompute_metadata(key):
     if not values:
         raise RuntimeError(f"No forward metadata was saved for recompute key {key!r}.")
     return values.popleft()
+
+
+# -- mindformers/pynative/distributed/style.py (the collective registry, as in 2.1.0) -----------------------
+
+def register_comm_op(module, name, fn, domain):
+    """Register a communication operator on *module* for exclude_op discovery (MindFormers' own body)."""
+    if not hasattr(module, '_comm_ops'):
+        module._comm_ops = {}
+    module._comm_ops[name] = {'fn': fn, 'domain': domain}
+
+
+def _call_comm_op(cell, name, *args, **kwargs):
+    """Call a registered comm op by name through *cell*'s registry."""
+    return cell._comm_ops[name]['fn'](*args, **kwargs)
+
+
+class _AllReduceFunction(_Function):
+    """AllReduce partial values in forward and preserve replicated gradients (``all_reduce``: MindFormers'
+    ``ops_comm.all_reduce``, a stand-in on one process)."""
+
+    @staticmethod
+    def forward(ctx, tensor, all_reduce):
+        output, _ = all_reduce(tensor)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output, None
+
+
+class _AllGatherSliceFunction(_Function):
+    """AllGather (dim 0) with a local-slice backward for replicated outputs (``all_gather``: MindFormers'
+    collective, a stand-in on one process)."""
+
+    @staticmethod
+    def forward(ctx, tensor, all_gather, rank):
+        ctx.rank, ctx.size = rank, tensor.shape[0]
+        return all_gather(tensor)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output[ctx.rank * ctx.size:(ctx.rank + 1) * ctx.size], None, None
+
+
+def single_process_all_reduce(tensor):
+    """The all-reduce of a group of one: a copy of ``tensor`` (and no handle), as ``ops_comm.all_reduce``
+    returns it."""
+    return ops.deepcopy(tensor), None
+
+
+def two_rank_all_gather(tensor):
+    """The sequence all-gather (dim 0) of a group of two ranks holding the same shard, on one process."""
+    return ops.concat((tensor, tensor), 0)
+
+
+def rowwise_parallel(module, all_reduce=single_process_all_reduce):
+    """``RowwiseParallel._apply`` in its ``all_reduce`` mode: the slot ``output.allreduce`` registered on the
+    linear ``module``, and a forward hook that reduces its output through ``_call_comm_op``."""
+    def _ar_fn(tensor):
+        return _AllReduceFunction.apply(tensor, all_reduce)
+    register_comm_op(module, "output.allreduce", _ar_fn, "tp")
+
+    def _post_hook(cell, unused_args, output):
+        del unused_args
+        return _call_comm_op(cell, "output.allreduce", output)
+    module.register_forward_hook(_post_hook)
+    return module
+
+
+def colwise_parallel(module, all_gather=two_rank_all_gather, rank=0):
+    """``ColwiseParallel._apply`` with ``gather_input``: the slot ``input.allgather`` and a forward pre-hook
+    that gathers the sequence-sharded input through ``_call_comm_op`` (``rank``: this rank's place in the
+    gathered sequence, whose slice of the gradient its backward takes)."""
+    def _ag_fn(tensor):
+        return _AllGatherSliceFunction.apply(tensor, all_gather, rank)
+    register_comm_op(module, "input.allgather", _ag_fn, "tp")
+
+    def _pre_hook(cell, args):
+        gathered = _call_comm_op(cell, "input.allgather", args[0])
+        return (gathered,) + tuple(args[1:])
+    module.register_forward_pre_hook(_pre_hook)
+    return module
 
 
 # -- mindformers/pynative/transformers/moe/moe_utils.py (the layer-wise aux-loss tracker) ------------------

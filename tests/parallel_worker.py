@@ -2,6 +2,9 @@
 job (one communication set-up for all: each msrun start costs 10-20 s on 2 cores).
 
     parallel_worker.py {tp|pp} OUT_DIR CONFIG...   -> OUT_DIR/rank{r}.json: {config: {"summary", "layers"}}
+
+``tp`` also trains the model of ``test_mindformers_comm_ops.py`` (MindFormers' ``_comm_ops`` registry in its
+own form) on the job's real all-reduce and all-gather: its results under ``"mindformers_registry"``.
 """
 import json
 import os
@@ -30,6 +33,9 @@ def main(kind, out_dir, configs):
     for config in configs:
         _, result = COMPARE[kind](SPECS[kind], config, comm)
         results[config] = {"summary": result["summary"], "layers": result["layers"]}
+    if kind == "tp":
+        import test_mindformers_comm_ops as registry
+        results["mindformers_registry"] = registry.registry_results(registry.on_two_ranks())
     with open(os.path.join(out_dir, f"rank{comm[0]}.json"), "w", encoding="utf-8") as f:
         json.dump(results, f)
 

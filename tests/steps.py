@@ -6,13 +6,17 @@ names the first place two such histories differ. ``install_api`` routes a
 pattern model's layer calls through ``checkpoint`` / ``swap`` (the API modes);
 ``assert_acted`` fails a mode that silently did nothing.
 """
+import collections
+
 import mindspore as ms
 import numpy as np
 from mindspore import nn
+from mindspore.utils import MsDispatchMode
 
 import mindformers_ac as mac
 from mindformers_ac.harness.pipeline import summed
 from mindformers_ac.mindspore_compat import pynative_executor
+from mindformers_ac.recompute.dispatch import op_name_of
 
 from model_patterns import RECOMPUTE_MODES, SWAP_MODES, InjectedFailure
 
@@ -177,3 +181,16 @@ def assert_acted(mode, model, counter, counters=None):
         assert sum(s.ops_reused for s in recompute_stats.values()) > 0
     if mode in SWAP_MODES:
         assert offloaded(swap_report) > 0, swap_report.as_dict()
+
+
+class CountOps(MsDispatchMode):
+    """Counts every op dispatched while it is entered, by name (``counts``): an outer dispatch mode sees the
+    ops a recompute re-runs too, so what really ran is counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __ms_dispatch__(self, func, args, kwargs=None):
+        self.counts[op_name_of(func, args)] += 1
+        return func(*args, **(kwargs or {}))

@@ -1,11 +1,13 @@
 """One class per action: the plan, its table, summary and YAML, and ``apply_ac`` loop over ``actions.ACTIONS``.
 
 Every registered action answers the whole contract; a plan with all six reads them back through the
-``LayerPlan`` attributes DESIGN.md promises; and an action registered from outside (a scratch norm
+``LayerPlan`` attributes (``plan.LAYER_FACTS``); and an action registered from outside (a scratch norm
 recompute, written back as the ``recompute_comm`` paths it amounts to) is planned, shown, installed,
 bitwise and removed with no change to ``plan.py`` or ``apply.py``; its targets go through every model
 check (a jit cell, a cell shared by two layers) and the overlap table, as the six's do.
 """
+import dataclasses
+
 import mindspore as ms
 import pytest
 
@@ -92,7 +94,7 @@ class _NormRecompute(Action):
 
     def install(self, state, lp, layer, model):
         for path in self.paths:
-            install_op_output(state, layer, lp.targets[path], state.stats_for(lp.layer_id))
+            install_op_output(state, lp, layer, lp.targets[path], state.stats_for(lp.layer_id))
 
 
 def test_an_action_registered_from_outside_needs_no_change_to_plan_or_apply(monkeypatch):
@@ -215,6 +217,9 @@ def test_each_section_reaches_its_engine_whole(monkeypatch):
     given = mac.ac_state(model).config
     assert seen and {id(s) for s in seen} == {id(given.recompute), id(given.swap)}
     assert "early_stop" not in region_module.Region.__init__.__code__.co_varnames   # read from the section
+    # min_bytes and default_prefetch travel in the section only: the engine lists no field of it
+    from mindformers_ac.actions.swap_section import SwapEngine
+    assert {f.name for f in dataclasses.fields(SwapEngine)} == {"executor", "params", "mtp", "settings"}
     mac.remove_ac(model)
 
 

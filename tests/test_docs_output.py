@@ -1,7 +1,9 @@
 """The command output shown in the docs is what the commands print (scripts/regen_docs.py rewrites it)."""
+import ast
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -94,3 +96,46 @@ def test_check_ignores_a_budget_choice_made_again_on_its_step_time():
     assert regen.timing_masked(chosen + peak) == regen.timing_masked(chosen.replace("step 8", "step 9") + peak + again)
     over = "  chosen twice: the first choice measured over the budget\n"
     assert regen.timing_masked(chosen + peak) != regen.timing_masked(chosen + peak + over)
+
+
+def test_the_code_figures_in_the_docs_are_the_code_s():
+    """Every ``<!-- fig: ... -->`` figure (lines, modules) is what ``regen_docs --figures`` computes now; the test
+    count, which needs a collection run, is checked by ``.ci/run`` (``regen_docs.py --figures --check``)."""
+    markers = []
+    for doc in regen.FIGURE_DOCS:
+        text = (REPO / doc).read_text()
+        markers += [(doc, m) for m in regen.FIGURE.finditer(text) if m.group(1) != "tests"]
+        assert regen.figures(text, kinds={"lines", "modules"}) == text, f"{doc}: run python scripts/regen_docs.py --figures"
+    assert {m.group(1) for _, m in markers} == {"lines", "modules"} and len(markers) >= 19
+
+
+def test_a_figure_marker_is_rewritten_and_an_unknown_path_refused():
+    text = "(`ledger.py`, <!-- fig: lines mindformers_ac/ledger.py -->1<!-- /fig --> lines)"
+    lines = len((REPO / "mindformers_ac" / "ledger.py").read_text().splitlines())
+    assert regen.figures(text) == text.replace(">1<", f">{lines:,}<")
+    assert regen.figures("<!-- fig: tests -->9<!-- /fig -->", tests=lambda: 1234) == "<!-- fig: tests -->1,234<!-- /fig -->"
+    with pytest.raises(SystemExit, match="names no file"):
+        regen.figures("<!-- fig: modules no/such/*.py -->3<!-- /fig -->")
+
+
+NAMED_TEST = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)`")
+
+
+def test_every_test_a_doc_names_for_a_claim_exists():
+    """docs/config.md and docs/exactness.md name the test that holds each claim a user acts on (which call
+    styles stay light, what a rule costs, what is refused): each named test is defined in that file."""
+    named = {(doc, m.groups()) for doc in ("docs/config.md", "docs/exactness.md")
+             for m in NAMED_TEST.finditer((REPO / doc).read_text())}
+    assert {doc for doc, _ in named} == {"docs/config.md", "docs/exactness.md"} and len(named) >= 20
+    missing = []
+    for doc, (path, name) in sorted(named):
+        tree = ast.parse((REPO / path).read_text()) if (REPO / path).exists() else ast.Module(body=[])
+        if name not in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}:
+            missing.append(f"{doc}: {path}::{name}")
+    assert missing == []
+
+
+def test_the_named_test_scan_sees_a_missing_test():
+    text = "(test: `tests/test_plan.py::test_no_such_test`)"
+    ((path, name),) = [m.groups() for m in NAMED_TEST.finditer(text)]
+    assert name not in {n.name for n in ast.parse((REPO / path).read_text()).body if isinstance(n, ast.FunctionDef)}

@@ -9,7 +9,6 @@ of the light re-run): the excluded ops run once, in forward. Ops reached where
 no proxy can stand keep the layer intercepted, with the reason in
 ``RecomputeStats.intercept_reasons``.
 """
-import collections
 import copy
 import functools
 
@@ -17,14 +16,13 @@ import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Parameter, Tensor, mint, nn, ops
-from mindspore.utils import MsDispatchMode
 
 from mindformers_ac import recompute as rc
 from mindformers_ac.checkpoint_policy import CheckpointPolicy
-from mindformers_ac.recompute.dispatch import op_name_of
 from mindformers_ac.recompute.op_slot import OpSlot
 
 from isolated import run_isolated
+from steps import CountOps
 
 H, S, B = 8, 6, 2
 SCALE = 1.0
@@ -89,15 +87,6 @@ EXCLUDE = ["MatMul", "Softmax"]
 KEPT = {"BatchMatMul": 1, "Softmax": 2, "MatMulExt": 2, "MatMul": 1}   # per layer call, in forward
 
 
-class _CountOps(MsDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __ms_dispatch__(self, func, args, kwargs=None):
-        self.counts[op_name_of(func, args)] += 1
-        return func(*args, **(kwargs or {}))
-
 
 def _train(wrap=None, steps=3, tensor_method=False, between=None):
     """(losses and grads per step, op counts of the last step, the model)."""
@@ -111,7 +100,7 @@ def _train(wrap=None, steps=3, tensor_method=False, between=None):
     for step in range(steps):
         if between is not None:
             between(step)
-        counter = _CountOps() if step == steps - 1 else None
+        counter = CountOps() if step == steps - 1 else None
         if counter is not None:
             with counter:
                 loss, grads = grad_fn(x)

@@ -337,6 +337,71 @@ def test_the_private_name_scan_finds_a_planted_use():
     assert _private_uses(source, private) == [("_recompute_cell", 7), ("__wrapped_by_jit__", 7)]
 
 
+# -- ... nor rebinds MindSpore's attributes by a string name (setattr, delattr, object.__setattr__) ---------------
+
+_REBINDERS = {"setattr", "delattr", "__setattr__", "__delattr__"}
+
+
+def _mindspore_attribute_names():
+    """MindSpore's private names, and every name of the PyNative executor (its methods are what a patch on it
+    replaces): an attribute of these rebound by a string is a change to MindSpore."""
+    from mindformers_ac.mindspore_compat import pynative_executor
+
+    python = set(_PYTHON_NAMES)
+    for x in (object, type):
+        python |= set(dir(x))
+    return _mindspore_private_names() | (set(dir(pynative_executor)) - python)
+
+
+def _string_constants(tree):
+    """Module-level ``NAME = "text"`` assignments: a rebinder's name argument is often such a constant."""
+    return {t.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
+def _string_rebinds(source, names):
+    """``(name, line)`` of each ``setattr`` / ``delattr`` / ``object.__setattr__`` / ``object.__delattr__`` call
+    whose attribute name (a literal or a module-level string constant) is one of MindSpore's ``names``, unless
+    the module names its own objects so."""
+    tree = ast.parse(source)
+    own, constants = _own_names(tree), _string_constants(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or len(node.args) < 2:
+            continue
+        func = node.func
+        called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+        if called not in _REBINDERS:
+            continue
+        arg = node.args[1]
+        name = arg.value if isinstance(arg, ast.Constant) else constants.get(arg.id) if isinstance(arg, ast.Name) \
+            else None
+        if isinstance(name, str) and name in names and name not in own:
+            found.append((name, node.lineno))
+    return found
+
+
+def _rebinds_outside_the_door():
+    names = _mindspore_attribute_names()
+    found = {m: _string_rebinds(open(path, encoding="utf-8").read(), names) for m, path in _modules().items()
+             if m != MINDSPORE_DOOR}
+    return {(m, name) for m, uses in found.items() for name, _ in uses}
+
+
+def test_mindspore_attributes_are_rebound_by_string_in_mindspore_compat_only():
+    assert _rebinds_outside_the_door() == set()
+
+
+def test_the_rebind_scan_finds_a_planted_setattr():
+    names = _mindspore_attribute_names()
+    source = ('_HOOK = "push_saved_tensor_hook"\n'
+              "def patch(ex, cell, fn):\n    setattr(ex, _HOOK, fn)\n    object.__setattr__(cell, '_cells', {})\n"
+              "    setattr(cell, 'mac_mark', True)\n    delattr(ex, 'set_mixed_precision_type')\n")
+    assert _string_rebinds(source, names) == [("push_saved_tensor_hook", 3), ("_cells", 4),
+                                              ("set_mixed_precision_type", 6)]
+
+
 # -- every module of a subpackage is named in its __init__ docstring (or none is) -----------------------------------
 
 def _named_modules(package_dir):

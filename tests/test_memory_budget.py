@@ -238,6 +238,12 @@ def test_a_longer_sequence_over_the_budget_is_profiled_again_and_stays_bitwise()
     controller = mac.ac_state(model).budget
     assert controller.profiles == 2 and any("profiling again (profile 2 of" in e for e in controller.events)
     assert controller.phase == Phase.SETTLED and controller.profile_shape[0][0][1] == 8
+    # the first profile's baseline: training step 2 (after the warm-up), length 3, and its budget in bytes
+    step, shape, kept, at_shape, _ = controller.baseline_from
+    assert (step, shape[0][0][1], at_shape) == (2, 3, controller.budget_bytes) and kept > 0
+    line = next(x for x in controller.describe() if x.startswith("  baseline: "))
+    assert line.startswith(f"  baseline: training step 2 without AC, inputs {list(shape[0][0])} Float32, ")
+    assert line.endswith(f", kept {kept:,} B; the budget at those inputs is {at_shape:,} B")
 
 
 def test_remove_ac_and_a_copy_in_the_middle_of_profiling():

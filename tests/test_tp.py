@@ -236,3 +236,11 @@ def test_every_other_ac_mode_under_tp2_is_bitwise_and_reruns_what_it_recomputes(
     results = json.loads((tmp_path / "rank0.json").read_text())
     for mode, path in zip(modes, paths):
         _check_tp_comparison(results[str(path)]["summary"], AC_MODES[mode][1])
+    # MindFormers' own registry form (register_comm_op / _call_comm_op) on the real collectives: exclude_op keeps
+    # them (run once, in forward; more kept than plain full), recompute_comm re-runs the all-gather, bitwise
+    registry = results["mindformers_registry"]
+    assert all(registry[mode]["bitwise"] for mode in ("full", "exclude", "comm")), registry
+    assert registry["exclude"]["counts"] == registry["none"]["counts"] == {"allreduce": 2, "allgather": 2}
+    assert registry["full"]["counts"] == {"allreduce": 4, "allgather": 4}
+    assert registry["comm"]["counts"] == {"allreduce": 2, "allgather": 4}
+    assert registry["exclude"]["kept"][-1] > registry["full"]["kept"][-1] and len(set(registry["exclude"]["kept"])) == 1

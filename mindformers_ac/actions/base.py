@@ -9,8 +9,8 @@ It also says what it acts on: ``targets`` (the cells of the layer it patches, ea
 ``model_checks`` passes through every check (jit, ``Cell.recompute()``, the user's wrappers, shared
 cells), and which ``place`` compares with the targets of the actions planned before it by one table
 (``OVERLAPS``: covered, or refused and why; ``check_overlaps`` applies the refusals once more when every
-action is planned). ``facts`` is its share of the ``LayerPlan`` attributes
-DESIGN.md promises (``full_recompute``, ``op_swap`` ...).
+action is planned). ``facts`` is its share of the ``LayerPlan`` attributes (``plan.LAYER_FACTS``: ``full_recompute``,
+``op_swap`` ..., read back by ``tests/test_actions.py``).
 
 ``plan.LayerPlan`` holds a layer's actions; ``plan.py``, ``apply.py`` and ``model_checks.py`` loop over
 them and know no action by name (``tests/test_layout.py`` checks it), so a new action is its own module

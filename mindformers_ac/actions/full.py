@@ -45,6 +45,6 @@ class FullRecompute(RegionAction):
         return [ListFragment("full")] + self.keep_lists()
 
     def install(self, state, lp, layer, model):
-        install_region(state, layer, self.policy_for(), state.stats_for(lp.layer_id))
+        install_region(state, layer, self.policy_for(state), state.stats_for(lp.layer_id))
         logger.debug("Set full recompute at layer %s%s", lp.label,
                      f", keeping {', '.join(self.keep)}" if self.keep else "")

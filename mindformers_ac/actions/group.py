@@ -70,7 +70,7 @@ class GroupRecompute(FullRecompute):
 
     def install(self, state, lp, layer, model):
         chain = state.chains.setdefault(self.group[0], LayerChain(self.group))
-        install_region(state, layer, self.policy_for(), state.stats_for(lp.layer_id),
+        install_region(state, layer, self.policy_for(state), state.stats_for(lp.layer_id),
                        (chain, self.group.index(lp.layer_id)))
         logger.debug("Set full recompute at layer %s%s, in the group of layers %s", lp.label,
                      f", keeping {', '.join(self.keep)}" if self.keep else "", ", ".join(map(str, self.group)))

@@ -63,9 +63,8 @@ class LayerSwap(Action):
         for top in dict.fromkeys(engine.top(plan, model, i) for i in layer_ids):
             ids = [i for i in layer_ids if engine.top(plan, model, i) is top]
             triggers = {lp.layer_id: a.prefetch_layer for lp, a in items if a.next_microbatch}
-            inst = install_layer_swap(by_id, ids, prefetch=engine.prefetch, executor=engine.executor, model=top,
-                                      min_bytes=engine.min_bytes, params=engine.params, triggers=triggers,
-                                      settings=engine.settings)
+            inst = install_layer_swap(by_id, ids, executor=engine.executor, model=top, params=engine.params,
+                                      triggers=triggers, settings=engine.settings)
             state.add_undo(inst.remove)
         for lp, action in items:
             logger.debug("Set layer swap at layer %s, prefetched when layer %s starts backward",

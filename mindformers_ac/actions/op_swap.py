@@ -77,8 +77,8 @@ class OpSwap(Action):
         engine = swap_engine(state, model)
         inst = install_op_swap(layer, list(self.paths), layer_id=lp.layer_id,
                                prefetch_layer=state.layer_cells[self.prefetch_layer], executor=engine.executor,
-                               model=engine.top(plan, model, lp.layer_id), min_bytes=engine.min_bytes,
-                               params=engine.params, settings=engine.settings)
+                               model=engine.top(plan, model, lp.layer_id), params=engine.params,
+                               settings=engine.settings)
         state.add_undo(inst.remove)
         logger.debug("Set op swap at layer %s: %s, prefetched when layer %s starts backward",
                      lp.label, ", ".join(self.paths), plan.layer_label(self.prefetch_layer))

@@ -71,7 +71,7 @@ class OutputRecompute(Action):
     def install(self, state, lp, layer, model):
         stats = state.stats_for(lp.layer_id)
         for path in self.paths:
-            install_op_output(state, layer, lp.targets[path], stats)
+            install_op_output(state, lp, layer, lp.targets[path], stats)
         logger.debug("Set comm recompute at layer %s: %s", lp.label, ", ".join(self.paths))
 
 
@@ -81,9 +81,16 @@ def op_output_target(entry, layer_id):
                                                                   f"layer {layer_id}")
 
 
-def install_op_output(state, layer, entry, stats):
-    """The output of op ``entry`` of ``layer`` is recomputed in backward; its undo goes to ``state``."""
+def install_op_output(state, lp, layer, entry, stats):
+    """The output of op ``entry`` of ``layer`` is recomputed in backward; its undo goes to ``state``. An op
+    that saved nothing in its first training step is retired by the engine, and noted on ``lp`` (the plan's
+    table and ``explain`` show it) with why."""
     owner = sub_cell(layer, entry.owner_path)
+
+    def retired(why):
+        lp.notes = lp.notes + (f"output recompute of op '{entry.path}' is not in effect: taken off after the "
+                               f"first training step, nothing re-runs it ({why})",)
     # TODO(lead): context_fn for output recompute
-    handle = wrap_op_output(owner, entry.attr, stats=stats, registry=entry.registry or None, scope=layer)
+    handle = wrap_op_output(owner, entry.attr, stats=stats, registry=entry.registry or None, scope=layer,
+                            on_retire=retired)
     state.add_undo(handle.remove)

@@ -44,16 +44,51 @@ class RegionAction(Action):
         return [ListFragment("exclude_op", paths=self.keep) if self.keep_by_path
                 else ListFragment("exclude_op", names=self.keep)]
 
-    def policy_for(self, region_path=""):
-        """The policy_fn that keeps the excluded ops inside a region rooted at ``region_path``."""
+    def policy_for(self, state, region_path=""):
+        """The policy_fn that keeps the excluded ops inside a region rooted at ``region_path``; op names are
+        watched for the model (``state.unmatched_keeps``, ``UnmatchedNames``)."""
         if not self.keep:
             return None
         if not self.keep_by_path:
-            return exclude_policy(names=self.keep)
+            if state.unmatched_keeps is None:
+                state.unmatched_keeps = UnmatchedNames(self.keep)
+            return exclude_policy(names=self.keep, observer=state.unmatched_keeps)
         prefix = region_path + "." if region_path else ""
         patterns = [regex.escape(path[len(prefix):], special_only=True) + r"(\..*)?"
                     for path in self.keep if path.startswith(prefix) and path != region_path]
         return exclude_policy(path_patterns=patterns) if patterns else None
+
+
+class UnmatchedNames:
+    """The list-form ``exclude_op`` names no op of any region matched, each told once in a warning.
+
+    A region's first call runs on the intercepting path, where its policy is asked about every op; the
+    first re-run of the model comes after every region's first forward (the first step's backward), so
+    that is when a name still unmatched is told: it keeps nothing, and its regions keep what full
+    recompute keeps. Names match as ``exclude_policy``'s do (case-insensitive substrings of op names).
+    """
+
+    def __init__(self, names):
+        self.names = {name.lower(): name for name in names}
+        self.matched = set()
+        self.told = False
+
+    def __call__(self, ctx):
+        if ctx.is_recompute:
+            self.tell()
+            return
+        op = ctx.op_name.lower()
+        self.matched.update(n for n in self.names if n not in self.matched and n in op)
+
+    def tell(self):
+        if self.told:
+            return
+        self.told = True
+        for lowered, name in self.names.items():
+            if lowered not in self.matched:
+                logger.warning("recompute.exclude_op: %r matched no op of any recomputed region in the first "
+                               "step (names match the dispatched op's name, case-insensitively: MatMul, "
+                               "Softmax ...), so it keeps nothing", name)
 
 
 def region_options(state):

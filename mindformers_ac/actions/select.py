@@ -85,12 +85,12 @@ class SelectRecompute(RegionAction):
         for path in self.paths:
             entry = lp.targets[path]
             if entry.is_op:
-                install_op_output(state, layer, entry, stats)
+                install_op_output(state, lp, layer, entry, stats)
             elif entry.is_method:
                 # the region is rooted at the method's cell: exclude paths are relative to it
-                _install_method(state, layer, entry, self.policy_for(entry.owner_path), stats)
+                _install_method(state, layer, entry, self.policy_for(state, entry.owner_path), stats)
             else:
-                install_region(state, sub_cell(layer, path), self.policy_for(path), stats)
+                install_region(state, sub_cell(layer, path), self.policy_for(state, path), stats)
         logger.debug("Set select recompute at layer %s: %s", lp.label, ", ".join(self.paths))
 
 

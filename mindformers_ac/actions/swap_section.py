@@ -11,7 +11,7 @@ from mindspore import nn
 
 from ..config import DEVICE_BACKEND_TARGETS
 from ..errors import ConfigError, quote
-from ..layer_specs import swappable_layers
+from ..layer_specs import prefetch_trigger_id, swappable_layers, trigger_within
 from ..swap import SwapExecutor
 from ..swap.backends import select_backend
 
@@ -52,10 +52,10 @@ def prefetch_trigger_of(planning, layer_id, field_path):
     microbatch, they load on demand).
     """
     p, n, decoder = planning.config.swap.default_prefetch, planning.num_layers, planning.num_decoder
-    if planning.is_stage and layer_id + p >= planning.stage_end:
+    if planning.is_stage and not trigger_within(layer_id, p, planning.stage_end):
         size = planning.stage_end - planning.stage_start
         if p < size:
-            return layer_id + p - size
+            return prefetch_trigger_id(layer_id, p) - size
         raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {planning.stage_end}, "
                                       f"the end of this pipeline stage ({_stage_text(planning)}), or default_"
                                       f"prefetch below the stage's {size} layers (the next microbatch's backward "
@@ -66,7 +66,7 @@ def prefetch_trigger_of(planning, layer_id, field_path):
              f"starts its backward)")
         raise ConfigError(field_path, f"layer {layer_id} + default_prefetch {p} must be < {count}: the last "
                                       f"layer that can be swapped is {n - p - 1}")
-    return layer_id + p
+    return prefetch_trigger_id(layer_id, p)
 
 
 def prefetch_part(action):
@@ -92,11 +92,10 @@ class SwapEngine:
     """What a swap installer of ``apply_ac`` is given: the one executor of the model, and the settings."""
 
     executor: SwapExecutor
-    prefetch: int
-    min_bytes: int
     params: list          # parameters never offloaded (None: the installer's model's own)
     mtp: object           # the MTP block when it runs in its own call, else None
-    settings: object      # the swap section (``SwapConfig``), handed to the scheduler whole
+    settings: object      # the swap section (``SwapConfig``), handed to the installers and the scheduler whole:
+                          # they read default_prefetch and min_bytes from it
 
     def top(self, plan, model, layer_id):
         """The call a layer runs in: its tensors received from outside it stay on the device."""
@@ -114,5 +113,5 @@ def swap_engine(state, model):
         mtp = block if isinstance(block, nn.Cell) and block is not model else None
         params = None if mtp is None else list(model.get_parameters()) + list(mtp.get_parameters())
         state.swap_executor = SwapExecutor(select_backend(kind=sc.backend), max_pool_bytes=sc.max_host_bytes)
-        state.swap_engine = SwapEngine(state.swap_executor, sc.default_prefetch, sc.min_bytes, params, mtp, sc)
+        state.swap_engine = SwapEngine(state.swap_executor, params, mtp, sc)
     return state.swap_engine

@@ -264,6 +264,8 @@ class BudgetController:
         self.active_shape = None # the shape whose plan is installed
         self.installed = None    # the option config installed now (None: the apply_ac plan, nothing)
         self.events = []
+        self.baseline_sample = None  # (training step, input shapes, kept bytes) of the last profile's baseline
+        self.baseline_from = None    # ... of the budget's, with the budget in bytes at its inputs
         self.forwards = 0        # training forwards seen (not counting those made while one was in flight)
         self.chosen_at = None    # the training forward from which the current choice runs
         self._open = None        # the MeasuredStep in progress
@@ -388,6 +390,8 @@ class BudgetController:
             applied = applied_layers(option, len(self.layer_ids), self.prefetch)
             self.samples.append(OptionSample(option, applied, seconds, memory))
             self.sample_shapes.append(shape)
+            if len(self.samples) == _BASELINE + 1:   # the step just finished: the forward before this one
+                self.baseline_sample = (self.forwards - 1, shape, memory.kept_bytes)
             if len(self.samples) == len(self.schedule):
                 self._choose()
         elif self.phase == Phase.CHECKING:
@@ -436,6 +440,9 @@ class BudgetController:
         if self.budget_bytes is None:
             self.budget_bytes = self.settings.budget_bytes(base_kept) if self.settings.is_fraction \
                 else self.settings.budget_bytes(0)
+            step, shape, kept = self.baseline_sample
+            self.baseline_from = (step, shape, kept, int(round(self.budget_bytes * _elements(shape) / target)),
+                                  self.profile_shape)
         self.profile = profile
         self._solve()
 
@@ -625,6 +632,16 @@ class BudgetController:
         return ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
                 for r in rows]
 
+    def baseline_line(self):
+        """Where the budget's baseline came from: its step and input shapes, and the budget in bytes at them."""
+        step, shape, kept, at_shape, scaled_to = self.baseline_from
+        inputs = ", ".join(f"{list(s)} {d}" for s, d in shape)
+        line = (f"baseline: training step {step} without AC, inputs {inputs}, kept {kept:,} B; the budget at "
+                f"those inputs is {at_shape:,} B")
+        if shape != scaled_to:
+            line += f" ({self.budget_bytes:,} B scaled by element count to the first profile's largest inputs)"
+        return line
+
     def describe(self):
         """The log block of the choice: the measured options, the plan, its peak and step-time cost."""
         if self.choice is None:
@@ -635,6 +652,7 @@ class BudgetController:
                  f"(* chosen):"] + ["  " + line for line in self.table()]
         lines.append(f"  budget {format_bytes(self.budget_bytes)} ({self.budget_bytes / baseline:.2f}x the "
                      f"{format_bytes(baseline)} kept without AC); chosen: {self._chosen_text(c)}")
+        lines.append("  " + self.baseline_line())
         verdict = "" if self.measured_peak is None else (
             f"; measured {format_bytes(self.measured_peak)}, "
             f"{'within' if self.measured_peak <= self.budget_bytes else 'over'} the budget")

@@ -35,7 +35,7 @@ import yaml
 from ..actions import FullRecompute, LayerSwap, SelectRecompute, layer_lists
 from ..config import AcConfig, SwapConfig, with_layer_lists
 from ..errors import ConfigError
-from ..layer_specs import format_layer_specs, swappable_layers
+from ..layer_specs import format_layer_specs, prefetch_trigger_id, swappable_layers
 from ..plan import LayerPlan
 from ..tensors import MiB
 from .sizes import format_bytes
@@ -79,7 +79,7 @@ class Option:
         if self.kind == OptionKind.FULL:
             return [FullRecompute(keep=self.exclude, keep_by_path=True)]
         if self.kind == OptionKind.SWAP:
-            return [LayerSwap(layer_id + prefetch)]
+            return [LayerSwap(prefetch_trigger_id(layer_id, prefetch))]
         return []
 
 

@@ -22,7 +22,11 @@ re-runs in backward instead of keeping the gathered tensor alive. The
 collectives sit in a plain-dict registry ``_comm_ops`` on each linear, so a
 layer's whitelist shows ``self_attention.linear_qkv.all_gather``,
 ``self_attention.linear_proj.reduce_scatter``, ``mlp.linear_fc1.all_gather``,
-``mlp.linear_fc2.reduce_scatter``.
+``mlp.linear_fc2.reduce_scatter``. Here each slot holds a collective cell;
+MindFormers 2.1.0's ``register_comm_op`` holds ``{'fn': fn, 'domain': d}``
+under dotted names (``output.allreduce``), called from forward hooks: that
+form is an op slot too (``tests/test_mindformers_comm_ops.py``, and on two
+ranks in ``tests/parallel_worker.py``'s tp job).
 
 With ``sequence_parallel=False`` the layout is plain Megatron TP: activations
 are replicated, column-parallel linears hold ``copy_to_tp`` (identity forward,

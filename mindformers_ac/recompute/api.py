@@ -310,7 +310,7 @@ def unwrap(cell_or_fn):
     return info.original
 
 
-def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix=""):
+def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="", observer=None):
     """A ``policy_fn`` that keeps (MUST_SAVE) excluded ops and asks ``base_policy`` (default: recompute) otherwise.
 
     ``names``: op names matched case-insensitively as substrings of the
@@ -323,6 +323,9 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
     ``path_prefix`` (e.g. ``"mlp"`` for a region on ``layer.mlp``) to match
     patterns written against layer-relative paths.
 
+    ``observer``: called with each ``OpContext`` the policy is asked about, before it answers (``apply_ac``
+    tells from it which ``exclude_op`` names matched no op).
+
     The policy is marked ``decides_by_site`` (unless ``base_policy`` isn't):
     ``checkpoint_wrapper`` then keeps a region on the light path when every
     op it keeps is reached through a keep site (``keep_sites``).
@@ -331,6 +334,8 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="")
     lowered = tuple(n.lower() for n in names)
 
     def policy(ctx, op, *args, **kwargs):
+        if observer is not None:
+            observer(ctx)
         name = ctx.op_name.lower()
         if any(n in name for n in lowered):
             return CheckpointPolicy.MUST_SAVE

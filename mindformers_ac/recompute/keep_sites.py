@@ -1,9 +1,11 @@
 """Where an excluded op is reached, a *keep site*, so that the light path can keep it without intercepting
 every op (what qualifies, and why no Python frame is read: docs/exactness.md, "The light path").
 
-The two kinds: ``attr``, an op attribute whose ``OpSlot`` has the track role (the innermost one running
-when the op is dispatched), and ``item``, a Primitive held in a dict attribute or by a dict-held cell
-(MindFormers' ``_comm_ops``; a legacy op by identity, a pyboost op as the only one of its name). The
+The two kinds: ``attr``, an op slot whose ``OpSlot`` has the track role (the innermost one running
+when the op is dispatched): an op attribute, or an op in a ``_comm_ops`` registry (MindFormers'
+``register_comm_op`` entries, ``{'fn': fn, 'domain': d}``, hold it under ``'fn'``); and ``item``, a
+Primitive held in a dict attribute or by a dict-held cell (a ``_comm_ops`` registry of cells; a legacy op
+by identity, a pyboost op as the only one of its name). The
 site's ``OpSlot`` gets the keep role (``LightRegion.keep_call``) from ``path_choice.CheckRecorder``.
 """
 from mindspore import nn

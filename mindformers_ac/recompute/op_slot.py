@@ -2,7 +2,7 @@
 
 An op slot is an instance attribute holding a Primitive or a function (``self.bmm_qk``,
 ``self.activation_func``, a callable object), or an item of a dict a cell holds (``_prims["AllGather"]``,
-a ``_comm_ops`` entry). Four mechanisms act on an op there, and each is a role of one ``OpSlot``, set
+a ``_comm_ops`` entry: the op itself, or the ``'fn'`` of MindFormers' ``{'fn': fn, 'domain': d}`` entry). Four mechanisms act on an op there, and each is a role of one ``OpSlot``, set
 and cleared independently, so none wraps another by hand:
 
 * **track** (``mac_paths``: path tracker -> the slot's path under its root): while a region of one of

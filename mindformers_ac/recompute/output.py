@@ -23,6 +23,7 @@ from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts, under_precision
 from ..tensors import detached, output_tensors, param_ptrs, storage_info, tensor_leaves
+from ..whitelist import registry_slot
 from . import messages
 from .dispatch import op_name_of
 from .op_slot import OpSlot, release, slot_at
@@ -350,9 +351,12 @@ class _Scope:
             next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
         for stats, ledger in ledgers.values():
             stats.open_region(run, ledger.close())
-        for warning in why.values():
+        for target, warning in why.items():
             if warning is not None:
                 ENGINE.warnings.warning(*warning)
+                if not target.settled_once:
+                    target.retire(warning)
+            target.settled_once = True
 
     def record(self, rec, out):
         rec.note_outputs(out)
@@ -392,14 +396,26 @@ def _kept_warning(name, rec, freeable, gain, cost):
 class _Target:
     """The wrapped op: calls it, records it in the scope, re-runs it in backward."""
 
-    def __init__(self, op, name, owner, scope, stats):
+    def __init__(self, op, name, owner, scope, stats, on_retire=None):
         self.op, self.name, self.owner, self.scope, self.stats = op, name, owner, scope, stats
         self.keep_output = None   # True: never re-run (random or writes parameters); decided on the first recorded call
+        self.settled_once = False
+        self.retired = None       # why, once its first training forward dropped none of its calls
+        self.on_retire = on_retire
+
+    def retire(self, warning):
+        """Its first training forward saved nothing by any call (``warning``: the warn-once key, text and
+        arguments that said why): from now on the op runs plainly, unrecorded and never re-run, so the work
+        agrees with the log; ``on_retire`` is told why (``apply_ac`` notes it on the layer's plan)."""
+        _, text, *args = warning
+        self.retired = text % tuple(args)
+        if self.on_retire is not None:
+            self.on_retire(self.retired)
 
     def active(self):
         scope = self.scope
-        return (self.keep_output is not True and scope.run is not None and not scope.calling
-                and ENGINE.top() is None and not ENGINE.in_recompute())
+        return (self.keep_output is not True and self.retired is None and scope.run is not None
+                and not scope.calling and ENGINE.top() is None and not ENGINE.in_recompute())
 
     def decide_rerun(self, random_ops, side_effect_ops=()):
         """Decide, from the first recorded call, whether the op can be run again at all."""
@@ -469,7 +485,7 @@ def _scope_of(cell):
     return scope
 
 
-def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None):
+def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None, on_retire=None):
     """Drop the output of op ``owner_cell.<attr_name>`` (or ``owner_cell.<registry>[attr_name]``) for backward.
 
     The op may be a Python function, a Primitive, or a Cell (e.g. a collective
@@ -482,19 +498,23 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
     frees more than the inputs cost (else the call keeps what it would without
     recompute, and a warning says why); backward rebuilds them by running the
     op again on its inputs, counted in ``stats`` (``ops_rerun``,
-    ``recompute_calls``, ``dropped_bytes``, ``kept_bytes``). Returns an
+    ``recompute_calls``, ``dropped_bytes``, ``kept_bytes``). An op whose first training forward dropped
+    none of its calls (it saves nothing: the warning says why) is retired: it runs plainly from then on,
+    and ``on_retire(why)`` is called. Returns an
     ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
     twice raises ValueError.
     """
-    holder = owner_cell if registry is None else getattr(owner_cell, registry, None)
+    holder, key = owner_cell, attr_name
     if registry is None:
         if not hasattr(owner_cell, attr_name):
             raise AttributeError(f"{type(owner_cell).__name__} has no op attribute '{attr_name}'")
         op = getattr(owner_cell, attr_name)
     else:
-        if not isinstance(holder, dict) or attr_name not in holder:
+        table = getattr(owner_cell, registry, None)
+        if not isinstance(table, dict) or attr_name not in table:
             raise AttributeError(f"{type(owner_cell).__name__}.{registry} has no op '{attr_name}'")
-        op = holder[attr_name]
+        holder, key = registry_slot(table, attr_name)   # MindFormers' {'fn': op, ...} entry, or the op
+        op = holder[key]
     slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
     if slot is not None:
         op = slot.mac_inner
@@ -506,7 +526,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         raise TypeError(f"'{attr_name}' of {type(owner_cell).__name__} is not callable ({type(op).__name__})")
     name = f"{type(owner_cell).__name__}.{attr_name}"
     target = _Target(op, name, owner_cell, _scope_of(scope if scope is not None else owner_cell),
-                     stats if stats is not None else RecomputeStats())
+                     stats if stats is not None else RecomputeStats(), on_retire)
     if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
         logger.warning(messages.OUTPUT_RANDOM_OP, name, op)
         target.keep_output = True
@@ -518,7 +538,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None)
         # returns, which a proxy around the call would see too late to drop.
         patch = ConstructPatch(op, _OUTPUT_KIND, lambda inner, *a, **k: target.observe(a, k, lambda: inner(*a, **k)),
                                undo="remove() its OpOutputHandle")
-        return OpOutputHandle(holder, attr_name, target, patch)
-    slot = slot_at(holder, attr_name)
+        return OpOutputHandle(holder, key, target, patch)
+    slot = slot_at(holder, key)
     slot.mac_output = target
-    return OpOutputHandle(holder, attr_name, target, None, slot)
+    return OpOutputHandle(holder, key, target, None, slot)

@@ -13,6 +13,7 @@ import mindspore as ms
 from mindspore.ops import Primitive
 
 from ..construct_patch import drop_on_copy, hold_copy_hook, release_copy_hook
+from ..whitelist import COMM_OPS_REGISTRY, registry_slot
 from .op_slot import release, slot_at
 from .state import ENGINE
 
@@ -81,6 +82,21 @@ def is_op_attribute(value):
     return callable(value) and not isinstance(value, (ms.nn.Cell, type, ms.Tensor))
 
 
+def _op_slots(cell):
+    """``(holder, key, name)`` of every op slot of ``cell`` a path tracker tracks: its op attributes, and the
+    ops of its ``_comm_ops`` registry that are not cells (MindFormers' ``{'fn': op}`` entries, named by their
+    dotted slot name as the whitelist names them; a cell there runs its own ops)."""
+    slots = [(cell, attr, attr) for attr, value in list(vars(cell).items())
+             if not attr.startswith("_") and attr != "construct" and is_op_attribute(value)]
+    registry = vars(cell).get(COMM_OPS_REGISTRY)
+    if isinstance(registry, dict):
+        for name in list(registry):
+            holder, key = registry_slot(registry, name)
+            if is_op_attribute(holder[key]):
+                slots.append((holder, key, name))
+    return slots
+
+
 class PathTracker:
     """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy (how: the module
     docstring). Its hooks and track roles act only when the innermost running region on this thread was
@@ -91,7 +107,7 @@ class PathTracker:
         self.root = root
         self._handles = []
         self._hooked = []       # cells carrying our hooks (and a copy hook that leaves them out of a copy)
-        self._attrs = []        # (cell, attr name, OpSlot)
+        self._attrs = []        # (holder: a cell or a registry dict, key, OpSlot)
         self.installed = False
 
     def install(self):
@@ -105,21 +121,19 @@ class PathTracker:
                 self._handles.append(cell.register_forward_hook(self._make_exit()))
                 hold_copy_hook(cell)
                 self._hooked.append(cell)
-            for attr, value in list(vars(cell).items()):
-                if attr.startswith("_") or attr == "construct" or not is_op_attribute(value):
-                    continue
-                slot = slot_at(cell, attr)
+            for holder, key, attr in _op_slots(cell):
+                slot = slot_at(holder, key)
                 slot.mac_paths[self] = f"{name}.{attr}" if name else attr
-                self._attrs.append((cell, attr, slot))
+                self._attrs.append((holder, key, slot))
 
     def remove(self):
         for h in self._handles:
             h.remove()
         for cell in self._hooked:
             release_copy_hook(cell)
-        for cell, attr, slot in reversed(self._attrs):
+        for holder, key, slot in reversed(self._attrs):
             slot.mac_paths.pop(self, None)
-            release(cell, attr, slot)   # someone may have replaced it since: leave theirs
+            release(holder, key, slot)   # someone may have replaced it since: leave theirs
         self._handles, self._hooked, self._attrs = [], [], []
         self.installed = False
 

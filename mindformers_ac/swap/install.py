@@ -19,13 +19,14 @@ import weakref
 
 from mindspore import nn
 
+from ..config import SwapConfig
 from ..construct_patch import ConstructPatch, bracket_calls
-from ..layer_specs import swappable_layers
+from ..layer_specs import prefetch_trigger_id, swappable_layers
 from ..mindspore_compat import pynative_executor as _executor
 from ..tensors import is_tracked, tensor_leaves, tensor_storage_ptrs
 from ..whitelist import sub_cell
 from .executor import SwapExecutor
-from .scheduler import DEFAULT_MIN_BYTES, SwapScheduler
+from .scheduler import SwapScheduler, with_min_bytes
 
 logger = logging.getLogger("mindformers_ac.swap")
 
@@ -53,13 +54,19 @@ class SwapInstallation:
         self.scheduler.close()
 
 
-def _make_scheduler(executor, report, min_bytes, params, max_pool_bytes, settings):
+def _section(settings, min_bytes):
+    """The swap section an installer's scheduler holds: ``settings`` (default ``SwapConfig()``), with the
+    caller's own ``min_bytes`` when it gave one."""
+    return with_min_bytes(settings if settings is not None else SwapConfig(), min_bytes)
+
+
+def _make_scheduler(executor, report, params, max_pool_bytes, settings):
     if executor is not None and report is not None and executor.report is not report:
         raise ValueError("pass the report to the executor instead: SwapExecutor(report=report)")
     owns = executor is None
     if owns:
         executor = SwapExecutor(max_pool_bytes=max_pool_bytes, report=report)
-    sched = SwapScheduler(executor, min_bytes, params, settings)
+    sched = SwapScheduler(executor, params=params, settings=settings)
     sched.owns_executor = owns
     return sched
 
@@ -152,29 +159,32 @@ def prefetch_trigger(cell, sched, key, trigger):
     return ConstructPatch(cell, "swap_prefetch_trigger", around, unique=False, outer=True)
 
 
-def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None, model=None,
-                       min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None, triggers=None, settings=None):
+def install_layer_swap(layers, layer_ids, prefetch=None, executor=None, report=None, model=None,
+                       min_bytes=None, max_pool_bytes=None, params=None, triggers=None, settings=None):
     """Swap whole layers: everything ``layers[i]`` saves for backward goes to host, ``i`` in ``layer_ids``.
 
     Args:
         layers: the model's layer list (global ids index it).
         layer_ids: global ids of the layers to swap.
-        prefetch: p >= 1: when ``layers[i + p]`` starts its backward, layer i's tensors are
+        prefetch: p >= 1 (default: the section's ``default_prefetch``): when ``layers[i + p]`` starts its
+            backward, layer i's tensors are
             loaded back (by the backend: inline on CPU, on the H2D stream on a device); p = 0: no prefetch, every tensor is loaded on demand.
             Every swapped id needs ``i + p < len(layers)`` (else ValueError, nothing installed).
         executor: a shared ``SwapExecutor`` (not closed by ``remove()``); default: a new one.
         report: a ``SwapReport`` for a new executor (with ``executor``, pass it there).
         model: the top-level model; its call's input tensors stay on the device.
-        min_bytes: tensors smaller than this stay on the device.
+        min_bytes: tensors smaller than this stay on the device (default: the section's ``min_bytes``).
         max_pool_bytes: host pool bound for a new executor.
         params: parameters never to offload (default: those of ``model``, else of ``layers``).
         triggers: ``{layer id: trigger id}`` for swapped layers fetched back by another layer than
             ``i + prefetch`` (a pipeline stage's last layers: an earlier layer of the stage, whose backward
             of the next microbatch comes ``prefetch`` layers before theirs).
-        settings: the ``SwapConfig`` whose other settings the scheduler reads (``apply_ac``'s ``swap`` section;
+        settings: the ``SwapConfig`` the scheduler reads its settings from (``apply_ac``'s ``swap`` section;
             default: ``SwapConfig()``'s).
     Returns a ``SwapInstallation``; report keys are the global layer ids.
     """
+    settings = _section(settings, min_bytes)
+    prefetch = settings.default_prefetch if prefetch is None else prefetch
     triggers = dict(triggers or {})
     layer_ids = list(layer_ids)
     n = len(layers)
@@ -184,24 +194,25 @@ def install_layer_swap(layers, layer_ids, prefetch=1, executor=None, report=None
         if not 0 <= i < n:
             raise ValueError(f"layer id {i} out of range for {n} layers")
         if i not in triggers and i not in swappable_layers(n, prefetch):
-            raise ValueError(f"layer {i} with prefetch {prefetch} needs layer {i + prefetch} to trigger its "
+            raise ValueError(f"layer {i} with prefetch {prefetch} needs layer {prefetch_trigger_id(i, prefetch)} to "
+                             f"trigger its "
                              f"prefetch, but there are {n} layers: lower the prefetch or do not swap layer {i}")
     if params is None:
         params = _params_of(model if model is not None else layers)
-    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes, settings)
+    sched = _make_scheduler(executor, report, params, max_pool_bytes, settings)
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
     for i in layer_ids:
         inst.add(bracket_swap_group(layers[i], sched, i))
         if prefetch:
             sched.mark_prefetchable(i)
-            by = triggers.get(i, i + prefetch)
+            by = triggers.get(i, prefetch_trigger_id(i, prefetch))
             inst.add(prefetch_trigger(layers[by], sched, i, by))
     return inst
 
 
 def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, executor=None, report=None,
-                    model=None, min_bytes=DEFAULT_MIN_BYTES, max_pool_bytes=None, params=None, settings=None):
+                    model=None, min_bytes=None, max_pool_bytes=None, params=None, settings=None):
     """Swap only what the given sub-cells of ``layer`` save (e.g. ``["mlp", "self_attention.core_attention"]``).
 
     The layer's own inputs (and the model call's, with ``model``) stay on the device.
@@ -216,7 +227,7 @@ def install_op_swap(layer, sub_cell_paths, layer_id=None, prefetch_layer=None, e
     key = layer_id if layer_id is not None else f"{type(layer).__name__}@{id(layer):x}"
     if params is None:
         params = _params_of(model if model is not None else layer)
-    sched = _make_scheduler(executor, report, min_bytes, params, max_pool_bytes, settings)
+    sched = _make_scheduler(executor, report, params, max_pool_bytes, _section(settings, min_bytes))
     inst = SwapInstallation(sched)
     _track_inputs(sched, model, inst)
     layer_inputs = []   # a stack: the layer may be re-entered

@@ -41,6 +41,7 @@ nothing: when its group closes, the report counts it under
 before the mark, by the op that made it; or never saved: its consumers save
 other tensors).
 """
+import dataclasses
 import hashlib
 import logging
 import weakref
@@ -48,7 +49,7 @@ import weakref
 import mindspore as ms
 
 from ..checkpoint_policy import CheckpointPolicy
-from ..config import DEFAULT_MIN_BYTES, SwapConfig
+from ..config import SwapConfig
 from ..ledger import ActivationLedger
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
@@ -179,6 +180,11 @@ def _digest(t):
     return hashlib.blake2b(tensor_bytes(t), digest_size=16).digest()
 
 
+
+def with_min_bytes(settings, min_bytes):
+    """The swap section ``settings`` with ``min_bytes`` in it (None: as it is)."""
+    return settings if min_bytes is None else dataclasses.replace(settings, min_bytes=min_bytes)
+
 class SwapScheduler:
     """Pack/unpack hooks and group bookkeeping over a ``SwapExecutor``.
 
@@ -190,14 +196,14 @@ class SwapScheduler:
     prefetched together and an older micro-batch's groups are not.
     """
 
-    def __init__(self, executor=None, min_bytes=DEFAULT_MIN_BYTES, params=(), settings=None):
+    def __init__(self, executor=None, min_bytes=None, params=(), settings=None):
         # the swap section apply_ac was given (defaults without one): a setting of it that the scheduler reads
-        # is read here, from ``self.settings``, with nothing in between to hand it over
-        self.settings = settings if settings is not None else SwapConfig()
+        # is read here, from ``self.settings``, with nothing in between to hand it over. ``min_bytes``: the
+        # API's (swap_wrapper, SwapManager ...) own value, put in the section it holds.
+        self.settings = with_min_bytes(settings if settings is not None else SwapConfig(), min_bytes)
         self.owns_executor = executor is None
         self.executor = executor if executor is not None else SwapExecutor()
         self.report = self.executor.report
-        self.min_bytes = min_bytes
         self.weights = WeightPointers(params)
         self.param_ptrs = self.weights.ptrs    # the hot path's set; updated in place by ``weights``
         self.extra_exclude = set()      # storages of the top-level model call's inputs
@@ -209,6 +215,11 @@ class SwapScheduler:
         self._opened_since_check = None
         self._warned_marks = set()      # tags of marks that offloaded nothing, warned once each
         self._deferred = []             # closed groups whose copies wait for the next close (``defer``)
+
+    @property
+    def min_bytes(self):
+        """Saved tensors smaller than this stay on the device: the section's ``min_bytes``."""
+        return self.settings.min_bytes
 
     def add_params(self, params):
         """Never offload these tensors (weights arrive in pack as plain tensors sharing their storage)."""
