@@ -59,6 +59,19 @@ except ImportError:
 
 no_grad = mindspore._no_grad   # pylint: disable=protected-access
 
+
+_op_tables = importlib.import_module("mindspore.ops.auto_generate.cpp_create_prim_instance_helper")
+_OP_LABELS = getattr(_op_tables, "op_labels", {})              # op name -> attributes MindSpore labels it with
+_OP_DEFAULTS = getattr(_op_tables, "op_args_default_value", {})   # op name -> its arguments with defaults
+
+
+def generator_random_op(name):
+    """True for a pyboost op MindSpore's generated op tables mark as random (read-only): labelled
+    ``side_effect_hidden`` (DropoutExt), or taking a generator's ``seed`` and ``offset`` (InplaceRandom,
+    RandpermV2 ...). Pyboost ops are dispatched without their primitive, so these tables are their facts."""
+    labels, args = _OP_LABELS.get(name, {}), _OP_DEFAULTS.get(name, {})
+    return labels.get("side_effect_hidden") is True or ("seed" in args and "offset" in args)
+
 MIN_MINDSPORE = "2.9.0"
 
 # ``mindspore.common.seed`` is shadowed by the function ``seed`` in ``mindspore.common``'s namespace.

@@ -174,6 +174,16 @@ class WeightPointers:
         self._built_from = self._current()
 
 
+def cell_path_of(cell):
+    """The path of ``cell`` in its model (``layers.0``), read from its Parameters' names (MindSpore names a
+    Parameter by its path from the top cell): the global name less the cell's own local name. Its class name
+    when it holds no named Parameter."""
+    for local, p in cell.parameters_and_names():
+        if p.name.endswith("." + local):
+            return p.name[:-len(local) - 1]
+    return type(cell).__name__   # the top cell, or one without Parameters
+
+
 def root_cell_of(fn):
     """The Cell a call runs: ``fn`` itself, or the owner of a bound method; else None."""
     if isinstance(fn, nn.Cell):

@@ -12,14 +12,13 @@ catches a re-run that took another code path; ``side_effects.BufferGuard``
 undoes a late write.
 """
 import mindspore as ms
-import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor
 
 from ..mindspore_compat import no_grad
-from ..precision import no_casts
-from ..tensors import output_tensors, tensor_leaves, tensors_equal
+from ..tensors import output_tensors, tensors_equal
 from . import messages
 from .dispatch import arg_meta, tensor_args
+from .probe import Sample, first_probed
 from .rerun import RegionBase, RegionRun, keep_saved, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
@@ -47,53 +46,6 @@ class _Collector:
     def pack(self, t):
         if not self.skip and self.saved is not None:
             self.saved.append(t)
-
-
-class _OutputProbe:
-    """``PROBE_SIZE`` evenly spaced elements of a light forward's first floating output, copied, to compare
-    bitwise with its re-run's (docs/exactness.md, "The light path": another code path is detected). One
-    ``GatherNd`` on the output as it is: a flattening view first would cost another op (about 8 us at the
-    small shape)."""
-
-    __slots__ = ("index", "values", "shape")
-
-    def __init__(self, out, check):
-        self.index = self.values = None
-        t = _first_float(out)
-        if t is None:
-            return
-        self.shape = shape = t.shape
-        self.index = check.probe_index.get(shape)
-        if self.index is None:
-            positions = np.arange(0, t.size, max(1, t.size // PROBE_SIZE))[:PROBE_SIZE]
-            coords = np.stack(np.unravel_index(positions, shape), -1) if shape else positions[:, None]
-            self.index = check.probe_index[shape] = Tensor(coords.astype(np.int32))
-        self.values = self._sample(t)
-
-    def _sample(self, t):
-        with no_grad(), no_casts():
-            return ops.gather_nd(t if self.shape else t.reshape((1,)), self.index)
-
-    def matches(self, out):
-        if self.values is None:
-            return True
-        t = _first_float(out)
-        return t is not None and t.shape == self.shape and tensors_equal(self.values, self._sample(t))
-
-
-PROBE_SIZE = 64
-
-
-# bfloat16 is left out: the CPU build has no bfloat16 Gather or GatherNd, and a cast of the whole output would
-# cost more than the probe is worth; a region whose outputs are all bfloat16 is not probed (docs/exactness.md).
-_PROBED = (ms.float16, ms.float32, ms.float64)
-
-
-def _first_float(out):
-    for t in tensor_leaves(out):
-        if t.dtype in _PROBED and t.size > 0 and t.is_contiguous():
-            return t
-    return None
 
 
 def _unpack(obj):
@@ -129,7 +81,7 @@ class LightRegion(RegionBase):
         self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
         self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
-        self.probe = None         # _OutputProbe of the forward's output
+        self.probe = None         # probe.Sample of the forward's output (the safety net)
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -165,7 +117,7 @@ class LightRegion(RegionBase):
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.replaced.watch():
                 out = self.fn(*args, **kwargs)
-            self.probe = _OutputProbe(out, self.check)
+            self.probe = Sample(first_probed(out), self.check.probe_index)
         finally:
             ENGINE.pop(run)
         self.stamp(args, kwargs, out, self.check.saved_outputs)
@@ -299,9 +251,9 @@ class LightRegion(RegionBase):
                 self._checks.forget(self._key)
                 ENGINE.warnings.warning(("light_write", self._key), messages.LIGHT_REWRITE)
         self._check(saved, run)
-        if not self.probe.matches(out):
+        if not self.probe.matches(first_probed(out)):
             self._checks.forget(self._key)
-            raise messages.other_output()
+            raise messages.other_values(self.check.region_path, self.check.output_op)
         self.keep_rerun_output(out)
         self.recomputed = saved
         self.inputs = self.sig = self.kept = None

@@ -125,11 +125,16 @@ def other_tensor(where, fwd_meta, rec_meta):
         f"the recompute. {_SAME_SHAPES}")
 
 
-def other_output():
-    """A light re-run computed another output than its forward (sampled elements differ)."""
+def other_values(region, op):
+    """A re-run computed other values than its forward (the safety net's sampled elements differ bitwise):
+    ``region`` is the region's cell path (or its class), ``op`` the op whose tensor was sampled."""
     return RecomputeError(
-        f"{_DIVERGED}: the recompute computed another output than the forward (sampled elements differ "
-        f"bitwise), so it took another code path. {SAME_PATH}")
+        f"{_DIVERGED} in {region!r}: the recompute computed another output than the forward at {op} (sampled "
+        "elements differ bitwise), so the gradients would be wrong; no gradient left the region. Something the "
+        "region reads changed between its forward and its re-run: an op whose result depends on Python state "
+        "(a counter, a flag, a global, a host-side random draw), a tensor read from outside its arguments, or "
+        "a random op the engine does not know. Pass such values as arguments, hand the forward's value to "
+        f"the re-run with save_for_recompute, or keep the op with exclude_op / a policy. {SAME_PATH}")
 
 
 def dropout_calls(rec, fwd):

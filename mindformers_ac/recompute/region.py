@@ -21,11 +21,12 @@ from ..errors import RecomputeError
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
+from ..tensors import cell_path_of, detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
 from . import messages
 from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
 from .keep_sites import decides_by_site
+from .probe import Sample, SampleIndex, first_probed, probed
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import (
     RegionBase,
@@ -122,6 +123,10 @@ class Region(RegionBase):
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
         self.stop_state = None    # ExecutorCalls.cell_state() when that re-run started (may_stop)
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
+        # the safety net (probe): samples of the forward's output and of its last dropped tensor, which the
+        # re-run must reproduce bitwise; the index cache is the signature's (a checking call's) or its own
+        self.samples = self.last_drop = None
+        self.sample_index = recorder.check.probe_index if recorder is not None else SampleIndex()
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -346,6 +351,41 @@ class Region(RegionBase):
             if got != meta:
                 raise messages.other_tensor(f"op #{idx} {self.describe_op(idx)}, its saved tensor #{k}", meta, got)
 
+    # -- the safety net (probe) ------------------------------------------------
+    def take_samples(self, out):
+        """At the end of the forward: sample its output and, when the re-run may stop early, its last dropped
+        tensor (the last op such a re-run reaches), for ``check_values``."""
+        drop, self.last_drop = self.last_drop, None
+        t = first_probed(out)
+        at_stop = (drop[0], Sample(drop[1], self.sample_index)) if drop is not None and self.settings.early_stop \
+            else None
+        self.samples = (Sample(t, self.sample_index), self.bytes.producer.get(storage_info(t)[0]) if t is not None
+                        else None, at_stop)
+
+    def check_values(self, out, stopped):
+        """After the re-run, before any tensor it rebuilt leaves the region: the sampled tensor holds the
+        forward's values bitwise, else ``RecomputeError`` naming the region and the op (docs/exactness.md,
+        "The safety net"): a pattern no rule knows fails on its first backward."""
+        at_output, _, at_stop = self.samples
+        if stopped:
+            if at_stop is not None and not at_stop[1].matches(self.recomputed.get(at_stop[0])):
+                idx, k = at_stop[0]
+                raise messages.other_values(self.cell_path(), f"op #{idx} {self.describe_op(idx)}, its saved "
+                                                              f"tensor #{k}")
+        elif not at_output.matches(first_probed(out)):
+            raise messages.other_values(self.cell_path(), self.describe_output_op())
+
+    def describe_output_op(self):
+        """``op #7 Add (in 'mlp'), the region's output``: the op that made the sampled output, for messages."""
+        idx = self.samples[1] if self.samples is not None else None
+        if idx is None:
+            return "the region's output"
+        return f"op #{idx} {messages.describe_op(self.op_names, self.op_paths, idx)}, the region's output"
+
+    def cell_path(self):
+        """The region's cell path in its model (or its function's name), for messages."""
+        return cell_path_of(self.root) if self.root is not None else self.describe_root()
+
     # -- kept outputs -----------------------------------------------------------
     def cache_output(self, run, idx, out, name, args):
         if self.decisions[idx] == SWAP:
@@ -512,6 +552,8 @@ class Region(RegionBase):
             run.pending.append((token, t))   # settled when the Dropout returns (finish_dropout)
         else:
             self.bytes.drop(t)
+            if probed(t):
+                self.last_drop = (key, t)   # held until the forward ends, then sampled (take_samples)
         return token
 
     def pack_recompute(self, run, t):
@@ -582,6 +624,8 @@ class Region(RegionBase):
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
                     self.replaced.watch(run.engine_ops):
                 out = self.fn(*args, **kwargs)
+            with run.engine_ops():   # on the run, so that no enclosing region numbers the sample's op
+                self.take_samples(out)
         finally:
             ENGINE.pop(run)
         producer = self.bytes.producer
@@ -643,6 +687,7 @@ class Region(RegionBase):
             if outputs is not None:
                 outputs.append(out)
         self.check_recompute(run, stopped)
+        self.check_values(out, stopped)
         if stopped:
             self.stats.early_stops += 1
         else:
