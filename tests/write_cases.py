@@ -7,6 +7,8 @@ tensor a layer saved and the next layer writes, a marker-guarded side effect tha
 and nested regions with replay metadata. Each builds on ``model_patterns``' layer (3 layers, hidden 32) so
 that the exactness tests compare it against its plain twin with ``steps.run_steps``.
 """
+import dataclasses
+
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
@@ -161,6 +163,35 @@ class WritesInputByLayer(Layer):
 def writes_input_by(how, keeps_input=True):
     """A ``WritesInputByLayer`` class writing with ``how``."""
     return type(f"WritesInputBy_{how}", (WritesInputByLayer,), {"how": how, "keeps_input": keeps_input})
+
+
+@dataclasses.dataclass
+class LayerOutput:
+    """A Hugging Face-style layer output: the hidden state inside a dataclass, not a tuple or dict."""
+    hidden: object
+
+
+class DataclassOutputLayer(SavesOutputCellLayer):
+    """Returns its output (what its last cell saved) as ``LayerOutput(hidden=...)``."""
+
+    def construct(self, x, pos, mask, scale):
+        return LayerOutput(hidden=super().construct(x, pos, mask, scale))
+
+
+class UnwrapsOutputsModel(PatternModel):
+    """Takes ``.hidden`` of a layer that returns a ``LayerOutput``."""
+
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+            x = x.hidden if isinstance(x, LayerOutput) else x
+        return self.loss(x, y)
+
+
+def build_dataclass_output(how):
+    """Layer 0 returns ``LayerOutput(hidden=h)``; layer 1 writes ``h`` with ``how`` (issue 49's case)."""
+    layers = [DataclassOutputLayer()] + [writes_input_by(how)() for _ in range(N_LAYERS - 1)]
+    return init_weights(UnwrapsOutputsModel(layers))
 
 
 def swap_first_layer(model, mode):
