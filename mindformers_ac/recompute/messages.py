@@ -221,6 +221,10 @@ KEEP_SIDE_EFFECT = ("%s writes parameters larger than its other inputs: its outp
                     "them for the recompute")
 DROPOUT_NOT_REBUILT = ("Dropout output can't be rebuilt bitwise from its mask for %s; keeping Dropout outputs "
                        "instead (more memory, still exact)")
+KEPT_OVER = ("recompute of %s keeps %d bytes more than the model keeps without AC: ops its policy keeps "
+             "(MUST_SAVE, exclude_op) whose outputs no backward reads are kept as asked, not re-run "
+             "(RecomputeStats.kept_over_bytes); a policy that returns PREFER_SAVE lets the engine re-run them "
+             "instead")
 LIGHT_REWRITE = ("a recomputed region wrote one of its non-trainable Parameters in a re-run, which its first "
                  "(checked) call did not do (a write only some inputs trigger); the write was undone, so it "
                  "lands once per step, and the region's calls with this signature are checked again")

@@ -108,7 +108,7 @@ class Region(RegionBase):
         self.site_policy = policy_fn is not None and decides_by_site(policy_fn)
         if policy_fn is not None and not self.site_policy:
             self.keep_intercepted("policy", "a policy_fn that decides per op call (not by the op's name and place)")
-        self.policy_saves = set()     # op indices the policy keeps (MUST_SAVE / PREFER_SAVE)
+        self.policy_saves = {}        # op index the policy keeps -> its policy (MUST_SAVE / PREFER_SAVE)
         if swap_inputs:
             self.keep_intercepted("swap_inputs", "its inputs are swapped")
         self.recorder = recorder
@@ -166,7 +166,7 @@ class Region(RegionBase):
             if self.swap_executor is not None:
                 return SWAP
             ENGINE.warnings.warning("must_swap", messages.MUST_SWAP_WITHOUT_EXECUTOR)
-        self.policy_saves.add(idx)
+        self.policy_saves[idx] = policy
         return SAVE
 
     # -- ops that write parameters (see side_effects) -----------------------------
@@ -405,15 +405,16 @@ class Region(RegionBase):
                                                         f"in place")
 
     def release_unread_kept(self):
-        """Rule K2 of docs/exactness.md, at the end of the forward: unread policy-kept ops are re-run instead,
+        """Rule K2 of docs/exactness.md, at the end of the forward: unread PREFER_SAVE ops are re-run instead,
         largest first, while the region keeps more than its forward saved; a collective (``is_comm_op``) or
-        a writer (W3) stays kept."""
+        a writer (W3) stays kept. MUST_SAVE (``exclude_op``) is kept whatever it costs: what the region
+        then keeps beyond its forward's saves is reported (``RecomputeStats.kept_over_bytes``, a warning)."""
         kept, budget = sum(self.bytes.kept.values()), sum(self.packed.values())
         unread = []
-        for idx in self.policy_saves:
+        for idx, policy in self.policy_saves.items():
             out = self.cache.get(idx)
-            if out is None or idx in self.writes_arg or is_comm_op(self.op_names[idx]) \
-                    or self.decisions.get(idx) != SAVE:
+            if out is None or policy is not CheckpointPolicy.PREFER_SAVE or idx in self.writes_arg \
+                    or is_comm_op(self.op_names[idx]) or self.decisions.get(idx) != SAVE:
                 continue
             tensors = [t for t in output_tensors(out) if isinstance(t, Tensor)]
             if not any((storage_info(t)[0], idx) in self.packed for t in tensors):
@@ -421,8 +422,7 @@ class Region(RegionBase):
         for nbytes, idx, tensors in sorted(unread, key=lambda u: (-u[0], u[1])):
             if kept <= budget:
                 break
-            del self.cache[idx], self.decisions[idx]
-            self.policy_saves.discard(idx)
+            del self.cache[idx], self.decisions[idx], self.policy_saves[idx]
             self.kept_args.pop(idx, None)
             self.light_reproduces(("op", idx))
             for t in tensors:
@@ -430,6 +430,10 @@ class Region(RegionBase):
                 self.kept_ptrs.pop(t.data_ptr(), None)
             kept -= nbytes
             self.stats.unread_kept += 1
+        if kept > budget and self.policy_saves:
+            self.stats.note_kept_over(kept - budget)
+            ENGINE.warnings.warning(("kept_over", id(self.stats)), messages.KEPT_OVER, self.cell_path(),
+                                    kept - budget)
 
     def note_kept_args(self, idx, args):
         """Before policy-kept op ``idx`` runs: where its tensor arguments live, so that what it saves of them
