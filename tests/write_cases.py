@@ -90,6 +90,83 @@ class ReboundWeightLayer(Layer):
         return h + self.mlp(self.norm2(h)) * self.gain
 
 
+class OneIndexSlotLayer(Layer):
+    """A 32-element buffer, one slot read and then written (``self.hist[0] = self.hist[0] + 0.5``: a
+    ScatterNdUpdate into the buffer, whose other inputs are smaller than it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hist = Parameter(Tensor(np.zeros(32, np.float32)), name="hist", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * (1.0 + self.hist[0])
+        self.hist[0] = self.hist[0] + 0.5
+        return h + self.mlp(self.norm2(h))
+
+
+class SharedCounterLayer(Layer):
+    """Counts its calls into a counter every layer shares (``counter``, set by ``build_shared_counter``), read
+    before the count."""
+
+    counter = None
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * (1.0 + 0.01 * self.counter)
+        ops.assign_add(self.counter, Tensor(np.ones(1, np.float32)))
+        return h + self.mlp(self.norm2(h))
+
+
+def build_shared_counter():
+    model = build_layers(SharedCounterLayer)
+    model.counter = Parameter(Tensor(np.zeros(1, np.float32)), name="counter", requires_grad=False)
+    for layer in model.layers:   # the model's Parameter, held by every layer (not one of a layer's own)
+        object.__setattr__(layer, "counter", model.counter)
+    return model
+
+
+class SpectralNormLayer(Layer):
+    """Spectral norm of the MLP's first weight by one power iteration on a kept vector ``u``, which the forward
+    replaces (``set_data``) or assigns (``ops.assign``): ``how``."""
+
+    how = "assign"
+
+    def __init__(self):
+        super().__init__()
+        rows = self.mlp.fc1.weight.shape[0]
+        self.u = Parameter(Tensor(np.full(rows, 0.25, np.float32)), name="u", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        w = ops.stop_gradient(self.mlp.fc1.weight)
+        v = ops.matmul(self.u, w)
+        v = v / (ops.norm(v) + 1e-6)
+        u = ops.matmul(w, v)
+        u = u / (ops.norm(u) + 1e-6)
+        if self.how == "assign":
+            ops.assign(self.u, u)
+        else:
+            self.u.set_data(u)
+        sigma = ops.tensor_dot(self.u, ops.matmul(w, v), 1)
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        return h + self.mlp(self.norm2(h)) / sigma
+
+
+def spectral_norm_by(how):
+    return type(f"SpectralNorm_{how}", (SpectralNormLayer,), {"how": how})
+
+
+class AssignTrainableLayer(Layer):
+    """``ops.assign`` on a trainable weight in forward, read before and after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = Parameter(Tensor(np.full(H, 1.0, np.float32)), name="gain")
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * self.gain
+        ops.assign(self.gain, ops.stop_gradient(self.gain * 0.999))
+        return h + self.mlp(self.norm2(h)) * self.gain
+
+
 class WriteBetweenModel(PatternModel):
     """Writes in place into the hidden states between layer 0 and layer 1 (``how``: ``setitem`` rebinds
     the tensor's storage, ``copy`` writes it)."""

@@ -42,6 +42,7 @@ from .rerun import (
 from .side_effects import (
     KEEP,
     StateSnapshot,
+    buffers_as_before,
     choose_handling,
     first_input,
     read_slots,
@@ -674,7 +675,8 @@ class Region(RegionBase):
 
         args, kwargs = self.load_inputs()
         outputs = [] if "inner_grad" in self.intercept else None   # its own grad calls: see recompute_graph
-        with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
+        with self.replaced.rerun_from(), buffers_as_before(self.snapshots.values()), \
+                recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(pack, keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
