@@ -53,6 +53,12 @@ CASES = {
     "buffer_slice_write": (lambda: wc.build_layers(wc.SliceBufferLayer),
                            {"full": wc.FULL, "group": wc.GROUP, "exclude_op": wc.exclude("MatMul"),
                             "checkpoint_api": _plain_api}),
+    # issue 49: a slice assignment into a kept output (a rebinding), a model's Parameter handed to every
+    # layer and rebound there
+    "kept_output_setitem": (lambda: wc.build_layers(wc.KeptSetitemLayer),
+                            {"exclude_op": wc.exclude("MatMul"), "checkpoint_api": _exclude_api("MatMul")}),
+    "argument_parameter_rebound": (wc.build_rebinds_argument,
+                                   {"full": wc.FULL, "exclude_op": wc.exclude("MatMul"), "checkpoint_api": _plain_api}),
     # the five buffer patterns exact at b21fa7c (issue 49): copied, not refused by a size heuristic
     "one_index_slot": (lambda: wc.build_layers(wc.OneIndexSlotLayer),
                        {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
@@ -214,3 +220,26 @@ def test_kept_ops_keep_their_outputs_and_prefer_save_never_keeps_more_than_witho
     else:   # every matmul kept, none re-run: their slot holds a keep site, the later calls are light
         assert kept > none and stats.kept_over_bytes > 0 and stats.unread_kept == 0, (kept, none)
         assert "MatMul" not in stats.rerun_by_op and stats.light_calls == 2, stats
+
+
+def test_a_parameter_replaced_in_forward_is_refused_on_the_first_call():
+    """``self.g = Parameter(...)`` in a recomputed layer's forward: its re-run would read the new object.
+    Refused as the first forward ends, naming the layer, the Parameter and what to write instead."""
+    from isolated import run_isolated
+    res = run_isolated("""
+import write_cases as wc
+import mindformers_ac as mac
+from model_patterns import hidden_batch
+from steps import run_steps
+model = wc.build_layers(wc.ReplacesParameterLayer)
+before = [p.asnumpy().copy() for p in model.trainable_params()]
+mac.apply_ac(model, config=wc.FULL)
+try:
+    run_steps(model, hidden_batch, steps=1)
+except mac.recompute.RecomputeError as exc:
+    print("REFUSED", exc)
+print("UNCHANGED", all((b == p.asnumpy()).all() for b, p in zip(before, model.trainable_params())))
+""")
+    assert "REFUSED mindformers_ac: the recomputed region 'layers.0' replaced its Parameter 'g'" in res.stdout, \
+        res.stdout + res.stderr[-2000:]
+    assert "UNCHANGED True" in res.stdout

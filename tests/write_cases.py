@@ -38,6 +38,16 @@ class KeptAssignAddLayer(Layer):
         return h + self.mlp.fc2(ops.gelu(m))
 
 
+class KeptSetitemLayer(Layer):
+    """As ``KeptCopyLayer``, written by slice assignment (``m[:] = m * 2``: a rebinding of the kept output)."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        m = ops.matmul(self.norm2(h), self.mlp.fc1.weight.T)
+        m[:] = m * 2.0
+        return h + self.mlp.fc2(ops.gelu(m))
+
+
 class KeptWriterLayer(Layer):
     """A kept op that writes its own argument, as ``mint.distributed.all_reduce(t)`` reduces ``t`` in place:
     here ``t.copy_(...)`` under ``exclude_op: [InplaceCopy]``; the layer goes on with ``t``, not with what
@@ -165,6 +175,35 @@ class AssignTrainableLayer(Layer):
         h = x + self.attn(self.norm1(x), pos, mask, scale) * self.gain
         ops.assign(self.gain, ops.stop_gradient(self.gain * 0.999))
         return h + self.mlp(self.norm2(h)) * self.gain
+
+
+class RebindsArgumentLayer(Layer):
+    """Rebinds the model's Parameter it is handed as ``scale`` (``set_data``), after reading it."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        scale.set_data(ops.stop_gradient(scale * 1.01))
+        return h + self.mlp(self.norm2(h)) * scale
+
+
+def build_rebinds_argument():
+    """Every layer gets the model's non-trainable Parameter ``scale`` as an argument and rebinds it."""
+    model = build_layers(RebindsArgumentLayer)
+    model.scale = Parameter(Tensor(np.linspace(0.5, 1.5, H).astype(np.float32)), name="scale", requires_grad=False)
+    return model
+
+
+class ReplacesParameterLayer(Layer):
+    """Replaces its own Parameter by a new object in forward (``self.g = Parameter(...)``), after reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = Parameter(Tensor(np.full(H, 1.0, np.float32)), name="g", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * self.g
+        self.g = Parameter(ops.stop_gradient(self.g * 0.99), name="g", requires_grad=False)
+        return h + self.mlp(self.norm2(h))
 
 
 class WriteBetweenModel(PatternModel):

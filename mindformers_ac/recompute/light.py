@@ -115,7 +115,8 @@ class LightRegion(RegionBase):
         try:
             self.start_forward()
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
-            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.replaced.watch():
+            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), \
+                    self.replaced.watch(args=(args, kwargs)):
                 out = self.fn(*args, **kwargs)
             self.probe = Sample(first_probed(out), self.check.probe_index)
         finally:

@@ -74,6 +74,16 @@ def written_after_forward(what, shape, dtype, region):
         "(x = x * 1 before the write), or leave this layer out of recompute.")
 
 
+def parameter_replaced(region, name):
+    """A region's forward replaced one of its Parameters by a new object."""
+    return RecomputeError(
+        f"mindformers_ac: the recomputed region {region!r} replaced its Parameter {name!r} by a new Parameter "
+        "object in its forward (self.x = Parameter(...)); its re-run would read the new value, not the one the "
+        "forward read, so this is refused before any gradient. Give the Parameter its new value in place "
+        "instead (self.x.set_data(v), self.x.assign_value(v) or ops.assign(self.x, v): the engine then "
+        "restores the old value for the re-run), or leave this cell out of recompute.")
+
+
 def skipped_op_needed(idx, desc):
     """Backward reached an op that the re-run skipped under the marker."""
     return RecomputeError(

@@ -314,9 +314,10 @@ class Region(RegionBase):
         """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
-        gradients computed inside the forward."""
+        gradients computed inside the forward, Parameters rebound in forward (their values are put back when
+        the re-run ends, which a stopped one reaches before its last op's saves are handed over)."""
         if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
-                or "inner_grad" in self.intercept or not self.token_meta):
+                or "inner_grad" in self.intercept or not self.token_meta or self.replaced.before):
             return None
         return max(idx for idx, _ in self.token_meta)
 
@@ -627,12 +628,13 @@ class Region(RegionBase):
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
-                    self.replaced.watch(run.engine_ops):
+                    self.replaced.watch(run.engine_ops, (args, kwargs)):
                 out = self.fn(*args, **kwargs)
             with run.engine_ops():   # on the run, so that no enclosing region numbers the sample's op
                 self.take_samples(out)
         finally:
             ENGINE.pop(run)
+        self.refuse_replaced_parameters()
         producer = self.bytes.producer
         self.saved_outputs = tuple(j for j, t in enumerate(tensor_leaves(out))
                                    if (storage_info(t)[0], producer.get(storage_info(t)[0])) in self.packed)
@@ -645,6 +647,17 @@ class Region(RegionBase):
         self._swap_holders = None
         self.stats.open_region(self, self.bytes.close())
         return out
+
+    def refuse_replaced_parameters(self):
+        """After the forward: ``RecomputeError`` when it replaced one of the root's Parameters by a new object
+        (``self.g = Parameter(...)``): the re-run would read the new one, and nothing holds the old one's
+        value for it (rule W4 covers ``set_data`` and ``assign_value``, which keep the object)."""
+        if self.root is None:
+            return
+        before = {id(p) for p in self.params}
+        for name, p in self.root.parameters_and_names():
+            if id(p) not in before:
+                raise messages.parameter_replaced(self.cell_path(), name)
 
     def replay(self, args, kwargs):
         """Run again inside a parent's recompute, with this region's kept outputs and masks."""

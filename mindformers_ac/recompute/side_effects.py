@@ -15,7 +15,7 @@ from mindspore.ops import Primitive
 
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
-from ..tensors import is_tracked
+from ..tensors import is_tracked, tensor_leaves
 
 SNAPSHOT, KEEP = "snapshot", "keep"
 
@@ -241,11 +241,14 @@ class ReboundParameters:
         self.before = ()       # (param, copy of its value before the forward rebound it), in order
 
     @contextlib.contextmanager
-    def watch(self, hidden=contextlib.nullcontext):
-        """Around the forward: note each Parameter's value before its first rebinding. ``hidden``: a
-        context under which the copy is no op of the region (the intercepting path's dispatch)."""
+    def watch(self, hidden=contextlib.nullcontext, args=()):
+        """Around the forward: note each Parameter's value before its first rebinding, the root's and those
+        handed to the region in ``args`` (a model's Parameter passed to every layer). ``hidden``: a context
+        under which the copy is no op of the region (the intercepting path's dispatch)."""
         before = {}
         wrapped = []
+        own = {id(p) for p in self.params}
+        params = (*self.params, *(p for p in tensor_leaves(args) if isinstance(p, Parameter) and id(p) not in own))
 
         def rebind(p, call, *args, **kwargs):
             if id(p) not in before:
@@ -254,7 +257,7 @@ class ReboundParameters:
             return call(*args, **kwargs)
 
         try:
-            for p in self.params:
+            for p in params:
                 for method in self.METHODS:
                     outer = p.__dict__.get(method)   # an enclosing region's wrapper
                     call = outer if outer is not None else functools.partial(getattr(type(p), method), p)
