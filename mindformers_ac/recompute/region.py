@@ -245,10 +245,12 @@ class Region(RegionBase):
         if snapshot is not None:
             return snapshot.args_for_rerun(args, run.written)
         served = {}
-        for pos, ptr in read_slots(args, self.written):
+        for pos, ptr, t in read_slots(args, self.written):
+            first, snap, k = self.written[ptr]
+            if snap is not None and (t.shape, t.dtype) != (snap.copies[k].shape, snap.copies[k].dtype):
+                continue   # another tensor at an address the written one had (found by program_generator)
             self.keep_intercepted("rerun_reads_written", f"re-run op #{idx} {name} reads a tensor the region writes")
             if ptr not in run.written:
-                first, snap, k = self.written[ptr]
                 if snap is None:
                     if idx < first:
                         raise messages.read_before_kept_write(idx, name, run.cell_path(), first,
@@ -314,10 +316,11 @@ class Region(RegionBase):
         """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
-        gradients computed inside the forward, Parameters rebound in forward (their values are put back when
-        the re-run ends, which a stopped one reaches before its last op's saves are handed over)."""
+        gradients computed inside the forward, Parameters rebound or written by ops in forward (their values
+        are put back when the re-run ends; a stop in the middle of a slice assignment, Python code that runs
+        several ops, left MindSpore's next step failing on shapes: found by tests/program_generator.py)."""
         if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
-                or "inner_grad" in self.intercept or not self.token_meta or self.replaced.before):
+                or "inner_grad" in self.intercept or not self.token_meta or self.replaced.before or self.written):
             return None
         return max(idx for idx, _ in self.token_meta)
 

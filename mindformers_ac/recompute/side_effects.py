@@ -173,8 +173,8 @@ class StateSnapshot:
 
 
 def read_slots(args, ptrs):
-    """``[(position, data_ptr)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
-    return [(pos, t.data_ptr()) for pos, t in _positions(args) if isinstance(t, Tensor) and t.data_ptr() in ptrs]
+    """``[(position, data_ptr, tensor)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
+    return [(pos, t.data_ptr(), t) for pos, t in _positions(args) if isinstance(t, Tensor) and t.data_ptr() in ptrs]
 
 
 @contextlib.contextmanager
