@@ -14,9 +14,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from mindformers_ac.mindspore_compat import synchronous_pynative  # noqa: E402
-
 import program_generator as gen  # noqa: E402
+
+from mindformers_ac.mindspore_compat import synchronous_pynative  # noqa: E402
 
 
 def main():

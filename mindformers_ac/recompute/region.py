@@ -316,11 +316,10 @@ class Region(RegionBase):
         """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
-        gradients computed inside the forward, Parameters rebound or written by ops in forward (their values
-        are put back when the re-run ends; a stop in the middle of a slice assignment, Python code that runs
-        several ops, left MindSpore's next step failing on shapes: found by tests/program_generator.py)."""
+        gradients computed inside the forward, Parameters rebound in forward (their values are put back when
+        the re-run ends, which a stopped one reaches before its last op's saves are handed over)."""
         if (not self.settings.early_stop or self.recorder is not None or self.feeds_next or self.children
-                or "inner_grad" in self.intercept or not self.token_meta or self.replaced.before or self.written):
+                or "inner_grad" in self.intercept or not self.token_meta or self.replaced.before):
             return None
         return max(idx for idx, _ in self.token_meta)
 
