@@ -127,6 +127,8 @@ class Region(RegionBase):
         # the safety net (probe): samples of the forward's output and of its last dropped tensor, which the
         # re-run must reproduce bitwise; the index cache is the signature's (a checking call's) or its own
         self.samples = self.last_drop = None
+        self.cut_samples = {}     # (kept op index, before / after) -> (key, Sample) of the last drop
+        self.cut_pending = None   # (kept op index, "after") until the next op: its packs are made by then
         self.sample_index = recorder.check.probe_index if recorder is not None else SampleIndex()
 
     # -- swap -------------------------------------------------------------------
@@ -356,27 +358,52 @@ class Region(RegionBase):
                 raise messages.other_tensor(f"op #{idx} {self.describe_op(idx)}, its saved tensor #{k}", meta, got)
 
     # -- the safety net (probe) ------------------------------------------------
-    def take_samples(self, out):
-        """At the end of the forward: sample its output and, when the re-run may stop early, its last dropped
-        tensor (the last op such a re-run reaches), for ``check_values``."""
-        drop, self.last_drop = self.last_drop, None
+    def take_samples(self, run, out):
+        """At the end of the forward: sample its output and the last tensor it dropped since the last kept op
+        (the last op a re-run that stops early reaches), for ``check_values``."""
+        if self.cut_pending is not None:
+            self.sample_at_kept(run, self.cut_pending)
         t = first_probed(out)
-        at_stop = (drop[0], Sample(drop[1], self.sample_index)) if drop is not None and self.settings.early_stop \
-            else None
         self.samples = (Sample(t, self.sample_index), self.bytes.producer.get(storage_info(t)[0]) if t is not None
-                        else None, at_stop)
+                        else None, self.sample_last_drop())
+
+    def sample_last_drop(self):
+        """``(key, Sample)`` of the last tensor dropped since the previous call, or None; forgets it."""
+        drop, self.last_drop = self.last_drop, None
+        return (drop[0], Sample(drop[1], self.sample_index)) if drop is not None else None
+
+    def sample_at_kept(self, run, point):
+        """In forward, at a kept op (``point``: ``(index, "before")`` or ``(index, "after")`` its call): sample
+        the last tensor dropped since the previous sample, which may be the arguments it saved (rule K1). A
+        kept op hands the re-run its forward's output, so a divergence before it may not reach the region's
+        output; the re-run compares at the same point (``check_at_kept``)."""
+        self.cut_pending = None
+        if self.last_drop is not None:
+            with run.engine_ops():
+                self.cut_samples[point] = self.sample_last_drop()
+
+    def check_at_kept(self, run, point):
+        """In the re-run, at the kept op's ``point``: the tensor sampled there in forward is rebuilt bitwise."""
+        cut = self.cut_samples.get(point)
+        if cut is None:
+            return
+        key, sample = cut
+        with run.engine_ops():
+            same = sample.matches(self.recomputed.get(key))
+        if not same:
+            raise messages.other_values(self.cell_path(), f"op #{key[0]} {self.describe_op(key[0])}, its saved "
+                                                          f"tensor #{key[1]}")
 
     def check_values(self, out, stopped):
-        """After the re-run, before any tensor it rebuilt leaves the region: the sampled tensor holds the
+        """After the re-run, before any tensor it rebuilt leaves the region: the sampled tensors hold the
         forward's values bitwise, else ``RecomputeError`` naming the region and the op (docs/exactness.md,
         "The safety net"): a pattern no rule knows fails on its first backward."""
-        at_output, _, at_stop = self.samples
-        if stopped:
-            if at_stop is not None and not at_stop[1].matches(self.recomputed.get(at_stop[0])):
-                idx, k = at_stop[0]
-                raise messages.other_values(self.cell_path(), f"op #{idx} {self.describe_op(idx)}, its saved "
-                                                              f"tensor #{k}")
-        elif not at_output.matches(first_probed(out)):
+        at_output, _, last = self.samples
+        if last is not None and not last[1].matches(self.recomputed.get(last[0])):
+            idx, k = last[0]
+            raise messages.other_values(self.cell_path(), f"op #{idx} {self.describe_op(idx)}, its saved "
+                                                          f"tensor #{k}")
+        if not stopped and not at_output.matches(first_probed(out)):
             raise messages.other_values(self.cell_path(), self.describe_output_op())
 
     def describe_output_op(self):
@@ -561,7 +588,7 @@ class Region(RegionBase):
         else:
             self.bytes.drop(t)
             if probed(t):
-                self.last_drop = (key, t)   # held until the forward ends, then sampled (take_samples)
+                self.last_drop = (key, t)   # held until the next kept op or the forward's end, then sampled
         return token
 
     def pack_recompute(self, run, t):
@@ -633,7 +660,7 @@ class Region(RegionBase):
                     self.replaced.watch(run.engine_ops, (args, kwargs)):
                 out = self.fn(*args, **kwargs)
             with run.engine_ops():   # on the run, so that no enclosing region numbers the sample's op
-                self.take_samples(out)
+                self.take_samples(run, out)
         finally:
             ENGINE.pop(run)
         self.refuse_replaced_parameters()
