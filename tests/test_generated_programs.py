@@ -7,10 +7,13 @@ import pytest
 
 from isolated import run_isolated
 
-# Found by scripts/hunt_programs.py (seed 1): buffer_slot's written temporary freed, its address reused by the
-# next step's input, which the re-run took for the written buffer (refused at step 1 on ce633c2)
-FOUND = [(253228484, "checkpoint_wrapper"), (19767455, "checkpoint_wrapper")]
-CI_CASES, CI_SEED = 24, 49
+# Found by scripts/hunt_programs.py. Seed 1: buffer_slot's written temporary freed, its address reused by the
+# next step's input, which the re-run took for the written buffer (refused at step 1 on ce633c2). Seed 7:
+# Python state before a kept MatMul, whose output (handed back as it was) hid the divergence from the
+# region's output: silently different at step 0 (the safety net samples at kept ops now).
+FOUND = [(253228484, "checkpoint_wrapper"), (19767455, "checkpoint_wrapper"), (653360214, "exclude_op"),
+         (440701291, "exclude_op")]
+CI_CASES, CI_SEED = 60, 49
 
 
 @pytest.mark.parametrize("draw", ["found", "seeded"])
@@ -31,4 +34,5 @@ print("COUNTS", sorted(counts.items()))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "FOUND" not in res.stdout, res.stdout
     counts = dict(eval(res.stdout.split("COUNTS", 1)[1]))   # noqa: S307  (our own printout)
-    assert counts.get("exact", 0) >= (len(FOUND) if draw == "found" else CI_CASES // 2), counts
+    assert counts.get("exact", 0) >= (2 if draw == "found" else CI_CASES // 2), counts
+    assert counts.get("refused", 0) >= (2 if draw == "found" else 1), counts   # the safety net acted
