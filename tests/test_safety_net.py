@@ -83,6 +83,10 @@ _FULL = {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}}
     # from the second call on the layer is light; the counter takes effect in the light re-run
     ("light", 3, 0.0, _FULL, 1, "op #"),
     # exclude_op keeps Sin at the end: an intercepting re-run stops after tanh, its last dropped tensor
+    # exclude_op keeps the matmuls at their slots (light from the second call): fc2's kept output hides the
+    # counter from the region's output, the light re-run compares the kept call's input
+    ("light kept", 3, 0.0, {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"],
+                                          "exclude_op": ["MatMul"]}}, 1, "the input of kept call #"),
     # checkpoint_wrapper(light_path=False): no signature check, the re-run stops after fc2's MatMul, which
     # saved the last dropped tensor (Sin's saved input is the layer's input, kept)
     ("early stop", 1, 1.0, None, 0, "its saved tensor #"),
@@ -96,6 +100,6 @@ def test_a_rerun_that_computes_other_values_raises_before_the_optimizer_step(cas
     assert "in 'layers.1'" in res.stdout, res.stdout   # the region's cell path (backward meets layer 1 first)
     assert path in res.stdout.split("ERROR", 1)[1]
     paths = res.stdout.split("PATHS", 1)[1].split()
-    if case == "light":   # step 0 intercepted (checked), step 1 light
+    if case in ("light", "light kept"):   # step 0 intercepted (checked), step 1 light
         assert paths[:2] == ["2", "2"], res.stdout
 

@@ -18,7 +18,7 @@ from ..mindspore_compat import no_grad
 from ..tensors import output_tensors, tensors_equal
 from . import messages
 from .dispatch import arg_meta, tensor_args
-from .probe import Sample, first_probed
+from .probe import Sample, first_probed, probed
 from .rerun import RegionBase, RegionRun, keep_saved, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
@@ -82,6 +82,7 @@ class LightRegion(RegionBase):
         self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
         self.probe = None         # probe.Sample of the forward's output (the safety net)
+        self.kept_inputs = []     # probe.Sample of each kept call's input, in order (the safety net)
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -177,6 +178,9 @@ class LightRegion(RegionBase):
         """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and whatever
         it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
+            # the safety net: the kept output hides from the region's output what the re-run computed before
+            # it, so the call's input is sampled and compared by the re-run (docs/exactness.md)
+            self.kept_inputs.append(Sample(self._kept_input(args), self.check.probe_index))
             pending, self._pending = self._pending, []
             try:
                 out = proxy.call_op(args, kwargs)
@@ -203,8 +207,16 @@ class LightRegion(RegionBase):
         got = arg_meta(args)
         if held is not proxy or got != meta:
             raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got)
+        if not self.kept_inputs[i].matches(self._kept_input(args)):
+            self._checks.forget(self._key)
+            raise messages.other_values(self.check.region_path, f"the input of kept call #{i} ({proxy.mac_keep})")
         self.kept_args.append(tensor_args(args))
         return out
+
+    def _kept_input(self, args):
+        """The first tensor argument of a kept call that can be sampled, weights aside."""
+        weights = self.check.param_ptrs
+        return next((t for t in tensor_args(args) if probed(t) and t.data_ptr() not in weights), None)
 
     def _arg_plan(self, n, args, out, packed):
         """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is
@@ -257,7 +269,7 @@ class LightRegion(RegionBase):
             raise messages.other_values(self.check.region_path, self.check.output_op)
         self.keep_rerun_output(out)
         self.recomputed = saved
-        self.inputs = self.sig = self.kept = None
+        self.inputs = self.sig = self.kept = self.kept_inputs = None
         check, stats = self.check, self.stats
         stats.ops_rerun += check.n_rerun
         stats.rerun_by_op.update(check.rerun_counts)
