@@ -68,7 +68,9 @@ class Region(RegionBase):
         self.settings = settings if settings is not None else RecomputeConfig()
         if root is None:
             root = tracker.root if tracker is not None else root_cell_of(fn)
-        params = list(root.get_parameters()) if root is not None else []
+        named = list(root.parameters_and_names()) if root is not None else []
+        params = [p for _, p in named]
+        self.param_names = frozenset(name for name, _ in named)   # to tell a replaced Parameter from a new one
         ptrs = param_ptrs(params)
         self.params = tuple(params)
         self.buffers = tuple(p for p in params if not p.requires_grad)   # the root's non-trainable Parameters
@@ -685,7 +687,7 @@ class Region(RegionBase):
             return
         before = {id(p) for p in self.params}
         for name, p in self.root.parameters_and_names():
-            if id(p) not in before:
+            if id(p) not in before and name in self.param_names:   # a new name (built on first use) is read as is
                 raise messages.parameter_replaced(self.cell_path(), name)
 
     def replay(self, args, kwargs):
