@@ -659,7 +659,7 @@ class Region(RegionBase):
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(functools.partial(self.pack_forward, run), unpack_saved), \
-                    self.replaced.watch(run.engine_ops, (args, kwargs)):
+                    self.replaced.watch(run.engine_ops, (args, kwargs), self.param_moved):
                 out = self.fn(*args, **kwargs)
             with run.engine_ops():   # on the run, so that no enclosing region numbers the sample's op
                 self.take_samples(run, out)
@@ -678,6 +678,11 @@ class Region(RegionBase):
         self._swap_holders = None
         self.stats.open_region(self, self.bytes.close())
         return out
+
+    def param_moved(self, old, new):
+        """A Parameter was rebound in forward: its old storage pointers are no weight's any more."""
+        self.param_ptrs.difference_update(old - new)
+        self.param_ptrs.update(new)
 
     def refuse_replaced_parameters(self):
         """After the forward: ``RecomputeError`` when it replaced one of the root's Parameters by a new object

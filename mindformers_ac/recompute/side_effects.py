@@ -15,7 +15,7 @@ from mindspore.ops import Primitive
 
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
-from ..tensors import is_tracked, tensor_leaves
+from ..tensors import is_tracked, param_ptrs, tensor_leaves
 
 SNAPSHOT, KEEP = "snapshot", "keep"
 
@@ -241,10 +241,12 @@ class ReboundParameters:
         self.before = ()       # (param, copy of its value before the forward rebound it), in order
 
     @contextlib.contextmanager
-    def watch(self, hidden=contextlib.nullcontext, args=()):
+    def watch(self, hidden=contextlib.nullcontext, args=(), moved=None):
         """Around the forward: note each Parameter's value before its first rebinding, the root's and those
         handed to the region in ``args`` (a model's Parameter passed to every layer). ``hidden``: a context
-        under which the copy is no op of the region (the intercepting path's dispatch)."""
+        under which the copy is no op of the region (the intercepting path's dispatch); ``moved(old, new)``:
+        told the storage pointers a rebinding freed and took (a freed address is reused by the next tensor,
+        which is no Parameter: found by tests/program_generator.py)."""
         before = {}
         wrapped = []
         own = {id(p) for p in self.params}
@@ -254,7 +256,11 @@ class ReboundParameters:
             if id(p) not in before:
                 with hidden(), no_grad(), no_casts():
                     before[id(p)] = (p, ops.deepcopy(p))
-            return call(*args, **kwargs)
+            old = param_ptrs((p,))
+            result = call(*args, **kwargs)
+            if moved is not None:
+                moved(old, param_ptrs((p,)))
+            return result
 
         try:
             for p in params:
