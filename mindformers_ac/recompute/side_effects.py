@@ -136,7 +136,7 @@ class StateSnapshot:
     forward.
     """
 
-    __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes", "buffers")
+    __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes", "buffers", "live")
 
     def __init__(self, args, slots):
         self.slots = list(slots)
@@ -146,6 +146,7 @@ class StateSnapshot:
         # value before the forward (``buffers_as_before``), so that reads no op dispatches (``self.hist[0]``,
         # a view) see what the forward saw before and after the write
         self.buffers = [t if isinstance(t, Parameter) and not t.requires_grad else None for t in items]
+        self.live = False   # inside buffers_as_before: the buffers hold their pre-forward values
         self.tracked = [is_tracked(t) for t in items]
         with no_grad():   # a copy, not part of the graph
             self.copies = [ops.deepcopy(t) for t in items]
@@ -163,7 +164,7 @@ class StateSnapshot:
         """``args`` with the written tensors replaced by fresh copies, recorded in ``state`` (ptr -> copy)."""
         replacements = {}
         for k, pos in enumerate(self.slots):
-            if self.buffers[k] is not None:
+            if self.live and self.buffers[k] is not None:   # a replay inside a parent's re-run writes copies
                 state[self.ptrs[k]] = self.buffers[k]   # later reads get it as written (buffers_as_before)
                 continue
             c = self.fresh(k)
@@ -184,6 +185,7 @@ def buffers_as_before(snapshots):
     before the re-run; so the re-run's write lands in them and is undone, and every read sees the
     forward's values (rule W1)."""
     first = {}
+    snapshots = list(snapshots)
     for snapshot in snapshots:   # in op order: the first write's copy is the value before the forward
         for b, c in zip(snapshot.buffers, snapshot.copies):
             if b is not None:
@@ -195,9 +197,13 @@ def buffers_as_before(snapshots):
         current = [(b, ops.deepcopy(b)) for b, _ in first.values()]
         for b, c in first.values():
             ops.assign(b, c)   # in place: reads of its storage (views) see it
+    for snapshot in snapshots:
+        snapshot.live = True
     try:
         yield
     finally:
+        for snapshot in snapshots:
+            snapshot.live = False
         with no_grad(), no_casts():
             for b, c in current:
                 ops.assign(b, c)
