@@ -69,7 +69,7 @@ def tensor_bytes(t):
 def tensor_leaves(value, depth=8):
     """The tensors in ``value``: a tensor, or any object holding tensors, nested: tuples, lists (namedtuples
     too), dicts, dataclasses and other objects by their instance ``__dict__`` (a Hugging Face-style
-    ``LayerOutput(hidden=h)``). A Cell, a class, a module or a function is not searched (they hold weights
+    ``LayerOutput(hidden=h)``; an object with slots only is not). A Cell, a class, a module or a function is not searched (they hold weights
     and code, not a call's values). ``depth`` bounds the nesting searched, so a self-referencing object ends.
     """
     if isinstance(value, Tensor):
