@@ -43,6 +43,10 @@ this one file:
 * ``tensor_stamp``: a tensor's storage pointer and ``_version``, the counter
   MindSpore's own "modified by an inplace operation" check reads (``Inplace*``
   ops advance it; a rebinding gives the tensor new storage instead).
+* ``generator_random_op``: MindSpore's generated op tables
+  (``mindspore.ops.auto_generate.cpp_create_prim_instance_helper``'s
+  ``op_labels`` and ``op_args_default_value``), read only: which pyboost ops
+  are random (the recompute engine's random-op facts).
 
 ``synchronous_pynative`` picks, per release, the API that sets synchronous
 PyNative execution.
@@ -65,6 +69,20 @@ except ImportError:
     pynative_executor = None
 
 no_grad = mindspore._no_grad   # pylint: disable=protected-access
+
+
+_op_tables = importlib.import_module("mindspore.ops.auto_generate.cpp_create_prim_instance_helper")
+_OP_LABELS = getattr(_op_tables, "op_labels", {})              # op name -> attributes MindSpore labels it with
+_OP_DEFAULTS = getattr(_op_tables, "op_args_default_value", {})   # op name -> its arguments with defaults
+
+
+def generator_random_op(name):
+    """True for a pyboost op MindSpore's generated op tables mark as random (read-only): labelled
+    ``side_effect_hidden`` (DropoutExt), or taking a generator's ``seed`` and ``offset`` (InplaceRandom,
+    RandpermV2 ...). Pyboost ops are dispatched without their primitive, so these tables are their facts."""
+    labels, args = _OP_LABELS.get(name, {}), _OP_DEFAULTS.get(name, {})
+    return labels.get("side_effect_hidden") is True or ("seed" in args and "offset" in args)
+
 
 MIN_MINDSPORE = "2.9.0"
 

@@ -6,6 +6,8 @@ activation share a storage. Engines therefore key what they keep by storage
 base pointer and recognise weights by pointer; these helpers are the one
 place that knows how.
 """
+import dataclasses
+import types
 import weakref
 
 from mindspore import Tensor, nn, ops
@@ -65,29 +67,41 @@ def tensor_bytes(t):
 
 
 def tensor_leaves(value, depth=8):
-    """The tensors in ``value``: a tensor, or tuples, lists (namedtuples too) and dicts of them, nested.
-
-    Other objects are not searched (a tensor held by one is not found).
-    ``depth`` bounds the nesting searched, so a self-referencing container ends.
+    """The tensors in ``value``: a tensor, or any object holding tensors, nested: tuples, lists (namedtuples
+    too), dicts, dataclasses and other objects by their instance ``__dict__`` (a Hugging Face-style
+    ``LayerOutput(hidden=h)``; an object with slots only is not). A Cell, a class, a module or a function is not searched (they hold weights
+    and code, not a call's values). ``depth`` bounds the nesting searched, so a self-referencing object ends.
     """
     if isinstance(value, Tensor):
         return [value]
     if depth <= 0:
         return []
-    if isinstance(value, dict):
-        items = value.values()
-    elif isinstance(value, (tuple, list)):
-        items = value
-    else:
-        return []
     found = []
-    for item in items:
+    for item in _held_values(value):
         found.extend(tensor_leaves(item, depth - 1))
     return found
 
 
+_NOT_SEARCHED = (str, bytes, int, float, bool, type(None), nn.Cell, type, types.ModuleType, types.FunctionType,
+                 types.MethodType, types.BuiltinFunctionType)
+
+
+def _held_values(value):
+    """What ``tensor_leaves`` searches in ``value``: a container's items, an object's attributes."""
+    if isinstance(value, dict):
+        return value.values()
+    if isinstance(value, (tuple, list)):
+        return value
+    if isinstance(value, _NOT_SEARCHED):
+        return ()
+    if dataclasses.is_dataclass(value):
+        return [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    attrs = getattr(value, "__dict__", None)
+    return list(attrs.values()) if isinstance(attrs, dict) else ()
+
+
 def tensor_storage_ptrs(*values):
-    """Storage pointers of the tensors in ``values`` (nested tuples, lists and dicts are searched)."""
+    """Storage pointers of the tensors in ``values`` (searched as ``tensor_leaves`` does)."""
     return {storage_ptr(t) for t in tensor_leaves(values)}
 
 
@@ -172,6 +186,16 @@ class WeightPointers:
         self.ptrs.clear()
         self.ptrs |= param_ptrs(r() for r in live.values())
         self._built_from = self._current()
+
+
+def cell_path_of(cell):
+    """The path of ``cell`` in its model (``layers.0``), read from its Parameters' names (MindSpore names a
+    Parameter by its path from the top cell): the global name less the cell's own local name. Its class name
+    when it holds no named Parameter."""
+    for local, p in cell.parameters_and_names():
+        if p.name.endswith("." + local):
+            return p.name[:-len(local) - 1]
+    return type(cell).__name__   # the top cell, or one without Parameters
 
 
 def root_cell_of(fn):

@@ -4,7 +4,7 @@
 
 Per region and step the engine now takes a ``RandomState`` when the forward starts and sets and puts back
 one around the re-run (functional random ops draw what their forward drew), copies 64 elements of the
-light forward's output and compares them after the re-run (``light._OutputProbe``: another code path is
+light forward's output and compares them after the re-run (``probe.Sample``: another code path is
 caught), and hands the re-run its tracked input as a view (an in-place write into it works). Each piece
 is timed alone, on the shape's hidden state, and the sum for the model's layers is shown next to the
 baseline step of the reference GPT at that shape (medians, one process).
@@ -19,8 +19,8 @@ from mindspore import Tensor
 
 from mindformers_ac.harness.models import GPTConfig
 from mindformers_ac.mindspore_compat import RandomState, synchronous_pynative
-from mindformers_ac.recompute.light import _OutputProbe
 from mindformers_ac.recompute.path_choice import PathCheck
+from mindformers_ac.recompute.probe import Sample
 
 from bench_common import SHAPES
 from bench_families import build
@@ -62,12 +62,12 @@ def main():
         x = Tensor(np.random.RandomState(0).randn(dims["batch"], dims["seq"], dims["hidden"]).astype(np.float32))
         check = PathCheck()
         state = RandomState()
-        probe = _OutputProbe(x, check)
+        probe = Sample(x, check.probe_index)
         leaf = x.copy()
         leaf.requires_grad_()
         take = median_us(RandomState, a.repeat)
         restore = median_us(state.restore, a.repeat)
-        probe_take = median_us(lambda: _OutputProbe(x, check), a.repeat)
+        probe_take = median_us(lambda: Sample(x, check.probe_index), a.repeat)
         probe_cmp = median_us(lambda: probe.matches(x), a.repeat)
         view = median_us(lambda: leaf.view(leaf.shape), a.repeat)
         # forward: take + probe; re-run: take (current) + restore (forward's) + restore (current) + compare + view

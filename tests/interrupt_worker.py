@@ -162,7 +162,7 @@ def kept_write_read_before():
         def __init__(self):
             super().__init__()
             self.fc = mint.nn.Linear(8, 8)
-            self.table = Parameter(Tensor(np.ones((64, 8), np.float32)), name="table", requires_grad=False)
+            self.table = Parameter(Tensor(np.ones((1024, 8), np.float32)), name="table", requires_grad=False)
             self.update = ops.ScatterUpdate()
 
         def construct(self, x, slot):

@@ -144,14 +144,15 @@ def test_batchnorm_full_recompute_keeps_inputs_and_small_copies_only():
 
 
 def test_large_written_parameter_keeps_the_output_instead_of_copying(caplog):
-    """ScatterUpdate on a table larger than its other inputs: output kept, the table written once."""
+    """ScatterUpdate on a table larger than its other inputs and than side_effects.SMALL_COPY_BYTES (a 128 KiB
+    table): output kept, the table written once."""
     from mindspore import Parameter, Tensor, mint, ops
 
     class Memory(nn.Cell):
         def __init__(self):
             super().__init__()
             self.fc = mint.nn.Linear(H, H)
-            self.table = Parameter(Tensor(np.zeros((64, H), np.float32)), name="table", requires_grad=False)
+            self.table = Parameter(Tensor(np.zeros((1024, H), np.float32)), name="table", requires_grad=False)
             self.update = ops.ScatterUpdate()
 
         def construct(self, x, slot):

@@ -1,7 +1,7 @@
 """Swap on what users' layers return (dicts, nested lists) and on models that come and go.
 
 * prefetch fires whatever structure the trigger layer's output has; an
-  output the engine can't hook is reported once in the log, and stays exact;
+  output the engine can't hook (an object with slots only) is reported once in the log, and stays exact;
 * ``SwapManager().set_forward_prefetch_layer`` holds layers weakly: a model
   dropped without ``reset()`` is freed, and its weights leave the scheduler;
 * nothing of a step stays reachable or reusable after it (issue 41): a graph
@@ -32,7 +32,17 @@ H, B, S, N = 32, 2, 8, 3
 
 
 class Holder:
-    """An output object the engine does not search (its tensor can't be hooked)."""
+    """An output object the engine does not search: its attributes are slots, no instance ``__dict__`` (its
+    tensor can't be hooked)."""
+
+    __slots__ = ("hidden",)
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+class Box:
+    """A custom output object with an instance ``__dict__``: searched like a dataclass (issue 49)."""
 
     def __init__(self, hidden):
         self.hidden = hidden
@@ -43,6 +53,8 @@ def pack(kind, h):
         return {"hidden": h, "aux": h * 0.5}
     if kind == "nested":
         return [{"stack": (h * 0.5, [h])}]
+    if kind == "box":
+        return Box(h)
     return Holder(h)
 
 
@@ -88,8 +100,8 @@ def batch(step):
 SWAP = {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}
 
 
-@pytest.mark.parametrize("kind", ["dict", "nested"])
-def test_prefetch_fires_on_dict_and_nested_outputs(caplog, kind):
+@pytest.mark.parametrize("kind", ["dict", "nested", "box"])
+def test_prefetch_fires_on_dict_nested_and_object_outputs(caplog, kind):
     base = run_steps(StructModel(kind), batch, steps=1)
     model = StructModel(kind)
     mac.apply_ac(model, config=SWAP)

@@ -53,6 +53,22 @@ CASES = {
     "buffer_slice_write": (lambda: wc.build_layers(wc.SliceBufferLayer),
                            {"full": wc.FULL, "group": wc.GROUP, "exclude_op": wc.exclude("MatMul"),
                             "checkpoint_api": _plain_api}),
+    # issue 49: a slice assignment into a kept output (a rebinding), a model's Parameter handed to every
+    # layer and rebound there
+    "kept_output_setitem": (lambda: wc.build_layers(wc.KeptSetitemLayer),
+                            {"exclude_op": wc.exclude("MatMul"), "checkpoint_api": _exclude_api("MatMul")}),
+    "argument_parameter_rebound": (wc.build_rebinds_argument,
+                                   {"full": wc.FULL, "exclude_op": wc.exclude("MatMul"), "checkpoint_api": _plain_api}),
+    # the five buffer patterns exact at b21fa7c (issue 49): copied, not refused by a size heuristic
+    "one_index_slot": (lambda: wc.build_layers(wc.OneIndexSlotLayer),
+                       {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
+    "shared_counter": (wc.build_shared_counter, {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
+    "spectral_norm_assigned": (lambda: wc.build_layers(wc.spectral_norm_by("assign")),
+                               {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
+    "spectral_norm_replaced": (lambda: wc.build_layers(wc.spectral_norm_by("set_data")),
+                               {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
+    "assign_trainable_weight": (lambda: wc.build_layers(wc.AssignTrainableLayer),
+                                {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
     "buffer_assign_value": (lambda: wc.build_layers(wc.AssignValueBufferLayer),
                             {"full": wc.FULL, "group": wc.GROUP, "checkpoint_api": _plain_api}),
     "trainable_weight_rebound": (lambda: wc.build_layers(wc.ReboundWeightLayer),
@@ -170,23 +186,60 @@ def test_inplace_collective_under_exclude_op_on_two_ranks(tmp_path):
         assert result["reused"] == 6 and not any("AllReduce" in op for op in result["rerun_by_op"]), result
 
 
-@pytest.mark.parametrize("block", ["Attention", "Chain"])
-def test_kept_ops_never_keep_more_than_without_ac(block):
+def _preferring(policy):
+    """``policy`` with MUST_SAVE turned into PREFER_SAVE: kept unless rule K2 re-runs it."""
+    def prefer(ctx, func, *args, **kwargs):
+        got = policy(ctx, func, *args, **kwargs)
+        return mac.CheckpointPolicy.PREFER_SAVE if got is mac.CheckpointPolicy.MUST_SAVE else got
+    return prefer
+
+
+@pytest.mark.parametrize("block, prefer", [("Attention", False), ("Chain", False), ("Chain", True)])
+def test_kept_ops_keep_their_outputs_and_prefer_save_never_keeps_more_than_without_ac(block, prefer):
     """K1/K2 (issue 37, case 9; HyperParallel's and torchtitan's memory tests keep a region's matmuls): keeping
-    the matmuls keeps their outputs, not their inputs, and never more bytes than the model without AC, on
-    the intercepting call and the light ones; bitwise."""
+    the matmuls keeps their outputs, not their inputs, on the intercepting call and the light ones; bitwise.
+    MUST_SAVE (exclude_op) keeps what it was asked to (issue 49): the Chain's matmul whose output no
+    backward reads stays kept, and the bytes beyond the model without AC are reported; PREFER_SAVE lets K2
+    re-run it, and never keeps more than without AC."""
     import numpy as np
 
     sys.path.insert(0, os.path.join(os.path.dirname(TESTS), "scripts"))
     import bench_kept_bytes as bench
     build = getattr(bench, block)
     base, none, _ = bench.run_block(build, None)
-    got, kept, stats = bench.run_block(build, mac.recompute.exclude_policy(["matmul"]))
+    policy = mac.recompute.exclude_policy(["matmul"])
+    got, kept, stats = bench.run_block(build, _preferring(policy) if prefer else policy)
     assert all(np.array_equal(a, b) for s, t in zip(base, got) for a, b in zip(s, t))
-    assert 0 < kept <= none, (kept, none)
     assert stats.ops_reused > 0
     if block == "Attention":   # every kept call sits in its own slot: the later calls are light
-        assert stats.light_calls == 2
-    else:   # one slot runs the kept and the re-run matmuls: it can't hold a proxy, and says so
-        assert stats.light_calls == 0 and stats.unread_kept > 0
-        assert any("attribute mm also runs MatMul, which is recomputed" in r for r in stats.intercept_reasons)
+        assert 0 < kept <= none, (kept, none)
+        assert stats.light_calls == 2 and stats.kept_over_bytes == 0
+    elif prefer:   # K2 re-runs the unread matmul (a per-call policy: intercepted)
+        assert 0 < kept <= none, (kept, none)
+        assert stats.unread_kept > 0 and stats.kept_over_bytes == 0 and stats.light_calls == 0
+    else:   # every matmul kept, none re-run: their slot holds a keep site, the later calls are light
+        assert kept > none and stats.kept_over_bytes > 0 and stats.unread_kept == 0, (kept, none)
+        assert "MatMul" not in stats.rerun_by_op and stats.light_calls == 2, stats
+
+
+def test_a_parameter_replaced_in_forward_is_refused_on_the_first_call():
+    """``self.g = Parameter(...)`` in a recomputed layer's forward: its re-run would read the new object.
+    Refused as the first forward ends, naming the layer, the Parameter and what to write instead."""
+    from isolated import run_isolated
+    res = run_isolated("""
+import write_cases as wc
+import mindformers_ac as mac
+from model_patterns import hidden_batch
+from steps import run_steps
+model = wc.build_layers(wc.ReplacesParameterLayer)
+before = [p.asnumpy().copy() for p in model.trainable_params()]
+mac.apply_ac(model, config=wc.FULL)
+try:
+    run_steps(model, hidden_batch, steps=1)
+except mac.recompute.RecomputeError as exc:
+    print("REFUSED", exc)
+print("UNCHANGED", all((b == p.asnumpy()).all() for b, p in zip(before, model.trainable_params())))
+""")
+    assert "REFUSED mindformers_ac: the recomputed region 'layers.0' replaced its Parameter 'g'" in res.stdout, \
+        res.stdout + res.stderr[-2000:]
+    assert "UNCHANGED True" in res.stdout

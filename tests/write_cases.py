@@ -7,6 +7,8 @@ tensor a layer saved and the next layer writes, a marker-guarded side effect tha
 and nested regions with replay metadata. Each builds on ``model_patterns``' layer (3 layers, hidden 32) so
 that the exactness tests compare it against its plain twin with ``steps.run_steps``.
 """
+import dataclasses
+
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
@@ -33,6 +35,16 @@ class KeptAssignAddLayer(Layer):
         h = x + self.attn(self.norm1(x), pos, mask, scale)
         m = ops.matmul(self.norm2(h), self.mlp.fc1.weight.T)
         ops.assign_add(m, ops.stop_gradient(m) * 0.25)
+        return h + self.mlp.fc2(ops.gelu(m))
+
+
+class KeptSetitemLayer(Layer):
+    """As ``KeptCopyLayer``, written by slice assignment (``m[:] = m * 2``: a rebinding of the kept output)."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        m = ops.matmul(self.norm2(h), self.mlp.fc1.weight.T)
+        m[:] = m * 2.0
         return h + self.mlp.fc2(ops.gelu(m))
 
 
@@ -86,6 +98,112 @@ class ReboundWeightLayer(Layer):
         h = x + self.attn(self.norm1(x), pos, mask, scale) * self.gain
         self.gain = ops.stop_gradient(self.gain * 0.999)
         return h + self.mlp(self.norm2(h)) * self.gain
+
+
+class OneIndexSlotLayer(Layer):
+    """A 32-element buffer, one slot read and then written (``self.hist[0] = self.hist[0] + 0.5``: a
+    ScatterNdUpdate into the buffer, whose other inputs are smaller than it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hist = Parameter(Tensor(np.zeros(32, np.float32)), name="hist", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * (1.0 + self.hist[0])
+        self.hist[0] = self.hist[0] + 0.5
+        return h + self.mlp(self.norm2(h))
+
+
+class SharedCounterLayer(Layer):
+    """Counts its calls into a counter every layer shares (``counter``, set by ``build_shared_counter``), read
+    before the count."""
+
+    counter = None
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * (1.0 + 0.01 * self.counter)
+        ops.assign_add(self.counter, Tensor(np.ones(1, np.float32)))
+        return h + self.mlp(self.norm2(h))
+
+
+def build_shared_counter():
+    model = build_layers(SharedCounterLayer)
+    model.counter = Parameter(Tensor(np.zeros(1, np.float32)), name="counter", requires_grad=False)
+    for layer in model.layers:   # the model's Parameter, held by every layer (not one of a layer's own)
+        object.__setattr__(layer, "counter", model.counter)
+    return model
+
+
+class SpectralNormLayer(Layer):
+    """Spectral norm of the MLP's first weight by one power iteration on a kept vector ``u``, which the forward
+    replaces (``set_data``) or assigns (``ops.assign``): ``how``."""
+
+    how = "assign"
+
+    def __init__(self):
+        super().__init__()
+        rows = self.mlp.fc1.weight.shape[0]
+        self.u = Parameter(Tensor(np.full(rows, 0.25, np.float32)), name="u", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        w = ops.stop_gradient(self.mlp.fc1.weight)
+        v = ops.matmul(self.u, w)
+        v = v / (ops.norm(v) + 1e-6)
+        u = ops.matmul(w, v)
+        u = u / (ops.norm(u) + 1e-6)
+        if self.how == "assign":
+            ops.assign(self.u, u)
+        else:
+            self.u.set_data(u)
+        sigma = ops.tensor_dot(self.u, ops.matmul(w, v), 1)
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        return h + self.mlp(self.norm2(h)) / sigma
+
+
+def spectral_norm_by(how):
+    return type(f"SpectralNorm_{how}", (SpectralNormLayer,), {"how": how})
+
+
+class AssignTrainableLayer(Layer):
+    """``ops.assign`` on a trainable weight in forward, read before and after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = Parameter(Tensor(np.full(H, 1.0, np.float32)), name="gain")
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * self.gain
+        ops.assign(self.gain, ops.stop_gradient(self.gain * 0.999))
+        return h + self.mlp(self.norm2(h)) * self.gain
+
+
+class RebindsArgumentLayer(Layer):
+    """Rebinds the model's Parameter it is handed as ``scale`` (``set_data``), after reading it."""
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        scale.set_data(ops.stop_gradient(scale * 1.01))
+        return h + self.mlp(self.norm2(h)) * scale
+
+
+def build_rebinds_argument():
+    """Every layer gets the model's non-trainable Parameter ``scale`` as an argument and rebinds it."""
+    model = build_layers(RebindsArgumentLayer)
+    model.scale = Parameter(Tensor(np.linspace(0.5, 1.5, H).astype(np.float32)), name="scale", requires_grad=False)
+    return model
+
+
+class ReplacesParameterLayer(Layer):
+    """Replaces its own Parameter by a new object in forward (``self.g = Parameter(...)``), after reading it."""
+
+    def __init__(self):
+        super().__init__()
+        self.g = Parameter(Tensor(np.full(H, 1.0, np.float32)), name="g", requires_grad=False)
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale) * self.g
+        self.g = Parameter(ops.stop_gradient(self.g * 0.99), name="g", requires_grad=False)
+        return h + self.mlp(self.norm2(h))
 
 
 class WriteBetweenModel(PatternModel):
@@ -161,6 +279,35 @@ class WritesInputByLayer(Layer):
 def writes_input_by(how, keeps_input=True):
     """A ``WritesInputByLayer`` class writing with ``how``."""
     return type(f"WritesInputBy_{how}", (WritesInputByLayer,), {"how": how, "keeps_input": keeps_input})
+
+
+@dataclasses.dataclass
+class LayerOutput:
+    """A Hugging Face-style layer output: the hidden state inside a dataclass, not a tuple or dict."""
+    hidden: object
+
+
+class DataclassOutputLayer(SavesOutputCellLayer):
+    """Returns its output (what its last cell saved) as ``LayerOutput(hidden=...)``."""
+
+    def construct(self, x, pos, mask, scale):
+        return LayerOutput(hidden=super().construct(x, pos, mask, scale))
+
+
+class UnwrapsOutputsModel(PatternModel):
+    """Takes ``.hidden`` of a layer that returns a ``LayerOutput``."""
+
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            x = self.run_layer(layer, x, pos, mask, self.scale)
+            x = x.hidden if isinstance(x, LayerOutput) else x
+        return self.loss(x, y)
+
+
+def build_dataclass_output(how):
+    """Layer 0 returns ``LayerOutput(hidden=h)``; layer 1 writes ``h`` with ``how`` (issue 49's case)."""
+    layers = [DataclassOutputLayer()] + [writes_input_by(how)() for _ in range(N_LAYERS - 1)]
+    return init_weights(UnwrapsOutputsModel(layers))
 
 
 def swap_first_layer(model, mode):

@@ -107,17 +107,22 @@ class RegionDispatch(MsDispatchMode):
         if region.debug_log is not None:
             region.debug_log.note(False, idx, name, run.cell_path())
         region.stats.ops_forward += 1
+        if region.cut_pending is not None:   # a pyboost op packs after it returns: the kept op before is done
+            region.sample_at_kept(run, region.cut_pending)
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
             region.may_write_seen = True
             region.guard_write_targets(run, idx, name, args)
             decision = region.guard_writes(run, idx, name, args, decision)
         if decision is not None:
+            region.sample_at_kept(run, (idx, "before"))   # the safety net: what a kept op cuts off the output
             region.record_decision(idx, decision)   # before the call: legacy ops pack inside it
             region.arg_metas[idx] = arg_meta(args)   # to tell it from a same-named op when the re-run skips ops
             if idx in region.policy_saves:
                 region.note_kept_args(idx, args)
         out = self._call(run, idx, func, args, kwargs)
+        if decision is not None:   # what it saved of its arguments (K1): sampled once its packs are made
+            region.cut_pending = (idx, "after")
         region.bytes.note_outputs(idx, out)
         if decision == REBUILD:
             region.finish_dropout(run, idx, args, out)
@@ -151,10 +156,14 @@ class RegionDispatch(MsDispatchMode):
                         return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
         region.stats.ops_reused += 1
+        if region.cut_samples:
+            region.check_at_kept(run, (idx, "before"))
         run.last = idx
         out = region.rebuild_dropout(run, idx, args) if decision == REBUILD else region.cached_output(idx)
         if idx in region.kept_args:
             region.serve_kept_args(idx, args)
+        if region.cut_samples:
+            region.check_at_kept(run, (idx, "after"))
         if idx in region.writes_arg:
             out = region.replay_write(run, idx, args, out)
         if region.recorder is not None and idx in region.random_ops:

@@ -7,19 +7,18 @@ collects what it saves, in order, and backward takes them by position.
 Everything else (inputs, Dropout records, bytes, the once-only re-run) is
 ``rerun.RegionBase``'s. Two kinds of call arrive through their
 ``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout`` kernel call
-(``dropout_call``) and a call at a keep site (``keep_call``). ``_OutputProbe``
+(``dropout_call``) and a call at a keep site (``keep_call``). ``probe.Sample``
 catches a re-run that took another code path; ``side_effects.BufferGuard``
 undoes a late write.
 """
 import mindspore as ms
-import numpy as np
-from mindspore import Tensor, ops
+from mindspore import Tensor
 
 from ..mindspore_compat import no_grad, recording_backward
-from ..precision import no_casts
-from ..tensors import output_tensors, tensor_leaves, tensors_equal
+from ..tensors import output_tensors, tensors_equal
 from . import messages
 from .dispatch import arg_meta, tensor_args
+from .probe import Sample, first_probed, probed
 from .rerun import RegionBase, RegionRun, keep_saved, recompute_graph, rerun_inputs
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
@@ -47,53 +46,6 @@ class _Collector:
     def pack(self, t):
         if not self.skip and self.saved is not None:
             self.saved.append(t)
-
-
-class _OutputProbe:
-    """``PROBE_SIZE`` evenly spaced elements of a light forward's first floating output, copied, to compare
-    bitwise with its re-run's (docs/exactness.md, "The light path": another code path is detected). One
-    ``GatherNd`` on the output as it is: a flattening view first would cost another op (about 8 us at the
-    small shape)."""
-
-    __slots__ = ("index", "values", "shape")
-
-    def __init__(self, out, check):
-        self.index = self.values = None
-        t = _first_float(out)
-        if t is None:
-            return
-        self.shape = shape = t.shape
-        self.index = check.probe_index.get(shape)
-        if self.index is None:
-            positions = np.arange(0, t.size, max(1, t.size // PROBE_SIZE))[:PROBE_SIZE]
-            coords = np.stack(np.unravel_index(positions, shape), -1) if shape else positions[:, None]
-            self.index = check.probe_index[shape] = Tensor(coords.astype(np.int32))
-        self.values = self._sample(t)
-
-    def _sample(self, t):
-        with no_grad(), no_casts():
-            return ops.gather_nd(t if self.shape else t.reshape((1,)), self.index)
-
-    def matches(self, out):
-        if self.values is None:
-            return True
-        t = _first_float(out)
-        return t is not None and t.shape == self.shape and tensors_equal(self.values, self._sample(t))
-
-
-PROBE_SIZE = 64
-
-
-# bfloat16 is left out: the CPU build has no bfloat16 Gather or GatherNd, and a cast of the whole output would
-# cost more than the probe is worth; a region whose outputs are all bfloat16 is not probed (docs/exactness.md).
-_PROBED = (ms.float16, ms.float32, ms.float64)
-
-
-def _first_float(out):
-    for t in tensor_leaves(out):
-        if t.dtype in _PROBED and t.size > 0 and t.is_contiguous():
-            return t
-    return None
 
 
 def _unpack(obj):
@@ -129,7 +81,8 @@ class LightRegion(RegionBase):
         self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
         self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
-        self.probe = None         # _OutputProbe of the forward's output
+        self.probe = None         # probe.Sample of the forward's output (the safety net)
+        self.kept_inputs = []     # probe.Sample of each kept call's input, in order (the safety net)
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -162,9 +115,10 @@ class LightRegion(RegionBase):
         try:
             self.start_forward()
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
-            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), self.replaced.watch():
+            with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), \
+                    self.replaced.watch(args=(args, kwargs)):
                 out = self.fn(*args, **kwargs)
-            self.probe = _OutputProbe(out, self.check)
+            self.probe = Sample(first_probed(out), self.check.probe_index)
             self.stamp(args, kwargs, out, self.check.saved_outputs)   # its own ops: not an enclosing region's (N1)
         finally:
             ENGINE.pop(run)
@@ -223,6 +177,9 @@ class LightRegion(RegionBase):
         """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and whatever
         it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
+            # the safety net: the kept output hides from the region's output what the re-run computed before
+            # it, so the call's input is sampled and compared by the re-run (docs/exactness.md)
+            self.kept_inputs.append(Sample(self._kept_input(args), self.check.probe_index))
             pending, self._pending = self._pending, []
             try:
                 out = proxy.call_op(args, kwargs)
@@ -249,8 +206,16 @@ class LightRegion(RegionBase):
         got = arg_meta(args)
         if held is not proxy or got != meta:
             raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got)
+        if not self.kept_inputs[i].matches(self._kept_input(args)):
+            self._checks.forget(self._key)
+            raise messages.other_values(self.check.region_path, f"the input of kept call #{i} ({proxy.mac_keep})")
         self.kept_args.append(tensor_args(args))
         return out
+
+    def _kept_input(self, args):
+        """The first tensor argument of a kept call that can be sampled, weights aside."""
+        weights = self.check.param_ptrs
+        return next((t for t in tensor_args(args) if probed(t) and t.data_ptr() not in weights), None)
 
     def _arg_plan(self, n, args, out, packed):
         """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is
@@ -300,9 +265,9 @@ class LightRegion(RegionBase):
                 self._checks.forget(self._key)
                 ENGINE.warnings.warning(("light_write", self._key), messages.LIGHT_REWRITE)
         self._check(saved, run)
-        if not self.probe.matches(out):
+        if not self.probe.matches(first_probed(out)):
             self._checks.forget(self._key)
-            raise messages.other_output()
+            raise messages.other_values(self.check.region_path, self.check.output_op)
         self.keep_rerun_output(out)
         self.recomputed = saved
         check, stats = self.check, self.stats
@@ -314,7 +279,7 @@ class LightRegion(RegionBase):
         # Its model too: the graph (a loss kept past its step holds it) still refers to this region, which
         # needs neither its function, its Parameters nor its signature's check again, so a dropped model is
         # not kept alive through it.
-        self.inputs = self.sig = self.kept = None
+        self.inputs = self.sig = self.kept = self.kept_inputs = None
         self.fn = self.replaced = self.check = self._checks = None
 
     def _check(self, saved, run):

@@ -74,6 +74,16 @@ def written_after_forward(what, shape, dtype, region):
         "(x = x * 1 before the write), or leave this layer out of recompute.")
 
 
+def parameter_replaced(region, name):
+    """A region's forward replaced one of its Parameters by a new object."""
+    return RecomputeError(
+        f"mindformers_ac: the recomputed region {region!r} replaced its Parameter {name!r} by a new Parameter "
+        "object in its forward (self.x = Parameter(...)); its re-run would read the new value, not the one the "
+        "forward read, so this is refused before any gradient. Give the Parameter its new value in place "
+        "instead (self.x.set_data(v), self.x.assign_value(v) or ops.assign(self.x, v): the engine then "
+        "restores the old value for the re-run), or leave this cell out of recompute.")
+
+
 def skipped_op_needed(idx, desc):
     """Backward reached an op that the re-run skipped under the marker."""
     return RecomputeError(
@@ -125,11 +135,16 @@ def other_tensor(where, fwd_meta, rec_meta):
         f"the recompute. {_SAME_SHAPES}")
 
 
-def other_output():
-    """A light re-run computed another output than its forward (sampled elements differ)."""
+def other_values(region, op):
+    """A re-run computed other values than its forward (the safety net's sampled elements differ bitwise):
+    ``region`` is the region's cell path (or its class), ``op`` the op whose tensor was sampled."""
     return RecomputeError(
-        f"{_DIVERGED}: the recompute computed another output than the forward (sampled elements differ "
-        f"bitwise), so it took another code path. {SAME_PATH}")
+        f"{_DIVERGED} in {region!r}: the recompute computed another output than the forward at {op} (sampled "
+        "elements differ bitwise), so the gradients would be wrong; no gradient left the region. Something the "
+        "region reads changed between its forward and its re-run: an op whose result depends on Python state "
+        "(a counter, a flag, a global, a host-side random draw), a tensor read from outside its arguments, or "
+        "a random op the engine does not know. Pass such values as arguments, hand the forward's value to "
+        f"the re-run with save_for_recompute, or keep the op with exclude_op / a policy. {SAME_PATH}")
 
 
 def dropout_calls(rec, fwd):
@@ -208,6 +223,10 @@ KEEP_SIDE_EFFECT = ("%s writes parameters larger than its other inputs: its outp
                     "them for the recompute")
 DROPOUT_NOT_REBUILT = ("Dropout output can't be rebuilt bitwise from its mask for %s; keeping Dropout outputs "
                        "instead (more memory, still exact)")
+KEPT_OVER = ("recompute of %s keeps %d bytes more than the model keeps without AC: ops its policy keeps "
+             "(MUST_SAVE, exclude_op) whose outputs no backward reads are kept as asked, not re-run "
+             "(RecomputeStats.kept_over_bytes); a policy that returns PREFER_SAVE lets the engine re-run them "
+             "instead")
 LIGHT_REWRITE = ("a recomputed region wrote one of its non-trainable Parameters in a re-run, which its first "
                  "(checked) call did not do (a write only some inputs trigger); the write was undone, so it "
                  "lands once per step, and the region's calls with this signature are checked again")

@@ -29,6 +29,7 @@ from . import messages
 from .dispatch import REBUILD, SAVE
 from .keep_sites import NoSite, find_site, install_site, region_cells
 from .light import LightRegion
+from .probe import SampleIndex
 from .region import run_region
 from .state import ENGINE
 
@@ -47,7 +48,7 @@ class PathCheck:
 
     __slots__ = ("fwd", "keys", "ok", "op_names", "op_paths", "n_rerun", "rerun_counts",
                  "n_dropouts", "dropped", "param_ptrs", "params", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
-                 "n_kept", "checks", "saved_outputs", "kept_arg_plans", "_owner")
+                 "n_kept", "checks", "saved_outputs", "kept_arg_plans", "region_path", "output_op", "_owner")
 
     def __init__(self):
         self.fwd, self.keys = [], []  # (shape, dtype) and (op index, pack number) of each forward save, in order
@@ -58,7 +59,8 @@ class PathCheck:
         self.param_ptrs = frozenset()
         self.params = ()              # the root's Parameters, whose rebinding in forward is watched
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
-        self.probe_index = {}         # output shape -> the coordinates light._OutputProbe samples
+        self.probe_index = SampleIndex()   # output shape -> the coordinates a probe.Sample gathers
+        self.region_path = self.output_op = ""   # the region's cell path and its output's op, for messages
         self.keep_proxies = frozenset()   # the OpSlots whose calls a light run keeps (keep_sites)
         self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
         self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
@@ -191,6 +193,7 @@ class CheckRecorder:
             region.stats.note_intercepted(region.intercept.values())
         check.params, check.buffers = region.params, region.buffers
         check.saved_outputs = region.saved_outputs
+        check.region_path, check.output_op = region.cell_path(), region.describe_output_op()
         check.op_names, check.op_paths = list(region.op_names), dict(region.op_paths)
         check.rerun_counts = collections.Counter(n for i, n in enumerate(check.op_names)
                                                  if i not in cell_dropouts and i not in kept_ops)

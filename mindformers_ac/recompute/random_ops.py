@@ -6,7 +6,8 @@ on this path) keeps its mask as packed bits and its output is rebuilt as
 ``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel
 once per dtype and keep_prob (if the check fails the outputs are kept
 instead); other random ops keep their outputs, unless marked replayable
-(``REPLAYABLE_ATTR``; docs/exactness.md, "Random ops").
+(``REPLAYABLE_ATTR``; docs/exactness.md, "Random ops"). A random op is one MindSpore marks as random
+(``is_random_op``), its name only the fallback.
 """
 import logging
 import re
@@ -14,8 +15,9 @@ import re
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
+from mindspore.ops import Primitive
 
-from ..mindspore_compat import no_grad
+from ..mindspore_compat import generator_random_op, no_grad
 from ..precision import no_casts
 from . import messages
 
@@ -23,29 +25,47 @@ logger = logging.getLogger("mindformers_ac.recompute")
 
 _HALF = (ms.float16, ms.bfloat16)   # dtypes the CPU Dropout kernel computes in float32
 
-# Names of ops whose output cannot be reproduced by running them again.
+# Names of ops whose output cannot be reproduced by running them again: the fallback for an op MindSpore
+# does not mark (``is_random_op``).
 RANDOM_OP_PATTERN = re.compile(
     r"dropout|uniform|normal(?!ize)|random|bernoulli|multinomial|randperm|randint|randn|^rand|"
-    r"^gamma|poisson|shuffle|seed", re.IGNORECASE)
+    r"^gamma|poisson|shuffle|seed|laplace|cauchy", re.IGNORECASE)
 
 
 # A random primitive with this attribute set to True promises that calling it again on the same
 # inputs draws the same output (a fresh primitive with explicit seeds: a counter-based RNG).
 REPLAYABLE_ATTR = "mac_replayable"
 
+# What MindSpore sets on a primitive that draws random numbers: ``side_effect_hidden`` (every primitive of
+# ``ops/operations/random_ops.py``, Dropout) and the seeds it draws from.
+_RANDOM_ATTRS = ("side_effect_hidden", "seed", "seed2")
+
+
+def is_random_primitive(prim):
+    """True for a primitive MindSpore marks as random: ``side_effect_hidden``, or a ``seed`` / ``seed2``."""
+    attrs = prim.attrs if isinstance(getattr(prim, "attrs", None), dict) else {}
+    return attrs.get("side_effect_hidden") is True or "seed" in attrs or "seed2" in attrs
+
 
 def is_random_op_name(name):
-    """True if an op called ``name`` draws random numbers (its output is always kept)."""
-    return bool(name) and RANDOM_OP_PATTERN.search(name) is not None
+    """True if an op called ``name`` draws random numbers by MindSpore's own op table (a pyboost op
+    dispatched without its primitive: ``generator_random_op``), or by its name (the fallback)."""
+    return bool(name) and (generator_random_op(name) or RANDOM_OP_PATTERN.search(name) is not None)
+
+
+def is_random_op(name, args):
+    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers: a
+    primitive MindSpore marks (``is_random_primitive``), else by ``is_random_op_name``."""
+    prim = args[0] if args and isinstance(args[0], Primitive) else None
+    return (prim is not None and is_random_primitive(prim)) or is_random_op_name(name)
 
 
 def is_unreplayable_random_op(name, args):
-    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers that a
-    second call would not repeat: not one marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
-    if not is_random_op_name(name):
+    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat:
+    not one marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
+    if not is_random_op(name, args):
         return False
     return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
-
 
 
 class DropoutFormulaCheck:

@@ -19,11 +19,12 @@ from ..errors import RecomputeError
 from ..mindspore_compat import EXECUTOR_CALLS, no_grad, pushes_cell_state, recording_backward
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts
-from ..tensors import detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
+from ..tensors import cell_path_of, detached, output_tensors, param_ptrs, root_cell_of, storage_info, tensor_leaves
 from . import messages
 from .debug_log import DebugLog
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta, is_comm_op, tensor_args
 from .keep_sites import decides_by_site
+from .probe import Sample, SampleIndex, first_probed, probed
 from .random_ops import dropout_input, is_unreplayable_random_op
 from .rerun import (
     RegionBase,
@@ -40,6 +41,7 @@ from .rerun import (
 from .side_effects import (
     KEEP,
     StateSnapshot,
+    buffers_as_before,
     choose_handling,
     first_input,
     read_slots,
@@ -68,7 +70,9 @@ class Region(RegionBase):
         # Rule S1 of docs/exactness.md: a re-run stopped inside a cell call that pushes executor state would
         # leave it pushed (MindSpore pops it only on return): decided once, when the region is made
         self.early_stop = self.settings.early_stop and not pushes_cell_state(root if root is not None else fn)
-        params = list(root.get_parameters()) if root is not None else []
+        named = list(root.parameters_and_names()) if root is not None else []
+        params = [p for _, p in named]
+        self.param_names = frozenset(name for name, _ in named)   # to tell a replaced Parameter from a new one
         ptrs = param_ptrs(params)
         self.params = tuple(params)
         self.buffers = tuple(p for p in params if not p.requires_grad)   # the root's non-trainable Parameters
@@ -109,7 +113,7 @@ class Region(RegionBase):
         self.site_policy = policy_fn is not None and decides_by_site(policy_fn)
         if policy_fn is not None and not self.site_policy:
             self.keep_intercepted("policy", "a policy_fn that decides per op call (not by the op's name and place)")
-        self.policy_saves = set()     # op indices the policy keeps (MUST_SAVE / PREFER_SAVE)
+        self.policy_saves = {}        # op index the policy keeps -> its policy (MUST_SAVE / PREFER_SAVE)
         if swap_inputs:
             self.keep_intercepted("swap_inputs", "its inputs are swapped")
         self.recorder = recorder
@@ -123,6 +127,12 @@ class Region(RegionBase):
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
         self.stop_after = None    # during a re-run that may stop early: the last op it must run
         self.n_needed = 0         # ... and how many dropped tensors it must rebuild
+        # the safety net (probe): samples of the forward's output and of its last dropped tensor, which the
+        # re-run must reproduce bitwise; the index cache is the signature's (a checking call's) or its own
+        self.samples = self.last_drop = None
+        self.cut_samples = {}     # (kept op index, before / after) -> (key, Sample) of the last drop
+        self.cut_pending = None   # (kept op index, "after") until the next op: its packs are made by then
+        self.sample_index = recorder.check.probe_index if recorder is not None else SampleIndex()
 
     # -- swap -------------------------------------------------------------------
     def offload(self, run, t, key=None):
@@ -162,7 +172,7 @@ class Region(RegionBase):
             if self.swap_executor is not None:
                 return SWAP
             ENGINE.warnings.warning("must_swap", messages.MUST_SWAP_WITHOUT_EXECUTOR)
-        self.policy_saves.add(idx)
+        self.policy_saves[idx] = policy
         return SAVE
 
     # -- ops that write parameters (see side_effects) -----------------------------
@@ -240,10 +250,12 @@ class Region(RegionBase):
         if snapshot is not None:
             return snapshot.args_for_rerun(args, run.written)
         served = {}
-        for pos, ptr in read_slots(args, self.written):
+        for pos, ptr, t in read_slots(args, self.written):
+            first, snap, k = self.written[ptr]
+            if snap is not None and (t.shape, t.dtype) != (snap.copies[k].shape, snap.copies[k].dtype):
+                continue   # another tensor at an address the written one had (found by program_generator)
             self.keep_intercepted("rerun_reads_written", f"re-run op #{idx} {name} reads a tensor the region writes")
             if ptr not in run.written:
-                first, snap, k = self.written[ptr]
                 if snap is None:
                     if idx < first:
                         raise messages.read_before_kept_write(idx, name, run.cell_path(), first,
@@ -309,9 +321,11 @@ class Region(RegionBase):
         """``early_stop``: the last forward op the re-run must run (the last that left a dropped tensor), or
         None when the re-run must run whole: a first call checking its signature for the light path (it
         compares whole runs), a group member whose re-run output the next member needs, nested regions,
-        gradients computed inside the forward, a root whose cells push executor state (``early_stop``, S1)."""
+        gradients computed inside the forward, a root whose cells push executor state (``early_stop``, S1),
+        Parameters rebound in forward (their values are put back when the re-run ends, which a stopped one
+        reaches before its last op's saves are handed over)."""
         if (not self.early_stop or self.recorder is not None or self.feeds_next or self.children
-                or "inner_grad" in self.intercept or not self.token_meta):
+                or "inner_grad" in self.intercept or not self.token_meta or self.replaced.before):
             return None
         return max(idx for idx, _ in self.token_meta)
 
@@ -338,6 +352,66 @@ class Region(RegionBase):
             if got != meta:
                 raise messages.other_tensor(f"op #{idx} {self.describe_op(idx)}, its saved tensor #{k}", meta, got)
 
+    # -- the safety net (probe) ------------------------------------------------
+    def take_samples(self, run, out):
+        """At the end of the forward: sample its output and the last tensor it dropped since the last kept op
+        (the last op a re-run that stops early reaches), for ``check_values``."""
+        if self.cut_pending is not None:
+            self.sample_at_kept(run, self.cut_pending)
+        t = first_probed(out)
+        self.samples = (Sample(t, self.sample_index), self.bytes.producer.get(storage_info(t)[0]) if t is not None
+                        else None, self.sample_last_drop())
+
+    def sample_last_drop(self):
+        """``(key, Sample)`` of the last tensor dropped since the previous call, or None; forgets it."""
+        drop, self.last_drop = self.last_drop, None
+        return (drop[0], Sample(drop[1], self.sample_index)) if drop is not None else None
+
+    def sample_at_kept(self, run, point):
+        """In forward, at a kept op (``point``: ``(index, "before")`` or ``(index, "after")`` its call): sample
+        the last tensor dropped since the previous sample, which may be the arguments it saved (rule K1). A
+        kept op hands the re-run its forward's output, so a divergence before it may not reach the region's
+        output; the re-run compares at the same point (``check_at_kept``)."""
+        self.cut_pending = None
+        if self.last_drop is not None:
+            with run.engine_ops():
+                self.cut_samples[point] = self.sample_last_drop()
+
+    def check_at_kept(self, run, point):
+        """In the re-run, at the kept op's ``point``: the tensor sampled there in forward is rebuilt bitwise."""
+        cut = self.cut_samples.get(point)
+        if cut is None:
+            return
+        key, sample = cut
+        with run.engine_ops():
+            same = sample.matches(self.recomputed.get(key))
+        if not same:
+            raise messages.other_values(self.cell_path(), f"op #{key[0]} {self.describe_op(key[0])}, its saved "
+                                                          f"tensor #{key[1]}")
+
+    def check_values(self, out, stopped):
+        """After the re-run, before any tensor it rebuilt leaves the region: the sampled tensors hold the
+        forward's values bitwise, else ``RecomputeError`` naming the region and the op (docs/exactness.md,
+        "The safety net"): a pattern no rule knows fails on its first backward."""
+        at_output, _, last = self.samples
+        if last is not None and not last[1].matches(self.recomputed.get(last[0])):
+            idx, k = last[0]
+            raise messages.other_values(self.cell_path(), f"op #{idx} {self.describe_op(idx)}, its saved "
+                                                          f"tensor #{k}")
+        if not stopped and not at_output.matches(first_probed(out)):
+            raise messages.other_values(self.cell_path(), self.describe_output_op())
+
+    def describe_output_op(self):
+        """``op #7 Add (in 'mlp'), the region's output``: the op that made the sampled output, for messages."""
+        idx = self.samples[1] if self.samples is not None else None
+        if idx is None:
+            return "the region's output"
+        return f"op #{idx} {messages.describe_op(self.op_names, self.op_paths, idx)}, the region's output"
+
+    def cell_path(self):
+        """The region's cell path in its model (or its function's name), for messages."""
+        return cell_path_of(self.root) if self.root is not None else self.describe_root()
+
     # -- kept outputs -----------------------------------------------------------
     def cache_output(self, run, idx, out, name, args):
         if self.decisions[idx] == SWAP:
@@ -357,15 +431,16 @@ class Region(RegionBase):
                                                         f"in place")
 
     def release_unread_kept(self):
-        """Rule K2 of docs/exactness.md, at the end of the forward: unread policy-kept ops are re-run instead,
+        """Rule K2 of docs/exactness.md, at the end of the forward: unread PREFER_SAVE ops are re-run instead,
         largest first, while the region keeps more than its forward saved; a collective (``is_comm_op``) or
-        a writer (W3) stays kept."""
+        a writer (W3) stays kept. MUST_SAVE (``exclude_op``) is kept whatever it costs: what the region
+        then keeps beyond its forward's saves is reported (``RecomputeStats.kept_over_bytes``, a warning)."""
         kept, budget = sum(self.bytes.kept.values()), sum(self.packed.values())
         unread = []
-        for idx in self.policy_saves:
+        for idx, policy in self.policy_saves.items():
             out = self.cache.get(idx)
-            if out is None or idx in self.writes_arg or is_comm_op(self.op_names[idx]) \
-                    or self.decisions.get(idx) != SAVE:
+            if out is None or policy is not CheckpointPolicy.PREFER_SAVE or idx in self.writes_arg \
+                    or is_comm_op(self.op_names[idx]) or self.decisions.get(idx) != SAVE:
                 continue
             tensors = [t for t in output_tensors(out) if isinstance(t, Tensor)]
             if not any((storage_info(t)[0], idx) in self.packed for t in tensors):
@@ -373,8 +448,7 @@ class Region(RegionBase):
         for nbytes, idx, tensors in sorted(unread, key=lambda u: (-u[0], u[1])):
             if kept <= budget:
                 break
-            del self.cache[idx], self.decisions[idx]
-            self.policy_saves.discard(idx)
+            del self.cache[idx], self.decisions[idx], self.policy_saves[idx]
             self.kept_args.pop(idx, None)
             self.light_reproduces(("op", idx))
             for t in tensors:
@@ -382,6 +456,10 @@ class Region(RegionBase):
                 self.kept_ptrs.pop(t.data_ptr(), None)
             kept -= nbytes
             self.stats.unread_kept += 1
+        if kept > budget and self.policy_saves:
+            self.stats.note_kept_over(kept - budget)
+            ENGINE.warnings.warning(("kept_over", id(self.stats)), messages.KEPT_OVER, self.cell_path(),
+                                    kept - budget)
 
     def note_kept_args(self, idx, args):
         """Before policy-kept op ``idx`` runs: where its tensor arguments live, so that what it saves of them
@@ -504,6 +582,8 @@ class Region(RegionBase):
             run.pending.append((token, t))   # settled when the Dropout returns (finish_dropout)
         else:
             self.bytes.drop(t)
+            if probed(t):
+                self.last_drop = (key, t)   # held until the next kept op or the forward's end, then sampled
         return token
 
     def pack_recompute(self, run, t):
@@ -583,8 +663,11 @@ class Region(RegionBase):
             self.input_ptrs = set(self.save_inputs(args, kwargs, offload, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
                     ms.saved_tensors_hooks(weak_pack(run, Region.pack_forward, keep_saved), unpack_saved), \
-                    self.replaced.watch(run.engine_ops):
+                    self.replaced.watch(run.engine_ops, (args, kwargs), self.param_moved):
                 out = self.fn(*args, **kwargs)
+            with run.engine_ops():   # on the run, so that no enclosing region numbers the sample's op
+                self.take_samples(run, out)
+            self.refuse_replaced_parameters()
             self.finish_forward(run, args, kwargs, out)   # its own ops: not an enclosing region's (N1)
         finally:
             ENGINE.pop(run)
@@ -605,6 +688,22 @@ class Region(RegionBase):
         self.fwd_npacks = run.npacks
         self._swap_holders = None
         self.stats.open_region(self, self.bytes.close())
+
+    def param_moved(self, old, new):
+        """A Parameter was rebound in forward: its old storage pointers are no weight's any more."""
+        self.param_ptrs.difference_update(old - new)
+        self.param_ptrs.update(new)
+
+    def refuse_replaced_parameters(self):
+        """After the forward: ``RecomputeError`` when it replaced one of the root's Parameters by a new object
+        (``self.g = Parameter(...)``): the re-run would read the new one, and nothing holds the old one's
+        value for it (rule W4 covers ``set_data`` and ``assign_value``, which keep the object)."""
+        if self.root is None:
+            return
+        before = {id(p) for p in self.params}
+        for name, p in self.root.parameters_and_names():
+            if id(p) not in before and name in self.param_names:   # a new name (built on first use) is read as is
+                raise messages.parameter_replaced(self.cell_path(), name)
 
     def replay(self, args, kwargs, grad_calls):
         """Run again inside a parent's recompute, with this region's kept outputs and masks. ``grad_calls``:
@@ -634,7 +733,8 @@ class Region(RegionBase):
         # its own grad calls need a top cell of their own (see recompute_graph), but not in a backward recorded
         # for a higher-order one: that would replace the top cell being recorded ("Can not find top cell")
         outputs = [] if "inner_grad" in self.intercept and not recording_backward() else None
-        with EXECUTOR_CALLS.counting(), self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state, outputs), \
+        with EXECUTOR_CALLS.counting(), self.replaced.rerun_from(), buffers_as_before(self.snapshots.values()), \
+                recompute_graph(run, self.precision, self.random_state, outputs), \
                 self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
                 ms.saved_tensors_hooks(weak_pack(run, Region.pack_recompute, drop_saved), keep_saved):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
@@ -651,6 +751,7 @@ class Region(RegionBase):
             if outputs is not None:
                 outputs.append(out)
         self.check_recompute(run, stopped)
+        self.check_values(out, stopped)
         if stopped:
             self.stats.early_stops += 1
         else:

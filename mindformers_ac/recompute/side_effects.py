@@ -15,7 +15,7 @@ from mindspore.ops import Primitive
 
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
-from ..tensors import is_tracked
+from ..tensors import is_tracked, param_ptrs, tensor_leaves
 
 SNAPSHOT, KEEP = "snapshot", "keep"
 
@@ -90,10 +90,19 @@ def written_slots(name, args, param_ptrs):
     return []
 
 
+# A write's copies of at most this many bytes are always taken (SNAPSHOT): held until backward, they cost
+# less than one activation of the smallest benchmark shape (batch 2 x seq 32 x hidden 64 floats, 16 KiB),
+# and a kept output would refuse an exact pattern (a re-run op that reads the tensor before the write).
+SMALL_COPY_BYTES = 16 * 1024
+
+
 def choose_handling(args, slots):
-    """SNAPSHOT unless the written tensors are larger than the op's other tensor inputs (then KEEP)."""
+    """SNAPSHOT when the written tensors are at most ``SMALL_COPY_BYTES`` or no larger than the op's other
+    tensor inputs; KEEP the op's outputs otherwise (a ScatterUpdate into an embedding table)."""
     written = {id(_item(args, pos)) for pos in slots}
     param_bytes = sum(int(_item(args, pos).nbytes) for pos in slots)
+    if param_bytes <= SMALL_COPY_BYTES:
+        return SNAPSHOT
     other_bytes = sum(int(b.nbytes) for _, b in _positions(args) if isinstance(b, Tensor) and id(b) not in written)
     return SNAPSHOT if param_bytes <= other_bytes else KEEP
 
@@ -127,12 +136,17 @@ class StateSnapshot:
     forward.
     """
 
-    __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes")
+    __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes", "buffers", "live")
 
     def __init__(self, args, slots):
         self.slots = list(slots)
         items = [_item(args, pos) for pos in self.slots]
         self.ptrs = slot_ptrs(args, self.slots)
+        # the written non-trainable Parameters (None elsewhere): the re-run writes them for real, from their
+        # value before the forward (``buffers_as_before``), so that reads no op dispatches (``self.hist[0]``,
+        # a view) see what the forward saw before and after the write
+        self.buffers = [t if isinstance(t, Parameter) and not t.requires_grad else None for t in items]
+        self.live = False   # inside buffers_as_before: the buffers hold their pre-forward values
         self.tracked = [is_tracked(t) for t in items]
         with no_grad():   # a copy, not part of the graph
             self.copies = [ops.deepcopy(t) for t in items]
@@ -150,6 +164,9 @@ class StateSnapshot:
         """``args`` with the written tensors replaced by fresh copies, recorded in ``state`` (ptr -> copy)."""
         replacements = {}
         for k, pos in enumerate(self.slots):
+            if self.live and self.buffers[k] is not None:   # a replay inside a parent's re-run writes copies
+                state[self.ptrs[k]] = self.buffers[k]   # later reads get it as written (buffers_as_before)
+                continue
             c = self.fresh(k)
             state[self.ptrs[k]] = c
             replacements[pos] = c
@@ -157,8 +174,39 @@ class StateSnapshot:
 
 
 def read_slots(args, ptrs):
-    """``[(position, data_ptr)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
-    return [(pos, t.data_ptr()) for pos, t in _positions(args) if isinstance(t, Tensor) and t.data_ptr() in ptrs]
+    """``[(position, data_ptr, tensor)]`` of an op's tensor arguments whose storage pointer is in ``ptrs``."""
+    return [(pos, t.data_ptr(), t) for pos, t in _positions(args) if isinstance(t, Tensor) and t.data_ptr() in ptrs]
+
+
+@contextlib.contextmanager
+def buffers_as_before(snapshots):
+    """Around a re-run (outside its graph): the buffers the forward wrote by an op (``StateSnapshot.buffers``)
+    hold, in place, their values from before the forward's first write, and afterwards what they held
+    before the re-run; so the re-run's write lands in them and is undone, and every read sees the
+    forward's values (rule W1)."""
+    first = {}
+    snapshots = list(snapshots)
+    for snapshot in snapshots:   # in op order: the first write's copy is the value before the forward
+        for b, c in zip(snapshot.buffers, snapshot.copies):
+            if b is not None:
+                first.setdefault(id(b), (b, c))
+    if not first:
+        yield
+        return
+    with no_grad(), no_casts():
+        current = [(b, ops.deepcopy(b)) for b, _ in first.values()]
+        for b, c in first.values():
+            ops.assign(b, c)   # in place: reads of its storage (views) see it
+    for snapshot in snapshots:
+        snapshot.live = True
+    try:
+        yield
+    finally:
+        for snapshot in snapshots:
+            snapshot.live = False
+        with no_grad(), no_casts():
+            for b, c in current:
+                ops.assign(b, c)
 
 
 class BufferGuard:
@@ -199,20 +247,29 @@ class ReboundParameters:
         self.before = ()       # (param, copy of its value before the forward rebound it), in order
 
     @contextlib.contextmanager
-    def watch(self, hidden=contextlib.nullcontext):
-        """Around the forward: note each Parameter's value before its first rebinding. ``hidden``: a
-        context under which the copy is no op of the region (the intercepting path's dispatch)."""
+    def watch(self, hidden=contextlib.nullcontext, args=(), moved=None):
+        """Around the forward: note each Parameter's value before its first rebinding, the root's and those
+        handed to the region in ``args`` (a model's Parameter passed to every layer). ``hidden``: a context
+        under which the copy is no op of the region (the intercepting path's dispatch); ``moved(old, new)``:
+        told the storage pointers a rebinding freed and took (a freed address is reused by the next tensor,
+        which is no Parameter: found by tests/program_generator.py)."""
         before = {}
         wrapped = []
+        own = {id(p) for p in self.params}
+        params = (*self.params, *(p for p in tensor_leaves(args) if isinstance(p, Parameter) and id(p) not in own))
 
         def rebind(p, call, *args, **kwargs):
             if id(p) not in before:
                 with hidden(), no_grad(), no_casts():
                     before[id(p)] = (p, ops.deepcopy(p))
-            return call(*args, **kwargs)
+            old = param_ptrs((p,))
+            result = call(*args, **kwargs)
+            if moved is not None:
+                moved(old, param_ptrs((p,)))
+            return result
 
         try:
-            for p in self.params:
+            for p in params:
                 for method in self.METHODS:
                     outer = p.__dict__.get(method)   # an enclosing region's wrapper
                     call = outer if outer is not None else functools.partial(getattr(type(p), method), p)

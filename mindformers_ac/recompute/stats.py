@@ -30,7 +30,9 @@ class RecomputeStats:
     never left the slower path. ``chained_calls``: region forwards of a layer
     group's later members, whose first argument was not kept but will be
     rebuilt from the previous member (``chain``). ``unread_kept``: kept ops whose
-    outputs no backward read, re-run instead of kept (rule K2 of docs/exactness.md).
+    outputs no backward read, re-run instead of kept (rule K2 of docs/exactness.md, PREFER_SAVE only).
+    ``kept_over_bytes``: the most one region's forward kept beyond what it saved for backward (what the model
+    keeps without AC), because its policy's MUST_SAVE ops (``exclude_op``) are kept whatever they cost.
     ``intercept_reasons``:
     why calls stayed on the intercepting path (reason -> times found: once per
     checked call signature, once per call of a region that is never checked,
@@ -42,7 +44,7 @@ class RecomputeStats:
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
                  "ops_rerun", "ops_reused", "recompute_calls", "intercepted_calls", "light_calls", "chained_calls",
-                 "unread_kept", "live_bytes", "live_regions", "early_stops")
+                 "unread_kept", "kept_over_bytes", "live_bytes", "live_regions", "early_stops")
 
     def __init__(self):
         self._generation = 0
@@ -61,6 +63,10 @@ class RecomputeStats:
     def note_intercepted(self, reasons):
         """A call signature (or an unchecked call) stays intercepted, for these reasons."""
         self.intercept_reasons.update(set(reasons))
+
+    def note_kept_over(self, nbytes):
+        """A region's forward kept ``nbytes`` more than it saved (MUST_SAVE ops kept as asked)."""
+        self.kept_over_bytes = max(self.kept_over_bytes, nbytes)
 
     def count_rerun(self, op_name, n=1):
         self.ops_rerun += n
