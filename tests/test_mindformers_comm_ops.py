@@ -18,6 +18,7 @@ from mindspore import Tensor, mint, nn, ops
 import mindformers_ac as mac
 from mindformers_ac.accounting import StepMeter
 from mindformers_ac.errors import ConfigError
+from mindformers_ac.harness.cli import main
 
 from model_patterns import init_weights
 from steps import CountOps
@@ -247,3 +248,26 @@ def test_a_select_op_target_that_saves_nothing_is_taken_off_and_never_rerun(capl
     slot = model.layers[0].pwconv1.matmul
     assert slot.mac_output.retired == told[0]
     assert "Notes:\n  layer 0: output recompute of op 'pwconv1.matmul' is not in effect" in str(state.plan)
+
+
+def convnext_model():
+    """``(model, make_inputs)`` of the ConvNeXt above, for ``--model test_mindformers_comm_ops:convnext_model``."""
+    x = Tensor(np.random.RandomState(0).randn(2, D, 4, 4).astype(np.float32))
+    return init_weights(ConvNeXt()), lambda step: (x,)
+
+
+def test_explain_step_shows_the_op_target_that_saves_nothing_taken_off(tmp_path, capsys):
+    """``explain`` plans without a step, so it lists ``pwconv1.matmul`` as planned; ``explain --step`` runs one
+    training step first and its notes say the target was taken off, as ``train``'s plan does; the model the
+    command built is left without AC."""
+    config = tmp_path / "convnext.yaml"
+    config.write_text("recompute:\n  mode: select\n  select_module:\n    'norm.layer_norm|pwconv1.matmul': [0-1]\n")
+    model = [str(config), "--model", "test_mindformers_comm_ops:convnext_model"]
+    assert main(["explain", *model]) == 0
+    assert "not in effect" not in capsys.readouterr().out
+    assert main(["explain", *model, "--step"]) == 0
+    out = capsys.readouterr().out
+    assert "Notes:\n  layer 0: output recompute of op 'pwconv1.matmul' is not in effect: taken off after the " \
+           "first training step" in out and "layer 1: output recompute of op 'pwconv1.matmul'" in out
+    assert main(["explain", *model, "--step", "--pp", "2"]) == 2
+    assert "error: --step: runs the whole model in this process; drop --pp" in capsys.readouterr().err

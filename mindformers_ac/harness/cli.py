@@ -4,7 +4,7 @@
     mindformers-ac train CONFIG --model MODULE:FUNCTION [--layer-list PATH] [--steps N] [--report DIR]
     mindformers-ac train CONFIG --dp N [--tp 2 | --pp 2]   (under msrun: python -m mindformers_ac.harness.launch)
     mindformers-ac validate CONFIG [--num-layers N] [--pp P]
-    mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layer-list PATH] [--pp P]
+    mindformers-ac explain [CONFIG] [--model MODULE:FUNCTION] [--layer-list PATH] [--pp P] [--step]
     mindformers-ac plan --budget SIZE [CONFIG] [--model MODULE:FUNCTION [--layer-list PATH] | --layers L --hidden H ...] [--prefetch P] [--pp P] [--dp N] [--out plan.yaml]
 
 ``--model MODULE:FUNCTION`` is the user's model: ``FUNCTION()`` returns
@@ -69,12 +69,30 @@ def cmd_validate(args):
 def cmd_explain(args):
     from ..plan import plan_ac
     from .spec import TrainSpec
+    if args.step and args.pp > 1:   # before the model is built
+        raise ConfigError("--step", "runs the whole model in this process; drop --pp (a pipeline stage's plan "
+                                    "is shown without a step)")
     config = AcConfig.from_yaml(args.config or default_config_path())
     user = TrainSpec(factory=args.model, layer_list=args.layer_list).user_model()
-    model, _ = user.build()   # no step is run: explain only plans
-    plan = plan_ac(model, config=config, pp=args.pp, layers=args.layer_list)
-    print(plan.explain())
+    model, make_inputs = user.build()
+    if args.step:
+        print(_plan_after_a_step(model, make_inputs, config, args.layer_list).explain())
+    else:   # no step is run: explain only plans
+        print(plan_ac(model, config=config, pp=args.pp, layers=args.layer_list).explain())
     return 0
+
+
+def _plan_after_a_step(model, make_inputs, config, layer_list):
+    """The plan ``apply_ac`` installed, after one training step: what only a step tells (an op target that
+    saved nothing is taken off, and the plan notes it) is in its notes. The model is left as it was."""
+    from ..apply import remove_ac
+    from ..training import TrainingRun
+    run = TrainingRun(model, config=config, layers=layer_list)
+    try:
+        run.step(make_inputs(0))
+        return run.plan
+    finally:
+        remove_ac(model)
 
 
 def cmd_train(args):
@@ -377,6 +395,9 @@ def build_parser():
                          help=f"{MODEL_HELP} (default {DEFAULT_MODEL})")
     add_layer_list_argument(explain)
     add_pipeline_arguments(explain, "pipeline-parallel size to plan for (default 1)")
+    explain.add_argument("--step", action="store_true",
+                         help="apply the plan and run one training step first: its notes then say what only a "
+                              "step tells (an op target that saves nothing is taken off); default: plan only")
     explain.set_defaults(func=cmd_explain)
     plan = sub.add_parser("plan", help="profile a model (the reference GPT or --model), choose recompute/swap "
                                        "per layer for a memory budget, write the YAML")
