@@ -366,6 +366,50 @@ def test_a_function_rebound_after_apply_is_the_one_that_runs(monkeypatch):
         assert np.array_equal(ms.grad(cell, grad_position=0)(x).asnumpy(), want), step
 
 
+class InputViewLayer(nn.Cell):
+    """Two kept MatMuls whose first argument is a view of the layer's input (issue 52): a legacy op saves a
+    converted copy of it, which the re-run's argument stands for (rule K1) on both paths."""
+
+    def __init__(self):
+        super().__init__()
+        rs = np.random.RandomState(4)
+        self.wa = Parameter(Tensor(rs.randn(H, H).astype(np.float32) * 0.3), name="wa")
+        self.wb = Parameter(Tensor(rs.randn(H, H).astype(np.float32) * 0.3), name="wb")
+        self.mm = ops.MatMul()
+
+    def construct(self, x):
+        flat = x.reshape(-1, H)
+        return (ops.sin(self.mm(flat, self.wa)) * ops.relu(self.mm(flat, self.wb))).sum()
+
+
+def _step_figures(cell, x, steps, stats=None):
+    """Per step: the gradients (input and weights), and with ``stats`` the bytes kept and which path ran."""
+    grad_fn = ms.grad(cell, 0, cell.trainable_params())
+    figures = []
+    for _ in range(steps):
+        if stats is not None:
+            stats.reset()   # each step's peak on its own
+        dx, dw = grad_fn(x)
+        grads = [dx.asnumpy()] + [g.asnumpy() for g in dw]
+        path = None if stats is None else ("light" if stats.light_calls else "intercepted", stats.peak_kept_bytes)
+        figures.append((grads, path))
+    return figures
+
+
+def test_kept_bytes_are_the_same_on_the_intercepting_and_the_light_path():
+    """Issue 52: the light path kept the copies its kept MatMuls saved of the input's view on top of the
+    input, one per call; it keeps what the intercepting path keeps (the input and the kept outputs)."""
+    x = Tensor(np.random.RandomState(9).randn(B, S, H).astype(np.float32))
+    want = _step_figures(InputViewLayer(), x, 4)
+    cell, stats = InputViewLayer(), rc.RecomputeStats()
+    rc.checkpoint_wrapper(cell, policy_fn=rc.exclude_policy(["MatMul"]), stats=stats)
+    got = _step_figures(cell, x, 4, stats)
+    paths = [path for _, path in got]
+    assert [p for p, _ in paths] == ["intercepted"] + ["light"] * 3
+    assert {kept for _, kept in paths} == {3 * B * S * H * 4}, paths   # x and the two MatMuls' outputs
+    _assert_bitwise([g for g, _ in got], [g for g, _ in want])
+
+
 class ViewsLayer(nn.Cell):
     """``mint.t``, ``mint.reshape``, ``mint.flatten`` and ``mint.squeeze`` share one code object in MindSpore
     2.10; keeping them by name must not mix them up (issue 37, case 7)."""

@@ -229,13 +229,16 @@ class LightRegion(RegionBase):
         if plan is not None and plan[0] == metas:
             return plan[1]
         outs = {t.data_ptr() for t in output_tensors(out) if isinstance(t, Tensor)}
-        skip = set(self.check.param_ptrs) | set(self.input_ptrs) | outs
+        weights = set(self.check.param_ptrs)
+        skip = weights | set(self.input_ptrs) | outs   # kept anyway: keeping it again costs nothing
         found = []
         for t, meta in zip(packed, metas):
             i = None
             if t.data_ptr() not in skip:
+                # An argument that is (a view of) a saved input still stands for the copy the op saved of it:
+                # the copy is new storage, while the re-run's argument is rebuilt from the kept input.
                 same = [j for j, a in enumerate(tensors) if (tuple(a.shape), a.dtype) == meta
-                        and a.data_ptr() not in skip]
+                        and a.data_ptr() not in weights]
                 i = next((j for j in same if tensors[j].data_ptr() == t.data_ptr()), None)
                 if i is None:
                     with no_grad():
