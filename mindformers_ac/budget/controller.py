@@ -142,12 +142,15 @@ def _elements(key):
     return sum(math.prod(shape) for shape, _ in key) or 1
 
 
-def scaled_memory(memory, factor):
-    """A ``StepMemory`` with every byte figure of ``memory`` times ``factor`` (the figures of a step at other
-    input shapes, by element count); ``memory`` itself when ``factor`` is 1."""
+_BYTE_FIELDS = ("kept_bytes", "recomputed_bytes", "offloaded_bytes", "prefetched_bytes", "on_demand_bytes")
+
+
+def scaled_memory(memory, factor, fields=_BYTE_FIELDS):
+    """A ``StepMemory`` with the byte figures ``fields`` of ``memory`` (every one by default) and the kept bytes
+    per module times ``factor`` (the figures of a step at other input shapes, by element count); ``memory``
+    itself when ``factor`` is 1."""
     if factor == 1:
         return memory
-    fields = ("kept_bytes", "recomputed_bytes", "offloaded_bytes", "prefetched_bytes", "on_demand_bytes")
     layers = {}
     for key, lm in memory.layers.items():
         scaled = dataclasses.replace(lm, **{f: int(round(getattr(lm, f) * factor)) for f in fields})
@@ -160,14 +163,7 @@ def held_in_flight(memory, copies):
     """A ``StepMemory`` of one training forward as ``copies`` forwards in flight hold it (a pipeline stage's
     microbatches): the kept bytes ``copies`` times; a rebuild and an offload come back one at a time, as
     ``planner.stages`` counts them offline. ``memory`` itself when ``copies`` is 1."""
-    if copies == 1:
-        return memory
-    layers = {}
-    for key, lm in memory.layers.items():
-        held = dataclasses.replace(lm, kept_bytes=lm.kept_bytes * copies)
-        held.kept_by_module = {k: v * copies for k, v in lm.kept_by_module.items()}
-        layers[key] = held
-    return StepMemory(layers)
+    return scaled_memory(memory, copies, fields=("kept_bytes",))
 
 
 def measured_peak(memory, layer_ids, prefetch):
