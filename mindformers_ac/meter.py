@@ -34,7 +34,8 @@ from mindspore import Tensor, nn
 
 from .logs import OnceLogger
 from .mindspore_compat import chained_hook_pushes, registered_pack_hook
-from .tensors import param_ptrs, storage_info, tensor_leaves
+from .tensors import param_ptrs, storage_info
+from .tensors import tensor_leaves_in_objects as tensor_leaves
 
 logger = logging.getLogger("mindformers_ac.meter")
 

@@ -100,6 +100,19 @@ def tensor_stamp(t):
     return t.data_ptr(), t._version   # pylint: disable=protected-access
 
 
+def attach_to_tensor(t, key, obj):
+    """Store ``obj`` in the user data of ``t``'s C++ tensor, which every Python object of that tensor shares
+    (the one a saved-tensor hook receives is another Python object than the one the op returned); False when
+    the release has no user data. Measured on MindSpore 2.10 (docs/exactness.md, rule W6s): ``obj`` lives
+    as long as the C++ tensor; an entry stored after the tensor was saved is not held by the autograd graph's
+    record of the save, so it dies when the code outside drops the tensor and its views."""
+    try:
+        t._set_user_data(key, obj)   # pylint: disable=protected-access
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return True
+
+
 # ``tensor_version(t)``: MindSpore's in-place version counter of ``t`` (shared with its views; see
 # ``tensor_stamp``). An attrgetter, not a function: swap reads it twice per saved tensor (rule W6s).
 tensor_version = operator.attrgetter("_version")

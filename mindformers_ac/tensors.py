@@ -67,10 +67,34 @@ def tensor_bytes(t):
 
 
 def tensor_leaves(value, depth=8):
-    """The tensors in ``value``: a tensor, or any object holding tensors, nested: tuples, lists (namedtuples
-    too), dicts, dataclasses and other objects by their instance ``__dict__`` (a Hugging Face-style
-    ``LayerOutput(hidden=h)``; an object with slots only is not). A Cell, a class, a module or a function is not searched (they hold weights
-    and code, not a call's values). ``depth`` bounds the nesting searched, so a self-referencing object ends.
+    """The tensors in ``value``: a tensor, or tuples (namedtuples too), lists and dicts of them, nested.
+
+    Other objects are not searched (issue 49: no walk of a dataclass's fields or an object's ``__dict__``):
+    swap finds a saved tensor that the code after its layer holds, in any object, by the tensor's own stamp
+    (``swap/executor.py``, ``SavedStorage``; rule W6s of docs/exactness.md). ``depth`` bounds the nesting
+    searched, so a self-referencing list ends.
+    """
+    if isinstance(value, Tensor):
+        return [value]
+    if depth <= 0:
+        return []
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (tuple, list)):
+        return []
+    found = []
+    for item in value:
+        found.extend(tensor_leaves(item, depth - 1))
+    return found
+
+
+def tensor_leaves_in_objects(value, depth=8):
+    """``tensor_leaves`` that also searches dataclasses and other objects by their instance ``__dict__`` (a
+    Hugging Face-style ``LayerOutput(hidden=h)``; an object with slots only is not). A Cell, a class, a
+    module or a function is not searched (they hold weights and code, not a call's values).
+
+    Used by the recompute engine only (its saved outputs, rule W6; the safety net's probe; Parameters handed
+    in an argument object), until the recompute half of issue 49 gives it stamps as swap has.
     """
     if isinstance(value, Tensor):
         return [value]
@@ -78,7 +102,7 @@ def tensor_leaves(value, depth=8):
         return []
     found = []
     for item in _held_values(value):
-        found.extend(tensor_leaves(item, depth - 1))
+        found.extend(tensor_leaves_in_objects(item, depth - 1))
     return found
 
 
@@ -87,7 +111,7 @@ _NOT_SEARCHED = (str, bytes, int, float, bool, type(None), nn.Cell, type, types.
 
 
 def _held_values(value):
-    """What ``tensor_leaves`` searches in ``value``: a container's items, an object's attributes."""
+    """What ``tensor_leaves_in_objects`` searches in ``value``: a container's items, an object's attributes."""
     if isinstance(value, dict):
         return value.values()
     if isinstance(value, (tuple, list)):

@@ -1,7 +1,8 @@
 """Swap on what users' layers return (dicts, nested lists) and on models that come and go.
 
-* prefetch fires whatever structure the trigger layer's output has; an
-  output the engine can't hook (an object with slots only) is reported once in the log, and stays exact;
+* prefetch fires whatever tuples, lists and dicts the trigger layer's output
+  nests; an output the engine can't hook (any other object: its attributes are
+  not searched, issue 49) is reported once in the log, and stays exact;
 * ``SwapManager().set_forward_prefetch_layer`` holds layers weakly: a model
   dropped without ``reset()`` is freed, and its weights leave the scheduler;
 * nothing of a step stays reachable or reusable after it (issue 41): a graph
@@ -42,7 +43,7 @@ class Holder:
 
 
 class Box:
-    """A custom output object with an instance ``__dict__``: searched like a dataclass (issue 49)."""
+    """A custom output object with an instance ``__dict__``: not searched either (issue 49: no object walk)."""
 
     def __init__(self, hidden):
         self.hidden = hidden
@@ -100,8 +101,8 @@ def batch(step):
 SWAP = {"swap": {"enable": True, "layer_swap": [{"layers": ["0-1"]}]}}
 
 
-@pytest.mark.parametrize("kind", ["dict", "nested", "box"])
-def test_prefetch_fires_on_dict_nested_and_object_outputs(caplog, kind):
+@pytest.mark.parametrize("kind", ["dict", "nested"])
+def test_prefetch_fires_on_dict_and_nested_outputs(caplog, kind):
     base = run_steps(StructModel(kind), batch, steps=1)
     model = StructModel(kind)
     mac.apply_ac(model, config=SWAP)
@@ -116,15 +117,16 @@ def test_prefetch_fires_on_dict_nested_and_object_outputs(caplog, kind):
     mac.remove_ac(model)
 
 
-def test_output_the_engine_cannot_hook_is_reported_once_and_stays_exact(caplog):
-    base = run_steps(StructModel("object"), batch)
-    model = StructModel("object")
+@pytest.mark.parametrize("kind, cls", [("object", "Holder"), ("box", "Box")])
+def test_output_the_engine_cannot_hook_is_reported_once_and_stays_exact(caplog, kind, cls):
+    base = run_steps(StructModel(kind), batch)
+    model = StructModel(kind)
     mac.apply_ac(model, config=SWAP)
     with caplog.at_level(logging.WARNING, logger="mindformers_ac"):
         assert first_difference(base, run_steps(model, batch)) is None
     messages = [r.getMessage() for r in caplog.records if "can't be triggered" in r.getMessage()]
     # one per trigger (layers 1 and 2), not one per step
-    assert len(messages) == 2 and all("Holder" in m for m in messages), messages
+    assert len(messages) == 2 and all(cls in m for m in messages), messages
     report = mac.ac_state(model).swap_report.as_dict()
     assert report["num_offloaded"] > 0 and report["on_demand_bytes"] == report["offloaded_bytes"]
     mac.remove_ac(model)
@@ -185,8 +187,8 @@ def test_host_backend_sees_a_loaded_tensor_alias_its_buffer():
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_loaded_tensor_kept_past_its_step_keeps_its_values(keep):
     ex = SwapExecutor()
-    t = Tensor(np.arange(256, dtype=np.float32))
-    h = ex.offload(t, key="k")
+    # dropped once offloaded: a tensor still held would be served from its own storage (rule W6s)
+    h = ex.offload(Tensor(np.arange(256, dtype=np.float32)), key="k")
     loaded = ex.load(h)
     buffer = h._buf
     h.drop_loaded()                                     # the last unpack: the buffer goes back now

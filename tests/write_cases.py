@@ -7,6 +7,7 @@ tensor a layer saved and the next layer writes, a marker-guarded side effect tha
 and nested regions with replay metadata. Each builds on ``model_patterns``' layer (3 layers, hidden 32) so
 that the exactness tests compare it against its plain twin with ``steps.run_steps``.
 """
+import collections
 import dataclasses
 
 import numpy as np
@@ -262,6 +263,9 @@ INPUT_WRITES = {   # how a layer writes its input in place (the previous layer s
     "copy_": lambda x: x.copy_(x * 0.5),                                   # InplaceCopy: advances the version
     "assign_add": lambda x: ops.assign_add(x, ops.stop_gradient(x) * 0.25),  # same storage, same version
     "setitem": lambda x: x.__setitem__((slice(None), 0), 0.0),             # a rebinding: new storage
+    "assign": lambda x: ops.assign(x, ops.stop_gradient(x) * 0.5 + 0.1),    # same storage, same version
+    # a Tensor's ``set_data`` (only a Parameter has ``set_data`` in 2.10): a rebinding, new storage
+    "assign_value": lambda x: x.assign_value(ops.stop_gradient(x) * 0.5 + 0.1),
 }
 
 
@@ -287,27 +291,96 @@ class LayerOutput:
     hidden: object
 
 
-class DataclassOutputLayer(SavesOutputCellLayer):
-    """Returns its output (what its last cell saved) as ``LayerOutput(hidden=...)``."""
+HiddenTuple = collections.namedtuple("HiddenTuple", "hidden")
+
+
+class Box:
+    """A custom class holding a layer's output (an instance ``__dict__``, no container)."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+# what holds a layer's output: the engine finds a tensor in a tuple (a namedtuple too) or a dict; in any other
+# object, swap sees a write into it by the saved tensor's stamp (rule W6s)
+HOLDERS = {"tuple": lambda h: (h,), "dict": lambda h: {"hidden": h}, "dataclass": LayerOutput,
+           "namedtuple": HiddenTuple, "object": Box}
+
+
+def unwrap(out):
+    """The hidden state in a layer's output, whatever ``HOLDERS`` entry holds it."""
+    if isinstance(out, dict):
+        return out["hidden"]
+    if isinstance(out, tuple):
+        return out[0]
+    return out.hidden if isinstance(out, (LayerOutput, Box)) else out
+
+
+class HeldOutputLayer(SavesOutputCellLayer):
+    """Returns its output (what its last cell saved) in ``HOLDERS[holder]``."""
+
+    holder = "dataclass"
 
     def construct(self, x, pos, mask, scale):
-        return LayerOutput(hidden=super().construct(x, pos, mask, scale))
+        return HOLDERS[self.holder](super().construct(x, pos, mask, scale))
 
 
 class UnwrapsOutputsModel(PatternModel):
-    """Takes ``.hidden`` of a layer that returns a ``LayerOutput``."""
+    """Takes the hidden state out of what each layer returns (``unwrap``)."""
 
     def construct(self, x, y, pos, mask):
         for layer in self.layers:
-            x = self.run_layer(layer, x, pos, mask, self.scale)
-            x = x.hidden if isinstance(x, LayerOutput) else x
+            x = unwrap(self.run_layer(layer, x, pos, mask, self.scale))
         return self.loss(x, y)
 
 
-def build_dataclass_output(how):
-    """Layer 0 returns ``LayerOutput(hidden=h)``; layer 1 writes ``h`` with ``how`` (issue 49's case)."""
-    layers = [DataclassOutputLayer()] + [writes_input_by(how)() for _ in range(N_LAYERS - 1)]
+def build_held_output(how, holder, keeps_input):
+    """Layer 0 returns its saved output ``h`` in ``HOLDERS[holder]``; the next layers write their input with
+    ``INPUT_WRITES[how]`` and go on with it (``keeps_input``: it stays alive until backward) or with a copy
+    (``h`` dies written)."""
+    first = type(f"HeldOutput_{holder}", (HeldOutputLayer,), {"holder": holder})
+    layers = [first()] + [writes_input_by(how, keeps_input)() for _ in range(N_LAYERS - 1)]
     return init_weights(UnwrapsOutputsModel(layers))
+
+
+def held_output_outcomes(cases, modes, steps=1):
+    """For issue 49's matrix (one process: ``tests/test_swap_writes.py``): per ``(how, holder, keeps_input)``
+    of ``cases``, train the model under each of ``modes`` and print one line per mode:
+    ``<how> <holder> <keeps_input> <mode> BITWISE`` with the model without AC (or ``DIFFERS <where>``,
+    ``REFUSED <error>``). The model without AC (mode ``plain``, printed too) runs once per ``(how,
+    keeps_input)``: the holder changes no value. After a refused backward MindSpore's executor is reset
+    (``clear_res``); the next case's bitwise comparison shows it recovered."""
+    from mindformers_ac.mindspore_compat import pynative_executor
+
+    from model_patterns import hidden_batch
+    from steps import first_difference, run_steps
+
+    def one(model):
+        try:
+            return run_steps(model, hidden_batch, steps=steps), None
+        except Exception as exc:   # noqa: BLE001  (the test compares the refusal with MindSpore's own)
+            pynative_executor.clear_res()
+            return None, f"{type(exc).__name__} {exc}".replace("\n", " ")
+
+    plain = {}
+    for how, holder, keeps_input in cases:
+        if (how, keeps_input) not in plain:
+            plain[how, keeps_input] = one(build_held_output(how, "tuple", keeps_input))
+            refused = plain[how, keeps_input][1]
+            print(how, "-", keeps_input, "plain", "BITWISE" if refused is None else "REFUSED " + refused, flush=True)
+        base = plain[how, keeps_input][0]
+        for mode in modes:
+            model = build_held_output(how, holder, keeps_input)
+            swap_first_layer(model, mode)
+            got, refused = one(model)
+            if mac.ac_state(model) is not None:
+                mac.remove_ac(model)
+            if refused is not None:
+                outcome = "REFUSED " + refused
+            else:
+                where = first_difference(base, got) if base is not None else "trained where plain was refused"
+                outcome = "BITWISE" if where is None else f"DIFFERS {where}"
+            print(how, holder, keeps_input, mode, outcome, flush=True)
 
 
 def swap_first_layer(model, mode):

@@ -89,7 +89,8 @@ from ..layer_specs import format_layer_specs, swappable_layers
 from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
-from ..tensors import MiB, is_tracked, tensor_leaves
+from ..tensors import MiB, is_tracked
+from ..tensors import tensor_leaves_in_objects as tensor_leaves
 from .agreement import Agreement, agreed_profile, initialised_world
 from .options import OptionSample, applied_layers, candidate_options, profile_with_noise
 from .sizes import format_bytes

@@ -17,7 +17,7 @@ import enum
 import logging
 import weakref
 
-from ..mindspore_compat import tensor_version
+from ..mindspore_compat import attach_to_tensor, no_grad, tensor_version
 from .backends import HostBufferPool, SwapBackend, UnsupportedTensorError, protocol_members, select_backend
 
 logger = logging.getLogger("mindformers_ac.swap")
@@ -134,6 +134,7 @@ class HandleState(enum.Enum):
         COPYING -> KEPT                        the offload given up as its group closed (``keep_on_device``)
         COPYING -> OFFLOADED -> LOADING -> LOADED -> RELEASED (host buffer given back)
                    OFFLOADED ------------> LOADED    (an on-demand load)
+                   OFFLOADED or LOADING -> RELEASED  (the saved storage is still alive: served, rule W6s)
 
     A backend whose loads alias the host buffer (``loads_alias_host``) gives it
     back at the handle's last unpack (``drop_loaded``), or when the handle dies
@@ -159,19 +160,20 @@ class SwapHandle:
     executor decides when they happen. It holds the host copy (a pool buffer,
     given back after the load or, when the backend's loads alias it, when the
     handle dies), the device tensor until ``finish_offload``, a weak reference
-    to it for the late in-place check at load time, and the loaded tensor
-    until ``drop_loaded``.
+    to the ``SavedStorage`` stamp of the saved tensor (rule W6s), the storage
+    that stamp handed over when the tensor died written, and the loaded
+    tensor until ``drop_loaded``.
     """
 
     __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
-                 "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
+                 "_live", "_written_storage", "_load", "_loaded", "version", "written", "storage", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
         self.owner = None          # the scheduler group, if any
         self.refs = 1              # packs sharing this handle (dedup); the cached load is dropped at 0
         self.state = HandleState.KEPT
-        self._ticket = self._buf = self._give_back = self._device = self._probe = None
+        self._ticket = self._buf = self._give_back = self._device = self._live = self._written_storage = None
         self._load = self._loaded = None
         self.version = None        # the saved tensor's version counter when it was saved (rule W6s)
         self.written = None        # (version saved, version now) once a write after the save was seen
@@ -237,12 +239,29 @@ class SwapHandle:
         self.state = HandleState.OFFLOADED
         return tensor
 
-    def watch(self, tensor):
-        """Keep a weak reference to the offloaded device tensor, for ``probe`` at load time."""
+    def stamp(self, tensor, matches):
+        """Attach a ``SavedStorage`` to the offloaded device tensor (rule W6s); False when it can't be attached
+        (a release without tensor user data: a write after the group's close is then not seen)."""
         try:
-            self._probe = weakref.ref(tensor)
-        except TypeError:  # tensor kinds without weakref support: only the forward-time check applies
-            pass
+            live = SavedStorage(tensor, self, matches)
+        except AttributeError:   # a release without ``Tensor.data``
+            return False
+        if not attach_to_tensor(tensor, SavedStorage.KEY, live):
+            return False
+        self._live = weakref.ref(live)
+        return True
+
+    def arm(self):
+        """After the group dropped its references: a stamp still alive belongs to a tensor held outside the
+        graph (an output in any object, a cache), which may be written; it checks its storage when it dies."""
+        live = self._live() if self._live is not None else None
+        if live is not None:
+            live.armed = True
+
+    def keep_written(self, alias):
+        """The saved tensor died written since its host copy: the load serves its storage (``alias``)."""
+        if self.state is HandleState.OFFLOADED or self.state is HandleState.LOADING:
+            self._written_storage = alias
 
     def start_load(self, load):
         """OFFLOADED -> LOADING: ``load`` (a ``PendingLoad``) is in flight."""
@@ -270,9 +289,13 @@ class SwapHandle:
             self._release()
             self.state = HandleState.RELEASED
 
-    def probe(self):
-        """The device tensor saved at offload, if something else still holds it (for the late in-place check)."""
-        return self._probe() if self._probe is not None else None
+    def live(self):
+        """The saved storage, if it is still on the device: the tensor is alive outside the graph (its stamp
+        lives), or it died after a write (``keep_written``); else None (the host copy holds its values)."""
+        if self._written_storage is not None:
+            return self._written_storage
+        live = self._live() if self._live is not None else None
+        return live.alias if live is not None else None
 
     def drop_loaded(self):
         """Forget the loaded tensor (autograd holds it now) and give the host buffer back: a later ``load``
@@ -291,7 +314,10 @@ class SwapHandle:
         # an attached loss) keeps this handle, and must not keep the buffer, the group or its scheduler.
         buf, self._buf = self._buf, None
         give_back, self._give_back = self._give_back, None
-        self._ticket = self._probe = self._load = self.owner = None
+        live = self._live() if self._live is not None else None
+        if live is not None:   # the held tensor may outlive the step: its stamp lets go of the storage too
+            live.alias = live.matches = None
+        self._ticket = self._live = self._written_storage = self._load = self.owner = None
         if buf is not None:
             give_back(buf, self.nbytes)
 
@@ -300,6 +326,70 @@ class SwapHandle:
         # as soon as autograd drops it. Most were released at their last unpack already.
         if self._buf is not None:
             self._release()
+
+
+def _counter_alias(t):
+    """``t``'s storage as another C++ tensor, untracked, sharing ``t``'s version counter: a view made without
+    recording (about 5 us; ``Tensor.data`` has a counter of its own, and MindSpore's check of a saved
+    tensor's version reads the counter of what the unpack returns). It does not hold ``t`` (measured: ``t``
+    and its user data are freed when the caller drops it while the alias lives)."""
+    try:
+        with no_grad():
+            return t.view(t.shape)
+    except (RuntimeError, TypeError, ValueError):   # a layout view() refuses: a copy_ is then not seen
+        return t.data
+
+
+class SavedStorage:
+    """The stamp of one offloaded tensor's storage (rule W6s of docs/exactness.md), attached as the swap group
+    closes to the saved tensor's C++ tensor, which every Python object of it shares (``attach_to_tensor``).
+
+    Measured on MindSpore 2.10 CPU (``docs/exactness.md``, W6s): the object a pack hook receives is another
+    Python object than the one the op returned, and dies when the hook returns, so a weak reference to it
+    says nothing; an entry in the C++ tensor's user data set after the save lives exactly as long as the
+    tensor (or a view of it) is held outside the graph: by the caller through any object (a dataclass, a
+    namedtuple, a custom class), a cache, the next layer. That is the only way the storage can be written
+    after the save. So the stamp holds ``alias``, an untracked tensor of the same storage (no cycle: it is
+    another C++ tensor sharing the version counter; no memory: the held tensor holds that storage anyway):
+
+    * at load, while the stamp lives, the handle serves ``alias``: the very storage the graph reads without
+      AC, so a write that MindSpore's version counter misses (``ops.assign_add``, ``ops.assign``) is read as
+      without AC, and a rebinding (slice assignment, ``assign_value``) is not;
+    * when the tensor dies before the load (the caller wrote it, then dropped it), the stamp compares its
+      storage with the host copy (``matches``, a ``memcmp`` on CPU); if they differ, or the backend can't
+      tell, the handle keeps ``alias`` for the load (``keep_written``), as the graph would have kept it;
+    * a write that advances the version counter (``copy_``) after the save is refused at the load, as
+      MindSpore refuses it without AC (``RuntimeError`` naming the swap group, the tag and the versions).
+
+    Only a stamp that outlived its group's close (``armed``) compares: an intermediate tensor dies as the
+    group drops it, unwritten.
+    """
+
+    __slots__ = ("alias", "handle", "matches", "armed", "__weakref__")
+    KEY = "mindformers_ac.swap.saved_storage"
+
+    def __init__(self, tensor, handle, matches):
+        self.alias = _counter_alias(tensor)
+        self.handle = weakref.ref(handle)
+        self.matches = matches
+        self.armed = False
+
+    def __del__(self):
+        if not self.armed:
+            return
+        handle = self.handle()
+        if handle is None or self.alias is None or handle.state not in (HandleState.OFFLOADED, HandleState.LOADING):
+            return
+        now = tensor_version(self.alias)
+        if now != handle.version:   # ``copy_`` after the close, then dropped: refused at the load, as without AC
+            handle.written = (handle.version, now)
+            return
+        try:
+            same = self.matches(handle.ticket, self.alias)
+        except Exception:   # noqa: BLE001  (a destructor must not raise; can't tell: keep the storage)
+            same = None
+        if same is not True:
+            handle.keep_written(self.alias)
 
 
 def _written_message(handle):
@@ -320,9 +410,9 @@ class SwapExecutor:
             does not fit stays on the device and is counted as ``over_budget``.
         max_idle_bytes: bound of the pool's buffers not in use (None: the peak bytes in use, so the
             pool never owns more than twice a step's peak, whatever shapes come; see ``HostBufferPool``).
-        verify: compare the device tensor with its host copy where they can differ: at load, if the
-            tensor is still alive (written in place after its layer's forward), and when the offload
-            finishes if the backend copied earlier; a difference raises RuntimeError.
+        verify: compare the device tensor with its host copy when the offload finishes if the backend
+            copied earlier (a device backend); a difference raises RuntimeError. A saved tensor written
+            after its group closed is read from its live storage (``SavedStorage``, rule W6s).
         report: a ``SwapReport`` to count into (default: a new one).
 
     Call ``close()`` (or drop the executor) to stop the worker thread.
@@ -377,10 +467,9 @@ class SwapExecutor:
         now = tensor_version(tensor)
         if now != handle.version:   # written in place since the save: MindSpore refuses its backward (W6s)
             handle.written = (handle.version, now)
-        if self.verify:
-            if not copied_now:
-                self._check_unchanged(handle, tensor, "before its layer's forward ended")
-            handle.watch(tensor)
+        if self.verify and not copied_now:
+            self._check_unchanged(handle, tensor, "before its layer's forward ended")
+        handle.stamp(tensor, self.backend.matches)
 
     def keep_on_device(self, handle, held):
         """Give up ``handle``'s offload as its group closes: wait for a copy in flight (the buffer goes back
@@ -399,6 +488,8 @@ class SwapExecutor:
                 self.finish_offload(h)
             except RuntimeError as err:
                 error = error or err
+        for h in handles:   # the device tensors are dropped: a stamp alive now belongs to one held outside
+            h.arm()
         if error is not None:
             raise error
 
@@ -436,8 +527,10 @@ class SwapExecutor:
     def load(self, handle):
         """The device tensor for ``handle``: waits for its own prefetch only, or loads on demand.
 
-        Raises RuntimeError if the handle's host copy was already released (loaded more often than
-        offloaded), or if the tensor, still alive, was modified in place since its offload."""
+        While the saved tensor is held outside the graph, or when it died written, its storage is served
+        instead of the host copy (``SavedStorage``, rule W6s). Raises RuntimeError if the handle's host copy
+        was already released (loaded more often than offloaded), or if the tensor's version changed before
+        its group closed (MindSpore refuses that backward without AC)."""
         tensor = handle.loaded
         if handle.state is HandleState.KEPT and handle.version is not None:
             now = tensor_version(tensor)   # kept by keep_on_device: a shared counter
@@ -447,6 +540,18 @@ class SwapExecutor:
             raise RuntimeError(_written_message(handle))
         if tensor is not None:
             return tensor
+        live = handle.live()
+        if live is not None:   # the saved storage is still on the device: what the graph reads without AC
+            now = tensor_version(live)
+            if now != handle.version:   # ``copy_`` after the close: MindSpore refuses this backward without AC
+                handle.written = (handle.version, now)
+                raise RuntimeError(_written_message(handle))
+            pending = handle.take_load()
+            if pending is not None:
+                self.backend.reusable(pending)
+            self.report.events.append(("load", handle.key, "live"))
+            handle.finish_load(live, release=True)
+            return live
         pending = handle.take_load()
         stats = self.report.layers[handle.key]
         if pending is not None:
@@ -465,9 +570,6 @@ class SwapExecutor:
             stats.on_demand_bytes += handle.nbytes
             stats.num_on_demand += 1
         self.report.events.append(("load", handle.key, how))
-        probe = handle.probe()
-        if probe is not None:
-            self._check_unchanged(handle, probe, "after its layer's forward")
         # Not aliased: the data is in `tensor` now, so the host buffer can serve the next offload.
         handle.finish_load(tensor, release=not self._aliased)
         return tensor
