@@ -187,8 +187,8 @@ def test_host_backend_sees_a_loaded_tensor_alias_its_buffer():
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_loaded_tensor_kept_past_its_step_keeps_its_values(keep):
     ex = SwapExecutor()
-    # dropped once offloaded: a tensor still held would be served from its own storage (rule W6s)
-    h = ex.offload(Tensor(np.arange(256, dtype=np.float32)), key="k")
+    t = Tensor(np.arange(256, dtype=np.float32))
+    h = ex.offload(t, key="k")
     loaded = ex.load(h)
     buffer = h._buf
     h.drop_loaded()                                     # the last unpack: the buffer goes back now

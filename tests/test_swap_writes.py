@@ -18,8 +18,12 @@ their input, and go on with it (it stays alive until backward) or with a copy (i
 import collections
 import re
 
+import numpy as np
 import pytest
+from mindspore import Tensor, ops
 from write_cases import HOLDERS, INPUT_WRITES
+
+from mindformers_ac.swap.executor import HandleState, SwapExecutor
 
 from isolated import run_isolated
 
@@ -68,3 +72,42 @@ def test_a_write_after_the_save_trains_or_is_refused_as_without_ac_whatever_hold
             wrong.append(f"{mode}, {how} into a {holder} output (kept alive: {keeps}): {outcome[:300]}")
     assert not wrong, "\n".join(wrong)
     assert got == {mode: len(CASES) for mode in SWAP_MODES}, (got, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+def _stamped(ex, t):
+    """Offload ``t`` as a swap group does: finished, then armed once the group dropped its references."""
+    h = ex.start_offload(t, key="g")
+    ex.finish_offloads([h])
+    return h
+
+
+def test_the_stamp_serves_the_live_storage_keeps_it_when_it_dies_written_and_refuses_a_new_version():
+    """``SavedStorage`` on its own (rule W6s): while the caller holds the saved tensor, the load returns its
+    storage (an ``ops.assign_add`` after the save is read) and gives the host buffer back; a tensor written
+    and then dropped leaves its storage to the handle (the written values, not the host copy); one dropped
+    unwritten is loaded from its host copy; a ``copy_`` (a new version) is refused at the load."""
+    ex = SwapExecutor()
+    held = Tensor(np.arange(64, dtype=np.float32))
+    h = _stamped(ex, held)
+    ops.assign_add(held, Tensor(np.ones(64, np.float32)))
+    loaded = ex.load(h)
+    assert np.array_equal(loaded.asnumpy(), np.arange(64, dtype=np.float32) + 1)
+    assert loaded.data_ptr() == held.data_ptr() and h.state is HandleState.RELEASED
+    assert ex.report.events[-1] == ("load", "g", "live")
+
+    dropped = _stamped(ex, Tensor(np.arange(64, dtype=np.float32)))   # intermediate: dies unwritten at once
+    written = Tensor(np.arange(64, dtype=np.float32))
+    h = _stamped(ex, written)
+    ops.assign(written, Tensor(np.full(64, 7.0, np.float32)))
+    del written
+    assert np.array_equal(ex.load(h).asnumpy(), np.full(64, 7.0, np.float32))
+    assert np.array_equal(ex.load(dropped).asnumpy(), np.arange(64, dtype=np.float32))
+    assert ex.report.events[-1] == ("load", "g", "on_demand")
+
+    copied = Tensor(np.arange(64, dtype=np.float32))
+    h = _stamped(ex, copied)
+    copied.copy_(Tensor(np.zeros(64, np.float32)))
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: a tensor swap group 'g' .*"
+                                           r"its version is 1, expected version 0"):
+        ex.load(h)
+    ex.close()

@@ -166,7 +166,7 @@ class SwapHandle:
     """
 
     __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
-                 "_live", "_written_storage", "_load", "_loaded", "version", "written", "storage", "__weakref__")
+                 "_live", "_written_storage", "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
@@ -174,6 +174,7 @@ class SwapHandle:
         self.refs = 1              # packs sharing this handle (dedup); the cached load is dropped at 0
         self.state = HandleState.KEPT
         self._ticket = self._buf = self._give_back = self._device = self._live = self._written_storage = None
+        self._probe = None
         self._load = self._loaded = None
         self.version = None        # the saved tensor's version counter when it was saved (rule W6s)
         self.written = None        # (version saved, version now) once a write after the save was seen
@@ -251,6 +252,18 @@ class SwapHandle:
         self._live = weakref.ref(live)
         return True
 
+    def watch(self, tensor):
+        """Keep a weak reference to the offloaded tensor, for ``probe`` at load time (``SwapExecutor.offload``:
+        its caller hands in the tensor it holds, so the reference lives as long as the caller's)."""
+        try:
+            self._probe = weakref.ref(tensor)
+        except TypeError:  # tensor kinds without weakref support: only the forward-time check applies
+            pass
+
+    def probe(self):
+        """The tensor ``watch`` was given, if its caller still holds it (for the late in-place check)."""
+        return self._probe() if self._probe is not None else None
+
     def arm(self):
         """After the group dropped its references: a stamp still alive belongs to a tensor held outside the
         graph (an output in any object, a cache), which may be written; it checks its storage when it dies."""
@@ -317,7 +330,7 @@ class SwapHandle:
         live = self._live() if self._live is not None else None
         if live is not None:   # the held tensor may outlive the step: its stamp lets go of the storage too
             live.alias = live.matches = None
-        self._ticket = self._live = self._written_storage = self._load = self.owner = None
+        self._ticket = self._live = self._written_storage = self._probe = self._load = self.owner = None
         if buf is not None:
             give_back(buf, self.nbytes)
 
@@ -453,13 +466,17 @@ class SwapExecutor:
         h.start_offload(ticket, tensor, buf, self._give_back)
         return h
 
-    def finish_offload(self, handle):
+    def finish_offload(self, handle, stamp=True):
         """Finish the copy, drop the device reference; keep a weak one for the check at load.
 
         A backend that copied at ``start_offload`` (a device backend) is checked here: RuntimeError if
         the tensor was modified in place since (the handle is finished all the same: it loads the host
         copy, taken when the tensor was saved). A copy taken now (the host backend) holds the tensor as
-        it is, in-place writes before this call included, so there is nothing to compare."""
+        it is, in-place writes before this call included, so there is nothing to compare.
+
+        ``stamp``: attach a ``SavedStorage`` to the tensor (a swap group's offloads, rule W6s); False (the
+        synchronous ``offload`` of other engines): keep a weak reference to the caller's tensor instead, and
+        compare it with the host copy at load while it lives (a difference raises RuntimeError)."""
         if handle.state is not HandleState.COPYING:
             return
         copied_now = self.backend.wait_d2h(handle.ticket)
@@ -469,7 +486,10 @@ class SwapExecutor:
             handle.written = (handle.version, now)
         if self.verify and not copied_now:
             self._check_unchanged(handle, tensor, "before its layer's forward ended")
-        handle.stamp(tensor, self.backend.matches)
+        if stamp:
+            handle.stamp(tensor, self.backend.matches)
+        elif self.verify:
+            handle.watch(tensor)
 
     def keep_on_device(self, handle, held):
         """Give up ``handle``'s offload as its group closes: wait for a copy in flight (the buffer goes back
@@ -510,7 +530,7 @@ class SwapExecutor:
             h = SwapHandle.kept(key, tag, tensor)
             self.report.layers[key].over_budget_bytes += h.nbytes
             return h
-        self.finish_offload(h)
+        self.finish_offload(h, stamp=False)
         self.report.layers[key].offloaded_bytes += h.nbytes
         self.report.layers[key].num_offloaded += 1
         return h
@@ -570,6 +590,9 @@ class SwapExecutor:
             stats.on_demand_bytes += handle.nbytes
             stats.num_on_demand += 1
         self.report.events.append(("load", handle.key, how))
+        probe = handle.probe()
+        if probe is not None:
+            self._check_unchanged(handle, probe, "after it was offloaded")
         # Not aliased: the data is in `tensor` now, so the host buffer can serve the next offload.
         handle.finish_load(tensor, release=not self._aliased)
         return tensor
