@@ -11,8 +11,9 @@ Gradients are bitwise equal to training without swap: the host copy is an
 exact byte copy and the loaded tensor replaces the saved one. Parameters,
 inputs of the swapped layer (or of the model call, when ``model`` is given),
 tensors under ``min_bytes`` and extra views of an offloaded tensor stay on the
-device. A saved tensor modified in place after its offload raises RuntimeError
-(checked when the layer's forward ends, and at load while it is still alive).
+device. A saved tensor written after its offload is read as MindSpore reads it
+without AC: from its live storage, or refused on a new version (rule W6s of
+docs/exactness.md, ``executor.SavedStorage``).
 """
 import logging
 import weakref

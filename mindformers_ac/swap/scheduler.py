@@ -277,12 +277,14 @@ class SwapScheduler:
         """End the region: finish its copies, drop device references.
 
         ``outputs``: what the region returned. A saved tensor of the same
-        storage as an output stays on the device (kept reason ``output``):
-        the code after the region holds it anyway, and may write it in place
-        with an op that MindSpore's version counter does not see
-        (``ops.assign_add``, ``ops.assign``); without AC the backward reads
-        the written values, so it must read that storage, not a host copy
-        taken before the write (rule W6s of docs/exactness.md).
+        storage as an output found in it (a tensor, tuples, lists, dicts:
+        no object is searched) stays on the device (kept reason ``output``):
+        the code after the region holds it anyway, so a copy would be
+        wasted. Any other offloaded tensor the code after the region holds
+        and writes (in a dataclass, a cache) is seen by its stamp
+        (``executor.SavedStorage``): without AC the backward reads the
+        storage an ``ops.assign_add`` wrote, and so does the load (rule W6s
+        of docs/exactness.md).
 
         ``defer``: the region's outputs are unknown (``async_save_on_cpu``
         brackets a block, not a call): its copies are finished when the next
