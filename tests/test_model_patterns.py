@@ -5,7 +5,10 @@ gradient and **every parameter, trainable or not** (BatchNorm moving
 statistics, forward-time counters and buffers) bitwise equal to the same model
 trained without AC, and the mode must have acted (ops re-run, tensors
 offloaded), or the config is refused up front with a ``ConfigError`` naming
-what is unsupported, leaving the model untouched. The patterns are in
+what is unsupported, leaving the model untouched, or (``Pattern.raises``) the
+training is refused with a ``RecomputeError`` naming the region's cell path and
+the op, in the step the pattern names and before that step's optimizer update
+(checked in one subprocess). The patterns are in
 ``model_patterns.py``; the failure-path checks (exceptions, Ctrl-C and
 SystemExit in forward and backward) run in subprocesses, in
 ``interrupt_worker.py``.
