@@ -192,6 +192,18 @@ class Pattern:
     loop: str = "plain"
     prepare: object = None   # called on the model once AC is installed (and on the baseline): e.g. LoRA
     modes: tuple = None      # the modes the pattern meets (None: every mode); a scenario names those it tests
+    # the ops ``exclude_op`` and ``hyper_api`` keep (MUST_SAVE), and those of them no re-run may ever run again
+    kept_ops: tuple = ("MatMul", "Softmax")
+    never_rerun: tuple = ()
+    # mode -> (step, regex[, path]): a RecomputeError raised in that step, before its optimizer update, that the
+    # regex matches (its cell path and op), on the "light" or "intercepted" path if named; checked in a
+    # subprocess (it raises inside backward)
+    raises: dict = field(default_factory=dict)
+    # mode -> reason: an engine bug this cell meets (``xfail(strict=True)``, the reason says what differs)
+    xfail: dict = field(default_factory=dict)
+    # the model draws from a seedless random op (``ops.Cauchy``): its plain twin replays, call by call, what
+    # the forwards of the run with AC drew (``recorded_draws``), instead of a baseline trained beforehand
+    replay_draws: bool = False
 
 
 # int/bool inputs used inside the layer ----------------------------------------------------------
@@ -839,6 +851,233 @@ def build_shared_layer_cell():
 SHARED = r"layers 0, 2 of 'layers' are one Layer cell"
 
 
+# issue 49's "Why" cases: each trains bitwise against its twin without AC, or is refused on the first backward
+# naming the op and the cell path -------------------------------------------------------------------------
+
+class Draws:
+    """What the seedless random ops of a run drew, in forward order (``Pattern.replay_draws``)."""
+    recorded = []
+    replay = None   # a list to replay from (the plain twin), or None (draw and record)
+
+
+class NoiseCell(nn.Cell):
+    """Noise injection: a seeded ``StandardLaplace`` and a seedless ``Cauchy`` (neither's name says random)."""
+
+    def __init__(self):
+        super().__init__()
+        self.laplace = ops.StandardLaplace(seed=5, seed2=6)
+        self.cauchy = ops.Cauchy([H], 0.0, 1.0)
+
+    def construct(self, h):
+        if Draws.replay is not None:
+            c = Tensor(Draws.replay.pop(0))
+        else:
+            c = self.cauchy()
+            if not mac.is_in_recompute():
+                Draws.recorded.append(c.asnumpy().copy())
+        return h * (1.0 + 0.01 * self.laplace((H,))) + 0.01 * ops.tanh(c)
+
+
+class NoiseLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.noise = NoiseCell()
+
+    def construct(self, x, pos, mask, scale):
+        h = self.noise(x + self.attn(self.norm1(x), pos, mask, scale))
+        return h + self.mlp(self.norm2(h))
+
+
+def build_noise_injection():
+    Draws.recorded, Draws.replay = [], None
+    return init_weights(PatternModel([NoiseLayer() for _ in range(N_LAYERS)]))
+
+
+def recorded_draws():
+    """A fresh build whose Cauchy ops replay what the last run drew (call ``build_noise_injection`` after)."""
+    model = init_weights(PatternModel([NoiseLayer() for _ in range(N_LAYERS)]))
+    Draws.replay = list(Draws.recorded)
+    return model
+
+
+@dataclass
+class LayerOutput:
+    """A Hugging Face-style layer output: the hidden state inside a dataclass."""
+    hidden: object
+
+
+class SigmoidOut(nn.Cell):
+    """The layer's last ops in their own cell (an op-swap / select target), ending with a sigmoid, which
+    saves its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = mint.nn.Linear(H, H)
+
+    def construct(self, x):
+        return ops.sigmoid(self.proj(ops.gelu(x)))
+
+
+class WrappedOutputLayer(Layer):
+    """Returns its hidden state, which its last op saved, as ``LayerOutput(hidden=h)`` or ``{"hidden": h}``."""
+
+    wrap = "dataclass"
+
+    def __init__(self):
+        super().__init__()
+        self.out_act = SigmoidOut()
+
+    def construct(self, x, pos, mask, scale):
+        h = self.out_act(super().construct(x, pos, mask, scale))
+        return LayerOutput(hidden=h) if self.wrap == "dataclass" else {"hidden": h}
+
+
+class WritesOutputsModel(PatternModel):
+    """Unwraps each layer's output and writes it with ``ops.assign_add`` (same storage and version: the
+    backward of the layer's sigmoid reads the written values, without AC)."""
+
+    def construct(self, x, y, pos, mask):
+        for layer in self.layers:
+            out = self.run_layer(layer, x, pos, mask, self.scale)
+            x = out.hidden if isinstance(out, LayerOutput) else out["hidden"]
+            ops.assign_add(x, ops.stop_gradient(x) * 0.25)
+        return self.loss(x, y)
+
+
+def build_written_output(wrap):
+    cls = type(f"WrappedOutputLayer_{wrap}", (WrappedOutputLayer,), {"wrap": wrap})
+    return lambda: init_weights(WritesOutputsModel([cls() for _ in range(N_LAYERS)]))
+
+
+def _write_case(name):
+    """A layer of ``write_cases`` (imported late: it builds on this module)."""
+    import write_cases as wc
+
+    def build():
+        if name == "rebinds_argument":
+            return wc.build_rebinds_argument()
+        return wc.build_layers(getattr(wc, name))
+    return build
+
+
+class AdjacentAct(nn.Cell):
+    """HyperParallel's adjacent-save case: ReLU of Square (ReLU's backward reads its own output, so no
+    backward reads Square's)."""
+
+    def construct(self, x):
+        return ops.relu(ops.square(x))
+
+
+class AdjacentSaveLayer(Layer):
+    def __init__(self):
+        super().__init__()
+        self.act = AdjacentAct()
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        return h + self.mlp(self.act(self.norm2(h)))
+
+
+def build_adjacent_save():
+    return init_weights(PatternModel([AdjacentSaveLayer() for _ in range(N_LAYERS)]))
+
+
+class PythonCounter(nn.Cell):
+    """An op no rule knows: from its ``from_call``-th call on, its output depends on a Python counter it
+    advances on every call, so a re-run computes another value than the forward."""
+
+    def __init__(self, from_call):
+        super().__init__()
+        self.fc = mint.nn.Linear(H, H)
+        self.from_call, self.calls = from_call, 0
+
+    def construct(self, x):
+        self.calls += 1
+        h = ops.gelu(self.fc(x))
+        return h * (1.0 + 0.01 * self.calls) if self.calls >= self.from_call else h * 1.0
+
+
+class CounterLayer(Layer):
+    from_call = 1
+
+    def __init__(self):
+        super().__init__()
+        self.counter = PythonCounter(self.from_call)
+
+    def construct(self, x, pos, mask, scale):
+        h = self.counter(x + self.attn(self.norm1(x), pos, mask, scale))
+        return h + self.mlp(self.norm2(h))
+
+
+def build_python_counter(from_call):
+    cls = type(f"CounterLayer_{from_call}", (CounterLayer,), {"from_call": from_call})
+    return lambda: init_weights(PatternModel([cls() for _ in range(N_LAYERS)]))
+
+
+class CountingScale(_Function):
+    """A custom function whose forward scales by a process-wide Python counter it advances on every call."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        CountingScale.calls += 1
+        ctx.factor = 1.0 + 0.01 * CountingScale.calls
+        return x * ctx.factor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor
+
+
+class CountingFunctionLayer(Layer):
+    """``CountingScale`` on the MLP's input, in a sub-cell (``scaler``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaler = CountingScaleCell()
+
+    def construct(self, x, pos, mask, scale):
+        h = x + self.attn(self.norm1(x), pos, mask, scale)
+        return h + self.mlp(self.scaler(self.norm2(h)))
+
+
+class CountingScaleCell(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc = mint.nn.Linear(H, H)
+
+    def construct(self, x):
+        return ops.gelu(CountingScale.apply(self.fc(x)))
+
+
+def build_counting_function():
+    CountingScale.calls = 0
+    return init_weights(PatternModel([CountingFunctionLayer() for _ in range(N_LAYERS)]))
+
+
+# a layer group whose members return their output inside a dict or dataclass: refused on the first call
+GROUP_UNWRAPPED = (r"recompute\.group_layers: layer 1 of the group of layers 0, 1, 2 ran without the group's previous "
+                   r"layer right before it")
+OUTPUT_WRITTEN_XFAIL = {mode: (
+    "engine bug: a recomputed region's output that an op inside it saved (the sigmoid's), written by the caller "
+    "with ops.assign_add after the region's forward (same storage and version), is rebuilt by the re-run with "
+    "the values before the write, while without AC the backward reads the written ones: gradient 0 differs "
+    "at step 0, nothing raised (the version check misses assign_add; the safety net compares forward and re-run "
+    "only)") for mode in ("full", "select_cell", "exclude_op", "checkpoint_api", "hyper_api")}
+
+
+def counter_refusals(step, cell="counter"):
+    """``Pattern.raises`` of a ``PythonCounter`` layer: the region that diverges first, in ``step``, and the
+    path its re-run took (at step 1 the light path, where the mode has one for this layer)."""
+    diverged = r"recompute diverged from forward in '%s': the recompute computed another output than the forward at op #\d+ \w+"
+    where = {"full": r"layers\.2", "exclude_op": r"layers\.2", "checkpoint_api": r"layers\.2", "hyper_api": r"layers\.2",
+             "select_cell": r"layers\.2\." + cell, "group": r"layers\.0"}   # a group re-runs from its first member
+    light = ("full", "group", "select_cell") if step else ()
+    return {mode: (step, diverged % path, "light" if mode in light else "intercepted") for mode, path in where.items()}
+
+
+
 def _build_mindformers_moe():
     # MindFormers' own patterns (its Dropout cell, marker-guarded tracker and buffer writes, replay
     # metadata, an MTP block): mindformers_models.py, here with mindformers_ac's marker
@@ -846,6 +1085,11 @@ def _build_mindformers_moe():
     return build_mindformers_moe("ours")
 
 _RERUNS = ("full", "group", "select_cell", "exclude_op", "mixed", "checkpoint_api")
+# the MoE models meet the checkpoint API already (their policy-free regions); hyper_api's would cost 2-3 s each
+_EVERY_BUT_HYPER = ("full", "group", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap",
+                    "op_swap", "mixed", "checkpoint_api", "swap_api", "async_save_on_cpu")
+_WHY = ("full", "group", "select_cell", "exclude_op", "checkpoint_api", "hyper_api", "layer_swap", "op_swap",
+        "swap_api", "async_save_on_cpu")
 
 PATTERNS = {p.name: p for p in [
     Pattern("int_bool_inputs", build_int_bool, hidden_batch, cell="attn"),
@@ -860,12 +1104,13 @@ PATTERNS = {p.name: p for p in [
     Pattern("llama", build_llama, token_batch(LLAMA_VOCAB), cell="attention", op=r"feed_forward\.mul",
             comm=r"feed_forward\.all_gather", op_swap="feed_forward", layers="model.layers"),
     Pattern("moe", build_moe, token_batch(MOE_VOCAB), cell=r"mlp\.experts", op=r"mlp\.shared_experts\.activation_func",
-            comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers"),
+            comm=r"mlp\.token_dispatcher\..*_all_to_all", op_swap="mlp", layers="decoder.layers",
+            modes=_EVERY_BUT_HYPER),
     Pattern("kept_graph_moe", build_kept_graph_moe, token_batch(VOCAB), cell=r"mlp\.router", op_swap="mlp",
             modes=("full", "select_cell", "layer_swap", "op_swap", "mixed", "swap_api")),
     Pattern("mindformers_moe", _build_mindformers_moe, token_batch(24), cell=r"mlp\.experts",
             op=r"mlp\.shared_experts\.activation_func", comm=r"mlp\.shared_experts\.all_gather", op_swap="mlp",
-            layers="decoder.layers"),
+            layers="decoder.layers", modes=_EVERY_BUT_HYPER),
     # The scenarios meet the modes whose engine path they test (a re-run, a light path, a swap), to keep
     # the suite within its time; the structural patterns above meet every mode.
     Pattern("branch_and_late_write", build_branch_write, growing_batch, cell="attn", modes=_RERUNS),
@@ -888,6 +1133,36 @@ PATTERNS = {p.name: p for p in [
     Pattern("shared_layer_cell", build_shared_layer_cell, hidden_batch, cell="attn",
             refused={mode: SHARED for mode in ("full", "group", "select_cell", "select_op", "exclude_op",
                                                "recompute_comm", "layer_swap", "op_swap", "mixed")}),
+    # issue 49's "Why" cases, in every mode that applies to them
+    # (select_module of a cell that runs random ops keeps its output, warned: nothing to select)
+    Pattern("noise_injection", build_noise_injection, hidden_batch, cell="noise",
+            modes=tuple(m for m in _WHY if m != "select_cell"), replay_draws=True),
+    Pattern("dataclass_output_assign_add", build_written_output("dataclass"), hidden_batch, cell="out_act",
+            op_swap="out_act", modes=_WHY, raises={"group": (0, GROUP_UNWRAPPED)}, xfail=OUTPUT_WRITTEN_XFAIL),
+    # a dict in its place: the same engine paths (its recompute cells as the dataclass's: full stands for them)
+    Pattern("dict_output_assign_add", build_written_output("dict"), hidden_batch, cell="out_act",
+            op_swap="out_act", modes=("full", "layer_swap", "op_swap", "swap_api", "async_save_on_cpu"),
+            xfail=OUTPUT_WRITTEN_XFAIL),
+    # select of attn: the layer rebinds the Parameter attn read after attn's forward; attn's re-run reads the new
+    # value, which the safety net refuses (exact when the rebinding is inside the region: full, group ...)
+    Pattern("argument_parameter_rebound", _write_case("rebinds_argument"), hidden_batch, cell="attn", modes=_WHY,
+            raises={"select_cell": (0, r"recompute diverged from forward in 'layers\.2\.attn': the recompute "
+                                       r"computed another output than the forward at op #\d+ Mul")}),
+    Pattern("parameter_replaced", _write_case("ReplacesParameterLayer"), hidden_batch, cell="attn", modes=_WHY,
+            raises={mode: (0, r"the recomputed region 'layers\.0' replaced its Parameter 'g' by a new Parameter")
+                    for mode in ("full", "group", "exclude_op", "checkpoint_api", "hyper_api")}),
+    Pattern("one_index_slot", _write_case("OneIndexSlotLayer"), hidden_batch, cell="attn", modes=_WHY),
+    Pattern("kept_output_setitem", _write_case("KeptSetitemLayer"), hidden_batch, cell="attn", op_swap=r"mlp\.fc2",
+            modes=_WHY),
+    Pattern("adjacent_must_save", build_adjacent_save, hidden_batch, cell="act", op_swap="act",
+            kept_ops=("Square", "ReLU"), never_rerun=("Square", "ReLU"), modes=_WHY),
+    # the first call's re-run differs (the intercepting path), or the third call's on (the light path)
+    Pattern("python_counter", build_python_counter(1), hidden_batch, cell="counter", modes=_WHY,
+            raises=counter_refusals(0)),
+    Pattern("python_counter_light", build_python_counter(3), hidden_batch, cell="counter", modes=_WHY,
+            raises=counter_refusals(1)),
+    Pattern("counting_function", build_counting_function, hidden_batch, cell="scaler", modes=_WHY,
+            raises=counter_refusals(0, cell="scaler")),
 ]}
 
 
@@ -897,7 +1172,9 @@ ALL = f"0-{N_LAYERS - 1}"
 
 
 def mode_config(mode, pattern):
-    """The apply_ac config of ``mode`` for ``pattern`` (None for the checkpoint/swap API modes)."""
+    """The apply_ac config of ``mode`` for ``pattern`` (None for the API modes: ``checkpoint_api``, ``swap_api``,
+    ``hyper_api`` (``checkpoint_wrapper`` with ``exclude_policy(pattern.kept_ops)`` on each layer) and
+    ``async_save_on_cpu`` (each layer call a block), installed by ``steps.install_api``)."""
     if mode == "full":
         return {"recompute": {"mode": "full", "full_recompute_layer": [ALL]}}
     if mode == "group":   # the three layers one recompute group: only layer 0's inputs are kept
@@ -907,7 +1184,7 @@ def mode_config(mode, pattern):
     if mode == "select_op":
         return {"recompute": {"mode": "select", "select_module": {pattern.op: [ALL]}}}
     if mode == "exclude_op":
-        return {"recompute": {"mode": "full", "full_recompute_layer": [ALL], "exclude_op": ["MatMul", "Softmax"]}}
+        return {"recompute": {"mode": "full", "full_recompute_layer": [ALL], "exclude_op": list(pattern.kept_ops)}}
     if mode == "recompute_comm":
         return {"recompute_comm": {"enable": True, "select_module": {pattern.comm: [ALL]}}}
     if mode == "layer_swap":
@@ -922,6 +1199,7 @@ def mode_config(mode, pattern):
 
 
 MODES = ("full", "group", "select_cell", "select_op", "exclude_op", "recompute_comm", "layer_swap", "op_swap",
-         "mixed", "checkpoint_api", "swap_api")
+         "mixed", "checkpoint_api", "swap_api", "hyper_api", "async_save_on_cpu")
+API_MODES = ("checkpoint_api", "swap_api", "hyper_api", "async_save_on_cpu")   # installed by steps.install_api
 RECOMPUTE_MODES = ("full", "group", "select_cell", "select_op", "exclude_op", "recompute_comm", "mixed")
 SWAP_MODES = ("layer_swap", "op_swap", "mixed")

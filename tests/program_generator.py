@@ -6,8 +6,11 @@ layer, ``ops.assign_add`` into a buffer, Python state read in forward, kept ops,
 dataclasses and custom objects), and ``outcome(program, mode)`` trains it 2 steps in one AC mode against
 the same program without AC: ``exact`` (bitwise: loss, every gradient and parameter), ``refused`` (an
 error on the first backward, before any optimizer step) or a finding: ``silent`` (a step differs and
-nothing was raised) or ``late`` (refused only after a step was taken). The test runs a bounded share in
-CI; ``scripts/hunt_programs.py`` runs thousands.
+nothing was raised) or ``late`` (refused only after a step was taken). The modes (``MODES``): full, ``exclude_op``, layer
+groups, ``checkpoint_wrapper`` (intercepting only), HyperParallel's ``checkpoint_wrapper`` with an exclude
+policy, ``select`` of the layer's body (the sub-cell running the statements), layer swap, op swap of the
+body, ``async_save_on_cpu`` and nested wrappers (the body ``checkpoint_wrapper``-ed in a recomputed
+layer). The test runs a bounded share in CI; ``scripts/hunt_programs.py`` runs thousands.
 """
 import dataclasses
 import random
@@ -116,7 +119,8 @@ PATTERNS = {
     "python_state": _python_state,
 }
 OUTPUTS = ("tensor", "tuple", "dict", "dataclass", "object")
-MODES = ("full", "exclude_op", "group", "checkpoint_wrapper", "layer_swap")
+MODES = ("full", "exclude_op", "group", "checkpoint_wrapper", "layer_swap", "select", "op_swap", "async_save_on_cpu",
+         "nested", "hyper_api")
 
 
 class Program:
@@ -128,15 +132,25 @@ class Program:
         self.statements = rng.sample(sorted(PATTERNS), rng.randint(1, 4))
         self.output = rng.choice(OUTPUTS)
 
+    @classmethod
+    def of(cls, statements, output="tensor"):
+        """A program of the given statements (a minimal repro of a finding)."""
+        program = cls(0)
+        program.seed, program.statements, program.output = None, list(statements), output
+        return program
+
     def __repr__(self):
         return f"Program(seed={self.seed}: {' -> '.join(self.statements)}, output {self.output})"
 
 
-class GenLayer(nn.Cell):
+class GenBody(nn.Cell):
+    """The drawn statements, in a sub-cell of the layer (what ``select``, ``op_swap`` and ``nested`` act on):
+    it holds what they use."""
+
     def __init__(self, program):
         super().__init__()
         self.program = program
-        self.fc1, self.fc2 = nn.Dense(H, H), nn.Dense(H, H)
+        self.fc2 = nn.Dense(H, H)
         self.uniform = ops.UniformReal(seed=3, seed2=4)
         self.laplace = ops.StandardLaplace(seed=5, seed2=6)
         self.drop = nn.Dropout(p=0.2)
@@ -145,11 +159,21 @@ class GenLayer(nn.Cell):
         self.gain = Parameter(Tensor(np.ones(H, np.float32)), name="gain", requires_grad=False)
         self.calls = 0
 
-    def construct(self, x, shared):
-        h = self.fc1(x)
+    def construct(self, h, shared):
         for name in self.program.statements:
             h = PATTERNS[name](self, h, shared) if name.startswith("outside") else PATTERNS[name](self, h)
-        h = ops.tanh(h)
+        return h
+
+
+class GenLayer(nn.Cell):
+    def __init__(self, program):
+        super().__init__()
+        self.program = program
+        self.fc1 = nn.Dense(H, H)
+        self.body = GenBody(program)
+
+    def construct(self, x, shared):
+        h = ops.tanh(self.body(self.fc1(x), shared))
         return _wrap(self.program.output, h)
 
 
@@ -182,9 +206,12 @@ class GenModel(nn.Cell):
         self.shared = Parameter(Tensor(np.linspace(0.5, 1.5, H).astype(np.float32)), name="shared",
                                 requires_grad=False)
 
+    def run_layer(self, layer, *args):
+        return layer(*args)
+
     def construct(self, x):
         for layer in self.layers:
-            x = _unwrap(layer(x, self.shared))
+            x = _unwrap(self.run_layer(layer, x, self.shared))
         return (x ** 2).mean()
 
 
@@ -192,23 +219,49 @@ def build(program):
     model = GenModel(program)
     for name, p in model.parameters_and_names():
         if p.requires_grad:
-            rng = np.random.RandomState(sum(map(ord, name)))
+            rng = np.random.RandomState(sum(map(ord, name.replace(".body.", "."))))   # the names before GenBody
             p.set_data(Tensor(rng.uniform(-0.5, 0.5, p.shape).astype(np.float32)))
     return model
 
 
+FULL = {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}}
+CONFIGS = {
+    "full": FULL,
+    "exclude_op": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"], "exclude_op": ["MatMul"]}},
+    "group": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"], "group_layers": 2}},
+    # min_bytes 0: the generator's tensors (4 x 8 float32) are below the default 1024 bytes
+    "layer_swap": {"swap": {"enable": True, "min_bytes": 0, "layer_swap": [{"layers": [0]}]}},
+    "select": {"recompute": {"mode": "select", "select_module": {"body": ["0-1"]}}},
+    "op_swap": {"swap": {"enable": True, "min_bytes": 0, "op_swap": [{"op_name": "body", "layers": [0]}]}},
+}
+
+
 def install(model, mode):
+    """``mode`` on ``model``: an apply_ac config (``CONFIGS``) or an API: ``checkpoint_wrapper`` on each layer
+    (intercepting path only), HyperParallel's ``checkpoint_wrapper`` with ``exclude_policy(["MatMul"])``
+    (``hyper_api``), each layer call a block of ``async_save_on_cpu`` (every saved tensor offloaded), or
+    ``nested``: the body ``checkpoint_wrapper``-ed inside layers ``apply_ac`` recomputes."""
     if mode == "checkpoint_wrapper":
         for layer in model.layers:
             mac.recompute.checkpoint_wrapper(layer, light_path=False)
-        return
-    configs = {
-        "full": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}},
-        "exclude_op": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"], "exclude_op": ["MatMul"]}},
-        "group": {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"], "group_layers": 2}},
-        "layer_swap": {"swap": {"enable": True, "layer_swap": [{"layers": [0]}]}},
-    }
-    mac.apply_ac(model, config=configs[mode])
+    elif mode == "hyper_api":
+        policy = mac.recompute.exclude_policy(["MatMul"])
+        for layer in model.layers:
+            mac.checkpoint_wrapper(layer, policy_fn=policy)
+    elif mode == "async_save_on_cpu":
+        layers = list(model.layers)
+
+        def run_layer(layer, *args):
+            with mac.async_save_on_cpu(block_idx=layers.index(layer), depth=len(layers), params=model,
+                                       custom_check_fn=lambda t: True):
+                return layer(*args)
+        object.__setattr__(model, "run_layer", run_layer)
+    elif mode == "nested":
+        for layer in model.layers:
+            mac.checkpoint_wrapper(layer.body)
+        mac.apply_ac(model, config=FULL)
+    else:
+        mac.apply_ac(model, config=CONFIGS[mode])
 
 
 def _batch(step):
@@ -244,11 +297,23 @@ def outcome(program, mode):
     if error is not None:
         return ("refused" if not got else "late"), f"{type(error).__name__}: {str(error)[:300]}"
     diff = next((i for i, (a, b) in enumerate(zip(base, got)) if a != b), None)
-    return ("exact", "") if diff is None else ("silent", f"step {diff} differs")
+    if diff is not None:
+        return "silent", f"step {diff} differs"
+    return "exact", "idle" if _idle(model) else ""
 
 
-def cases(seed, n):
-    """``n`` (program, mode) pairs drawn from ``seed``."""
+def _idle(model):
+    """True when an apply_ac mode re-ran and offloaded nothing (a select or op swap the planner skipped)."""
+    state = mac.ac_state(model)
+    if state is None:
+        return False
+    reran = sum(s.ops_rerun for s in state.recompute_stats.values())
+    offloaded = sum(s.num_offloaded for s in state.swap_report.layers.values()) if state.swap_report else 0
+    return reran == 0 and offloaded == 0
+
+
+def cases(seed, n, modes=MODES):
+    """``n`` (program, mode) pairs drawn from ``seed``, the modes among ``modes``."""
     rng = random.Random(seed)
     for _ in range(n):
-        yield Program(rng.randrange(1 << 30)), rng.choice(MODES)
+        yield Program(rng.randrange(1 << 30)), rng.choice(modes)

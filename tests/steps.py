@@ -18,7 +18,7 @@ from mindformers_ac.harness.pipeline import summed
 from mindformers_ac.mindspore_compat import pynative_executor
 from mindformers_ac.recompute.dispatch import op_name_of
 
-from model_patterns import RECOMPUTE_MODES, SWAP_MODES, InjectedFailure
+from model_patterns import RECOMPUTE_MODES, SWAP_MODES, InjectedFailure, mode_config
 
 
 def _record(model, loss, grads):
@@ -132,14 +132,49 @@ def first_difference(base, other):
     return None if len(base) == len(other) else "different number of steps"
 
 
-def install_api(mode, model):
-    """Route every layer call through ``checkpoint`` or ``swap``; returns what counts its work."""
+def layer_list(model, path="layers"):
+    """The layer list at the dotted ``path`` of ``model``."""
+    for part in path.split("."):
+        model = getattr(model, part)
+    return list(model)
+
+
+def install_api(mode, model, pattern=None):
+    """Route every layer call through ``checkpoint`` or ``swap``, each layer call a block of
+    ``async_save_on_cpu`` (``run_layer``), or wrap each layer with ``checkpoint_wrapper`` and HyperParallel's
+    ``exclude_policy`` of ``pattern.kept_ops`` (``hyper_api``); returns what counts its work."""
     if mode == "checkpoint_api":
         stats = mac.RecomputeStats()
         object.__setattr__(model, "run_layer", lambda layer, *a, **k: mac.checkpoint(layer, *a, stats=stats, **k))
         return stats
+    if mode == "hyper_api":
+        stats = mac.RecomputeStats()
+        policy = mac.recompute.exclude_policy(list(pattern.kept_ops) if pattern is not None else ["MatMul"])
+        for layer in dict.fromkeys(layer_list(model, pattern.layers if pattern is not None else "layers")):
+            mac.checkpoint_wrapper(layer, policy_fn=policy, stats=stats)
+        return stats
+    if mode == "async_save_on_cpu":
+        layers = layer_list(model, pattern.layers if pattern is not None else "layers")
+
+        def run_layer(layer, *args, **kwargs):
+            if layer not in layers:   # a block outside the layer list (an MTP layer): as it is
+                return layer(*args, **kwargs)
+            with mac.async_save_on_cpu(block_idx=layers.index(layer), depth=len(layers), params=model):
+                return layer(*args, **kwargs)
+        object.__setattr__(model, "run_layer", run_layer)
+        return mac.SwapManager().report
     object.__setattr__(model, "run_layer", lambda layer, *a, **k: mac.swap(layer, *a, **k))
     return mac.SwapManager().report
+
+
+def install_mode(mode, pattern, model):
+    """``mode`` on ``model``: apply_ac's ``mode_config`` or the API (``install_api``); returns the API's
+    counter (None for apply_ac)."""
+    config = mode_config(mode, pattern)
+    if config is None:
+        return install_api(mode, model, pattern)
+    mac.apply_ac(model, config=config, layers=pattern.layers)
+    return None
 
 
 def offloaded(report):
@@ -164,10 +199,12 @@ def ac_counters(model):
 def assert_acted(mode, model, counter, counters=None):
     """A mode that silently did nothing must fail: count what was re-run or offloaded. ``counters``:
     ``ac_counters(model)`` taken before a ``remove_ac``."""
-    if mode == "checkpoint_api":
+    if mode in ("checkpoint_api", "hyper_api"):
         assert counter.ops_rerun > 0 and counter.recompute_calls > 0, counter
+        if mode == "hyper_api":
+            assert counter.ops_reused > 0, counter   # the policy kept ops
         return
-    if mode == "swap_api":
+    if mode in ("swap_api", "async_save_on_cpu"):
         assert offloaded(counter) > 0, counter.as_dict()
         return
     recompute_stats, swap_report = counters if counters is not None else ac_counters(model)

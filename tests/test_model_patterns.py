@@ -5,7 +5,10 @@ gradient and **every parameter, trainable or not** (BatchNorm moving
 statistics, forward-time counters and buffers) bitwise equal to the same model
 trained without AC, and the mode must have acted (ops re-run, tensors
 offloaded), or the config is refused up front with a ``ConfigError`` naming
-what is unsupported, leaving the model untouched. The patterns are in
+what is unsupported, leaving the model untouched, or (``Pattern.raises``) the
+training is refused with a ``RecomputeError`` naming the region's cell path and
+the op, in the step the pattern names and before that step's optimizer update
+(checked in one subprocess). The patterns are in
 ``model_patterns.py``; the failure-path checks (exceptions, Ctrl-C and
 SystemExit in forward and backward) run in subprocesses, in
 ``interrupt_worker.py``.
@@ -13,6 +16,7 @@ SystemExit in forward and backward) run in subprocesses, in
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -28,8 +32,9 @@ from mindformers_ac.recompute.state import ENGINE
 from mindformers_ac.tensors import storage_nbytes
 
 from conftest import model_fingerprint
-from model_patterns import MODES, PATTERNS, B, H, S, init_weights, mode_config
-from steps import ac_counters, assert_acted, first_difference, install_api, run_steps, train_pattern
+from isolated import run_isolated
+from model_patterns import MODES, PATTERNS, B, Draws, H, S, init_weights, mode_config, recorded_draws
+from steps import ac_counters, assert_acted, first_difference, install_mode, run_steps, train_pattern
 
 pytestmark = pytest.mark.usefixtures("fresh_swap_manager")   # each test starts from an empty SwapManager
 
@@ -53,8 +58,19 @@ def baselines():
     return get
 
 
-@pytest.mark.parametrize("name, mode", [(name, mode) for name in sorted(PATTERNS) for mode in MODES
-                                        if PATTERNS[name].modes is None or mode in PATTERNS[name].modes])
+def _cells(raising):
+    """The (pattern, mode) cells of the matrix: those that train (``raising`` False) or those refused while
+    training (``Pattern.raises``), an engine bug a cell meets marked ``xfail(strict=True)``."""
+    for name in sorted(PATTERNS):
+        pattern = PATTERNS[name]
+        for mode in MODES:
+            if (pattern.modes is not None and mode not in pattern.modes) or (mode in pattern.raises) != raising:
+                continue
+            marks = [pytest.mark.xfail(strict=True, reason=pattern.xfail[mode])] if mode in pattern.xfail else []
+            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
+
+
+@pytest.mark.parametrize("name, mode", list(_cells(raising=False)))
 def test_whole_training_state_bitwise_or_refused(baselines, name, mode):
     pattern = PATTERNS[name]
     model = pattern.build()
@@ -66,23 +82,94 @@ def test_whole_training_state_bitwise_or_refused(baselines, name, mode):
             mac.apply_ac(model, config=config, layers=pattern.layers)
         assert model_fingerprint(model) == before
         return
-    if config is None:
-        counter = install_api(mode, model)
-    else:
-        mac.apply_ac(model, config=config, layers=pattern.layers)
-        counter = None
+    counter = install_mode(mode, pattern, model)
     if pattern.prepare is not None:
         pattern.prepare(model)
     counters = ac_counters(model)
     history = train_pattern(pattern, model)
     assert not _pynative_executor.is_saved_tensor_hook_active()
     assert ENGINE.top() is None and not ENGINE.in_recompute()
-    diff = first_difference(baselines(name), history)
+    if pattern.replay_draws:   # the plain twin replays what this run's forwards drew
+        try:
+            base = train_pattern(pattern, recorded_draws())
+        finally:
+            Draws.replay = None
+    else:
+        base = baselines(name)
+    diff = first_difference(base, history)
     assert diff is None, f"{name} with {mode}: {diff}"
     assert_acted(mode, model, counter, counters)
+    if pattern.never_rerun and mode in ("exclude_op", "hyper_api"):   # kept (MUST_SAVE) means never run again
+        stats = [counter] if counter is not None else counters[0].values()
+        rerun = {op for s in stats for op in s.rerun_by_op}
+        assert not set(pattern.never_rerun) & rerun, rerun
     if config is not None and mac.ac_state(model) is not None:
         mac.remove_ac(model)
         assert all("construct" not in cell.__dict__ for _, cell in model.cells_and_names())
+
+
+# -- refused while training: on the first backward that meets it, before that step's optimizer update -----------
+
+_REFUSALS = """
+import json
+import mindspore as ms
+from mindspore import nn
+import mindformers_ac as mac
+from mindformers_ac.mindspore_compat import pynative_executor
+from model_patterns import PATTERNS
+from steps import _record, first_difference, install_mode, run_steps
+
+results = {}
+for name in NAMES:
+    pattern = PATTERNS[name]
+    base = run_steps(pattern.build(), pattern.batch)
+    for mode in sorted(pattern.raises):
+        model = pattern.build()
+        counter = install_mode(mode, pattern, model)
+        stats = [counter] if counter is not None else list(mac.ac_state(model).recompute_stats.values())
+        model.set_train(True)
+        opt = nn.SGD(model.trainable_params(), learning_rate=0.05)
+        grad_fn = ms.value_and_grad(model, None, opt.parameters)
+        history, result = [], {"step": None}
+        for step in range(3):
+            before = [p.asnumpy().tobytes() for p in model.trainable_params()]
+            try:
+                loss, grads = grad_fn(*pattern.batch(step))
+            except Exception as exc:   # noqa: BLE001
+                pynative_executor.clear_res()
+                result = {"step": step, "error": f"{type(exc).__name__}: {exc}",
+                          "unchanged": before == [p.asnumpy().tobytes() for p in model.trainable_params()],
+                          "earlier_steps": first_difference(base[:step], history),
+                          "light_calls": sum(s.light_calls for s in stats)}
+                break
+            opt(grads)
+            history.append(_record(model, loss, grads))
+        results[f"{name}-{mode}"] = result
+print("RESULTS", json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """Every cell of ``Pattern.raises`` trained in one subprocess (the error is raised inside backward), each
+    after the others' refusals."""
+    names = sorted(name for name, pattern in PATTERNS.items() if pattern.raises)
+    res = run_isolated(f"NAMES = {names!r}\n" + _REFUSALS, timeout=600)
+    assert "RESULTS" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads(res.stdout.split("RESULTS", 1)[1])
+
+
+@pytest.mark.parametrize("name, mode", list(_cells(raising=True)))
+def test_refused_on_the_first_backward_naming_the_op_and_the_cell(refusals, name, mode):
+    """A cell the engine can't make exact raises a RecomputeError naming the region's cell path and the op
+    in the step the pattern says (the earlier steps bitwise), with no parameter changed by that step."""
+    step, message, *path = PATTERNS[name].raises[mode]
+    got = refusals[f"{name}-{mode}"]
+    assert got["step"] == step, got
+    assert got["error"].startswith("RecomputeError: ") and re.search(message, got["error"]), got["error"]
+    assert got["unchanged"] and got["earlier_steps"] is None, got
+    if path:   # which path the refused re-run took: the light one (calls so far on it) or the intercepting one
+        assert (got["light_calls"] > 0) == (path[0] == "light"), got
 
 
 # -- stateful ops: written once, re-run on copies, memory kept low -------------------------------

@@ -17,7 +17,7 @@ from mindspore import Parameter, Tensor, mint, nn
 
 import mindformers_ac as mac
 
-from model_patterns import MODES, PATTERNS, mode_config
+from model_patterns import API_MODES, MODES, PATTERNS, mode_config
 from steps import first_difference, run_steps
 
 pytestmark = pytest.mark.usefixtures("fresh_swap_manager")
@@ -63,7 +63,7 @@ def _assert_refused(model):
 
 
 LLAMA = PATTERNS["llama"]
-LLAMA_MODES = tuple(m for m in MODES if not m.endswith("_api") and (LLAMA.modes is None or m in LLAMA.modes))
+LLAMA_MODES = tuple(m for m in MODES if m not in API_MODES and (LLAMA.modes is None or m in LLAMA.modes))
 
 
 @pytest.mark.parametrize("mode", LLAMA_MODES + ("memory_budget",))

@@ -3,7 +3,9 @@ first backward that meets it, naming the region's cell path and the op it checke
 reaches the optimizer, on the intercepting path (whole re-run and early stop) and on the light path.
 
 The planted op is one no rule knows: a cell that multiplies by a Python counter it advances on every call,
-so its re-run computes another value. Each case runs in a subprocess (it fails inside backward).
+so its re-run computes another value. Each case runs in a subprocess (it fails inside backward). The whole
+re-run on both paths, in every recompute mode, is the catalogue's (model_patterns' ``python_counter`` and
+``python_counter_light``); here are the kept op's input on the light path and the early stop.
 """
 import textwrap
 
@@ -74,14 +76,9 @@ stats = mac.ac_state(model).recompute_stats.values() if CONFIG is not None else 
 print("PATHS", *(sum(getattr(s, name) for s in stats) for name in ("intercepted_calls", "light_calls", "early_stops")))
 """
 
-_FULL = {"recompute": {"mode": "full", "full_recompute_layer": ["0-1"]}}
-
-
 @pytest.mark.parametrize("case, from_call, tail, config, step, path", [
-    # the first call checks its signature on the intercepting path: the whole re-run, its output sampled
-    ("intercepted", 1, 0.0, _FULL, 0, "op #"),
-    # from the second call on the layer is light; the counter takes effect in the light re-run
-    ("light", 3, 0.0, _FULL, 1, "op #"),
+    # the whole re-run on the intercepting path and on the light one (full, and every other recompute mode):
+    # model_patterns' python_counter and python_counter_light patterns
     # exclude_op keeps Sin at the end: an intercepting re-run stops after tanh, its last dropped tensor
     # exclude_op keeps the matmuls at their slots (light from the second call): fc2's kept output hides the
     # counter from the region's output, the light re-run compares the kept call's input

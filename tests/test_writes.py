@@ -53,15 +53,9 @@ CASES = {
     "buffer_slice_write": (lambda: wc.build_layers(wc.SliceBufferLayer),
                            {"full": wc.FULL, "group": wc.GROUP, "exclude_op": wc.exclude("MatMul"),
                             "checkpoint_api": _plain_api}),
-    # issue 49: a slice assignment into a kept output (a rebinding), a model's Parameter handed to every
-    # layer and rebound there
-    "kept_output_setitem": (lambda: wc.build_layers(wc.KeptSetitemLayer),
-                            {"exclude_op": wc.exclude("MatMul"), "checkpoint_api": _exclude_api("MatMul")}),
-    "argument_parameter_rebound": (wc.build_rebinds_argument,
-                                   {"full": wc.FULL, "exclude_op": wc.exclude("MatMul"), "checkpoint_api": _plain_api}),
+    # issue 49's slice assignment into a kept output, a model's Parameter handed to every layer and rebound
+    # there, and one-slot buffer write: patterns of the catalogue (model_patterns.py), in every mode
     # the five buffer patterns exact at b21fa7c (issue 49): copied, not refused by a size heuristic
-    "one_index_slot": (lambda: wc.build_layers(wc.OneIndexSlotLayer),
-                       {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
     "shared_counter": (wc.build_shared_counter, {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
     "spectral_norm_assigned": (lambda: wc.build_layers(wc.spectral_norm_by("assign")),
                                {"full": wc.FULL, "exclude_op": wc.exclude("MatMul")}),
@@ -222,24 +216,57 @@ def test_kept_ops_keep_their_outputs_and_prefer_save_never_keeps_more_than_witho
         assert "MatMul" not in stats.rerun_by_op and stats.light_calls == 2, stats
 
 
-def test_a_parameter_replaced_in_forward_is_refused_on_the_first_call():
-    """``self.g = Parameter(...)`` in a recomputed layer's forward: its re-run would read the new object.
-    Refused as the first forward ends, naming the layer, the Parameter and what to write instead."""
-    from isolated import run_isolated
-    res = run_isolated("""
-import write_cases as wc
+_OUTPUT_WRITTEN = """
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
 import mindformers_ac as mac
-from model_patterns import hidden_batch
-from steps import run_steps
-model = wc.build_layers(wc.ReplacesParameterLayer)
-before = [p.asnumpy().copy() for p in model.trainable_params()]
-mac.apply_ac(model, config=wc.FULL)
+from model_patterns import init_weights
+
+class Block(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Dense(8, 8)
+
+    def construct(self, x):
+        return ops.sigmoid(self.fc(x))   # Sigmoid saves its output: the region's output
+
+class Net(nn.Cell):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.CellList([Block()])
+
+    def construct(self, x):
+        h = self.layers[0](x)
+        ops.assign_add(h, ops.stop_gradient(h) * 0.25)   # same storage, same version
+        return (h ** 2).mean()
+
+def grads(ac):
+    model = init_weights(Net())
+    if ac:
+        exec(INSTALL)
+    x = Tensor(np.random.RandomState(0).randn(2, 8).astype(np.float32))
+    return [g.asnumpy() for g in ms.grad(model, None, model.trainable_params())(x)]
+
+base = grads(False)
 try:
-    run_steps(model, hidden_batch, steps=1)
-except mac.recompute.RecomputeError as exc:
+    got = grads(True)
+except mac.RecomputeError as exc:
     print("REFUSED", exc)
-print("UNCHANGED", all((b == p.asnumpy()).all() for b, p in zip(before, model.trainable_params())))
-""")
-    assert "REFUSED mindformers_ac: the recomputed region 'layers.0' replaced its Parameter 'g'" in res.stdout, \
-        res.stdout + res.stderr[-2000:]
-    assert "UNCHANGED True" in res.stdout
+else:
+    print("EXACT" if all(np.array_equal(a, b) for a, b in zip(base, got)) else "SILENT")
+"""
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine bug (issue 49): a recomputed region's output, saved by its own last op (Sigmoid), written by the "
+    "caller with ops.assign_add after the forward (storage and version unchanged): without AC the Sigmoid's "
+    "backward reads the written values, the re-run rebuilds the values before the write; gradients differ "
+    "silently on the first call (full, select, exclude_op, checkpoint, checkpoint_wrapper; a layer group "
+    "refuses it through the safety net). Swap keeps such a tensor on the device (W6s)"))
+def test_region_output_written_by_assign_add_after_forward_is_exact_or_refused():
+    """(``mac.checkpoint_wrapper(model.layers[0])`` instead of apply_ac: the same.)"""
+    from isolated import run_isolated
+    install = "mac.apply_ac(model, config={'recompute': {'mode': 'full', 'full_recompute_layer': [0]}})"
+    res = run_isolated(f"INSTALL = {install!r}\n" + _OUTPUT_WRITTEN)
+    assert "EXACT" in res.stdout or "REFUSED mindformers_ac" in res.stdout, res.stdout + res.stderr[-2000:]
