@@ -20,7 +20,7 @@ from mindspore import Tensor
 from mindformers_ac.harness.models import GPTConfig
 from mindformers_ac.mindspore_compat import RandomState, synchronous_pynative
 from mindformers_ac.recompute.path_choice import PathCheck
-from mindformers_ac.recompute.probe import Sample
+from mindformers_ac.recompute.rules.safety_net import Sample
 
 from bench_common import SHAPES
 from bench_families import build

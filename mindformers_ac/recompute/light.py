@@ -7,7 +7,7 @@ collects what it saves, in order, and backward takes them by position.
 Everything else (inputs, Dropout records, bytes, the once-only re-run) is
 ``rerun.RegionBase``'s. Two kinds of call arrive through their
 ``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout`` kernel call
-(``dropout_call``) and a call at a keep site (``keep_call``). ``probe.Sample``
+(``dropout_call``) and a call at a keep site (``keep_call``). ``safety_net.Sample``
 catches a re-run that took another code path; ``side_effects.BufferGuard``
 undoes a late write.
 """
@@ -18,8 +18,8 @@ from ..mindspore_compat import no_grad, recording_backward
 from ..tensors import output_tensors, tensors_equal
 from . import messages
 from .dispatch import arg_meta, tensor_args
-from .probe import Sample, first_probed, probed
 from .rerun import RegionBase, RegionRun, keep_saved, recompute_graph, rerun_inputs
+from .rules.safety_net import Sample, first_probed, probed
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
 
@@ -70,7 +70,7 @@ class LightRegion(RegionBase):
 
     def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None):
         super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain)
-        self.check = check
+        self.check, self.path = check, check.region_path   # its cell path, for messages
         self.precision = precision
         self._checks, self._key = checks, key
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
@@ -81,8 +81,8 @@ class LightRegion(RegionBase):
         self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
         self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
-        self.probe = None         # probe.Sample of the forward's output (the safety net)
-        self.kept_inputs = []     # probe.Sample of each kept call's input, in order (the safety net)
+        self.probe = None         # safety_net.Sample of the forward's output (the safety net)
+        self.kept_inputs = []     # safety_net.Sample of each kept call's input, in order (the safety net)
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -102,7 +102,7 @@ class LightRegion(RegionBase):
         recomputed = self.ensure_recomputed()
         t = recomputed[i]
         if t is None:
-            raise messages.already_used(f"saved tensor #{i}")
+            raise messages.already_used(f"saved tensor #{i}", self.path)
         recomputed[i] = None
         return t
 
@@ -145,13 +145,13 @@ class LightRegion(RegionBase):
         i = run.dropout_idx
         run.dropout_idx += 1
         if i >= len(self.dropouts):
-            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts), self.path)
         drop = self.dropouts[i]
         if drop.kept is not None:
             return drop.kept
         got = (tuple(x.shape), x.dtype)
         if got != drop.meta:
-            raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got)
+            raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got, self.path)
         self._collector.skip = True   # the rebuild's own ops save nothing for this region
         try:
             drop.rebuilt = drop.rebuild(x)
@@ -201,14 +201,14 @@ class LightRegion(RegionBase):
         i = run.keep_idx
         run.keep_idx += 1
         if i >= len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_keep)
+            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_keep, self.path)
         held, meta, out = self.kept[i]
         got = arg_meta(args)
         if held is not proxy or got != meta:
-            raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got)
+            raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got, self.path)
         if not self.kept_inputs[i].matches(self._kept_input(args)):
             self._checks.forget(self._key)
-            raise messages.other_values(self.check.region_path, f"the input of kept call #{i} ({proxy.mac_keep})")
+            raise messages.other_values(self.path, f"the input of kept call #{i} ({proxy.mac_keep})")
         self.kept_args.append(tensor_args(args))
         return out
 
@@ -250,7 +250,7 @@ class LightRegion(RegionBase):
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):
         if self.fn is None:   # let go after a re-run no later backward was to reach (R1): a second backward
-            raise messages.already_used("a saved tensor")
+            raise messages.already_used("a saved tensor", self.path)
         run = RegionRun(self, RECOMPUTE)
         run.keeps = self.check.keep_proxies or None
         collector = self._collector = _Collector()
@@ -270,7 +270,7 @@ class LightRegion(RegionBase):
         self._check(saved, run)
         if not self.probe.matches(first_probed(out)):
             self._checks.forget(self._key)
-            raise messages.other_values(self.check.region_path, self.check.output_op)
+            raise messages.other_values(self.path, self.check.output_op)
         self.keep_rerun_output(out)
         self.recomputed = saved
         check, stats = self.check, self.stats
@@ -290,9 +290,9 @@ class LightRegion(RegionBase):
         nn.Dropout of it."""
         sig = self.sig
         if run.keep_idx != len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep)
+            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep, self.path)
         messages.check_saves([(t.shape, t.dtype) for t in saved], sig, self.check.describe_save
-                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"))
+                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"), self.path)
         if run.dropout_idx != len(self.dropouts):
-            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts), self.path)
 

@@ -239,7 +239,7 @@ class _OutputRecord:
             with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, keep_saved):
                 out = output_tensors(target.op(*args, **kwargs))
             messages.check_saves([(tuple(t.shape), t.dtype) for t in saved], self.inner_meta,
-                                 lambda k: f"saved tensor #{k} of {target.name}")
+                                 lambda k: f"saved tensor #{k} of {target.name}", "")
             with no_grad():
                 self.rebuilt = [detached(t) if m is not None else None for t, m in zip(saved, self.inner_meta)]
         else:   # it saved nothing itself: no graph is needed

@@ -29,8 +29,8 @@ from . import messages
 from .dispatch import REBUILD, SAVE
 from .keep_sites import NoSite, find_site, install_site, region_cells
 from .light import LightRegion
-from .probe import SampleIndex
 from .region import run_region
+from .rules.safety_net import SampleIndex
 from .state import ENGINE
 
 logger = logging.getLogger("mindformers_ac")
@@ -124,7 +124,7 @@ class CheckRecorder:
         MindSpore's seed table, which the re-run starts from as the forward did; whether the backend's
         kernel then repeats its draw is measured, not assumed.) The run's result is ours, not the region's:
         its saves are not filed and its output is discarded."""
-        if idx in self.cell_dropouts or (args and args[0] is run.region.random_ops[idx]):
+        if idx in self.cell_dropouts or (args and args[0] is run.region.random.ops[idx]):
             # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
             # which no RandomState covers: its early launches may repeat, later ones do not.
             return
@@ -147,11 +147,11 @@ class CheckRecorder:
         for idx, site in self.sites.items():
             by_site.setdefault(site.key, []).append(idx)
         proxies, kept_ops = set(), set()
-        for idx in sorted(region.policy_saves):
+        for idx in sorted(region.kept.policy_saves):
             site, name = self.sites.get(idx), region.op_names[idx]
-            if site is None or idx in region.random_ops or region.decisions.get(idx) != SAVE:
+            if site is None or idx in region.random.ops or region.decisions.get(idx) != SAVE:
                 continue
-            others = [region.op_names[i] for i in by_site[site.key] if i not in region.policy_saves]
+            others = [region.op_names[i] for i in by_site[site.key] if i not in region.kept.policy_saves]
             if isinstance(site, NoSite):
                 why = site.why
             elif others:
@@ -164,19 +164,19 @@ class CheckRecorder:
                     region.light_reproduces(("op", idx))
                     continue
                 why = f"{site.description} can't hold a proxy for {name}"
-            region.intercept[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
+            region.kept.reasons[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
         return frozenset(proxies), kept_ops
 
     def finish(self, region):
         """After the checking call's recompute: may this signature take the light path? Fills ``check``."""
-        check, decisions, kept = self.check, region.decisions, region.policy_saves
+        check, decisions, kept = self.check, region.decisions, region.kept.policy_saves
         # nn.Dropout kernels the light path's dropout slots handle (mask bits): not re-run ops.
         cell_dropouts = {i for i in self.cell_dropouts if decisions.get(i) == REBUILD}
         # a kept op's saves are numbered apart by a light run (its slot's call)
         check.fwd = [m for m, key in zip(self.fwd, self.keys) if key is None or key[0] not in kept]
         check.keys = [key for key in self.keys if key is None or key[0] not in kept]
         if check.fwd != self.rec:
-            region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
+            region.align.keeps_intercepted("saves", "its recompute saved other tensors than its forward")
         kept_ops = set()
         if kept and all(isinstance(k, tuple) and k[0] == "op" and k[1] in kept for k in region.intercept):
             # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
@@ -187,20 +187,21 @@ class CheckRecorder:
         # (``Region.keep_intercepted``), taken back for one it does reproduce (``light_reproduces``); a new
         # kind of decision is covered without an edit here. Writes in forward only, to buffers, that no
         # re-run op reads, leave no mark: a light re-run writes nothing either (BufferGuard checks it does not).
-        check.ok = not region.intercept
+        reasons = region.intercept
+        check.ok = not reasons
         if not check.ok:
-            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
-            region.stats.note_intercepted(region.intercept.values())
-        check.params, check.buffers = region.params, region.buffers
-        check.saved_outputs = region.saved_outputs
-        check.region_path, check.output_op = region.cell_path(), region.describe_output_op()
+            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(reasons.values()))
+            region.stats.note_intercepted(reasons.values())
+        check.params, check.buffers = region.writes.params, region.writes.buffers
+        check.saved_outputs = region.writes.saved_outputs
+        check.region_path, check.output_op = region.cell_path(), region.net.describe_output_op()
         check.op_names, check.op_paths = list(region.op_names), dict(region.op_paths)
         check.rerun_counts = collections.Counter(n for i, n in enumerate(check.op_names)
                                                  if i not in cell_dropouts and i not in kept_ops)
         check.n_rerun = sum(check.rerun_counts.values())
         check.n_dropouts = len(cell_dropouts)
         check.dropped = region.bytes.dropped_total
-        check.param_ptrs = frozenset(region.param_ptrs)
+        check.param_ptrs = frozenset(region.writes.param_ptrs)
         check._owner = None   # pylint: disable=protected-access
 
 

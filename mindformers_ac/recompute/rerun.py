@@ -60,9 +60,9 @@ class Token:
             # The recompute checked that it regenerated every dropped tensor (Region.check_recompute) but
             # those of ops it skipped under the marker, so a missing one was skipped or handed out already.
             idx, k = self.key
-            if idx in region.skipped:
-                raise messages.skipped_op_needed(idx, region.describe_op(idx))
-            raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}")
+            if idx in region.align.skipped:
+                raise messages.skipped_op_needed(idx, region.describe_op(idx), region.cell_path())
+            raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}", region.cell_path())
         return t
 
 
@@ -390,6 +390,10 @@ class RegionBase:
                     raise messages.written_after_forward(what, tuple(t.shape), t.dtype, self.describe_root())
         self.stamps = ()
 
+    def cell_path(self):
+        """The region's cell path in its model, for messages (its root's class, or its function's name, here)."""
+        return self.describe_root()
+
     def describe_root(self):
         root = getattr(self, "root", None)
         return type(root).__name__ if root is not None else getattr(self.fn, "__qualname__", "function")
@@ -423,7 +427,7 @@ class RegionBase:
         self.ensure_recomputed()
         out, self._rerun_out = self._rerun_out, None
         if out is None:
-            raise messages.already_used("the output a layer group's next layer is rebuilt from")
+            raise messages.already_used("the output a layer group's next layer is rebuilt from", self.cell_path())
         return out
 
     # -- inputs ---------------------------------------------------------------------------------------
@@ -523,7 +527,7 @@ class RegionBase:
     def next_child(self, run):
         """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""
         if run.child_idx >= len(self.children):
-            raise messages.nested_regions(len(self.children))
+            raise messages.nested_regions(len(self.children), self.cell_path())
         child = self.children[run.child_idx]
         run.child_idx += 1
         return child
@@ -542,7 +546,7 @@ class RegionBase:
         if saved is not None:
             return saved
         if self._running:
-            raise messages.recompute_reentered()
+            raise messages.recompute_reentered(self.cell_path())
         self.check_unwritten()
         self._running = True
         try:
