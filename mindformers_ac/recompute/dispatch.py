@@ -1,17 +1,8 @@
 """Op dispatch inside a region run: number every op, apply the region's decision before it runs.
 
-Forward: the region's function runs under a ``MsDispatchMode`` that numbers
-every op and asks the region, *before* the op runs (legacy ops such as
-LayerNorm or Dropout pack their saved tensors inside the call), whether to
-keep it (``Region.decide``; an op that writes is shown to ``rules.writes``
-first), under saved-tensor hooks that leave a ``Token`` for each tensor a
-recomputed op saves (``Region.pack_forward``). Backward: the first unpack of a
-token re-runs the function on the saved inputs in a throw-away graph, under
-the same numbering (``rules.alignment``: a re-run may skip one-shot side effects
-under ``is_in_recompute()``); kept ops return their cached outputs, ops that
-write run on copies (``Writes.rerun_args``), and ``Alignment.check``
-checks that every dropped tensor came back alike. The dispatch only numbers
-ops and asks its region; the region owns every decision.
+In forward every op is numbered and shown to the region *before* it runs (legacy ops such as LayerNorm pack inside
+the call); in the re-run it is aligned with its forward op (``rules.alignment``), a kept one hands back its output
+and one that writes runs on copies (``rules.writes``). The dispatch only numbers ops and asks the region's rules.
 """
 from mindspore import Tensor
 from mindspore.utils import MsDispatchMode
@@ -32,8 +23,8 @@ OP_NAME_ATTR = "mac_op_name"
 def op_name_of(op, args=()):
     """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds).
 
-    A legacy op is dispatched with its primitive as ``args[0]``; a str
-    ``mac_op_name`` attribute on that primitive is the name instead.
+    A legacy op is dispatched with its primitive as ``args[0]``; a str ``mac_op_name`` attribute on that primitive
+    is the name instead.
     """
     alias = getattr(args[0], OP_NAME_ATTR, None) if args else None
     if isinstance(alias, str):
@@ -50,8 +41,8 @@ _COMM_NAMES = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast
 
 
 def is_comm_op(name):
-    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``,
-    an ``AllToAll`` stand-in)."""
+    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``, an
+    ``AllToAll`` stand-in)."""
     lowered = name.lower()
     return any(n in lowered for n in _COMM_NAMES)
 
@@ -67,8 +58,8 @@ def arg_meta(args):
 
 
 class StopRerun(BaseException):
-    """Ends a re-run early (``early_stop``): every tensor the backward needs from it is rebuilt. A
-    BaseException, so a model's ``except Exception`` does not swallow it."""
+    """Ends a re-run early (``early_stop``): every tensor the backward needs from it is rebuilt. A BaseException, so
+    a model's ``except Exception`` does not swallow it."""
 
 
 class RegionDispatch(MsDispatchMode):
@@ -122,8 +113,11 @@ class RegionDispatch(MsDispatchMode):
         region.bytes.note_outputs(idx, out)
         if decision == REBUILD:
             region.random.finish_dropout(run, idx, args, out)
-        elif decision is not None:
-            region.keep_output(run, idx, out, name, args)
+        elif decision == SWAP:
+            region.swap.keep_output(run, idx, out)
+        elif decision == SAVE:
+            region.kept.keep_output(idx, out)
+            region.writes.note_kept_writer(idx, name, args)
         return out
 
     def _recompute_op(self, run, idx, func, args, kwargs):

@@ -1,15 +1,10 @@
-"""The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md,
-"The light path": when a call goes light, what a light re-run checks and what it can't see).
+"""The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md, "The light
+path").
 
-The forward numbers every tensor saved for backward and keeps only its shape
-and dtype; the recompute runs the function again on the saved inputs,
-collects what it saves, in order, and backward takes them by position.
-Everything else (inputs, Dropout records, bytes, the once-only re-run) is
-``rerun.RegionBase``'s. Two kinds of call arrive through their
-``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout`` kernel call
-(``dropout_call``) and a call at a keep site (``keep_call``). ``safety_net.Sample``
-catches a re-run that took another code path; ``side_effects.BufferGuard``
-undoes a late write.
+The forward numbers every tensor saved for backward and keeps its shape and dtype; the re-run collects what it
+saves, in order, and backward takes them by position. An ``nn.Dropout`` kernel call and a call at a keep site arrive
+through their ``op_slot.OpSlot`` and are numbered apart; ``safety_net.Sample`` catches a re-run that took another
+code path; ``side_effects.BufferGuard`` undoes a late write.
 """
 import mindspore as ms
 from mindspore import Tensor
@@ -25,9 +20,9 @@ from .state import ENGINE, FORWARD, RECOMPUTE
 
 
 class _ApartPack:
-    """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout``
-    kernel call (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept, or, for
-    one of the call's arguments, ``call`` and ``index``: the re-run's argument, rule K1)."""
+    """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout`` kernel call
+    (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept, or, for one of the call's
+    arguments, ``call`` and ``index``: the re-run's argument, rule K1)."""
 
     __slots__ = ("region", "tensor", "drop", "index", "call")
 
@@ -63,13 +58,12 @@ def _unpack(obj):
 class LightRegion(RegionBase):
     """One call on the light path: saved tensors are numbered in forward and refilled by position.
 
-    ``check``: the ``path_choice.PathCheck`` that let this signature go light
-    (op names for messages, counters); ``checks``/``key``: where to forget it
-    when this forward saved something else.
+    ``check``: the ``path_choice.PathCheck`` that let this signature go light (op names for messages, counters);
+    ``checks``/``key``: where to forget it when this forward saved something else.
     """
 
-    def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None):
-        super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain)
+    def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None, rebind=None):
+        super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain, rebind)
         self.check, self.path = check, check.region_path   # its cell path, for messages
         self.precision = precision
         self._checks, self._key = checks, key
@@ -116,7 +110,7 @@ class LightRegion(RegionBase):
             self.start_forward()
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), \
-                    self.replaced.watch(args=(args, kwargs)):
+                    self.replaced.watch((args, kwargs)):
                 out = self.fn(*args, **kwargs)
             self.probe = Sample(first_probed(out), self.check.probe_index)
             self.stamp(args, kwargs, out, self.check.saved_outputs)   # its own ops: not an enclosing region's (N1)
@@ -174,8 +168,8 @@ class LightRegion(RegionBase):
         return out
 
     def keep_call(self, run, proxy, args, kwargs):
-        """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and whatever
-        it saved; the recompute hands those outputs back without running it."""
+        """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and
+        whatever it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
             # the safety net: the kept output hides from the region's output what the re-run computed before
             # it, so the call's input is sampled and compared by the re-run (docs/exactness.md)
@@ -218,10 +212,10 @@ class LightRegion(RegionBase):
         return next((t for t in tensor_args(args) if probed(t) and t.data_ptr() not in weights), None)
 
     def _arg_plan(self, n, args, out, packed):
-        """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is
-        (the re-run's argument then stands for it), or None (kept). A legacy op saves converted copies of
-        its arguments, not the caller's tensors, so the first light forward of the signature compares
-        values once and notes the positions (``PathCheck.kept_arg_plans``); later ones check shapes."""
+        """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is (the
+        re-run's argument then stands for it), or None (kept). A legacy op saves converted copies of its arguments,
+        not the caller's tensors, so the first light forward of the signature compares values once and notes the
+        positions (``PathCheck.kept_arg_plans``); later ones check shapes."""
         tensors = tensor_args(args)
         plans = self.check.kept_arg_plans
         plan = plans.get(n)
@@ -286,8 +280,8 @@ class LightRegion(RegionBase):
         self.fn = self.replaced = self.check = self._checks = None
 
     def _check(self, saved, run):
-        """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every
-        nn.Dropout of it."""
+        """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every nn.Dropout of
+        it."""
         sig = self.sig
         if run.keep_idx != len(self.kept):
             raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep, self.path)

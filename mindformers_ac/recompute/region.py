@@ -1,66 +1,48 @@
 """The op-intercepting way into a region: every op numbered and decided before it runs.
 
-What it shares with the light path is ``rerun.RegionBase``; the per-op rules
-are objects of ``rules`` (one per rule, each with its own state), which this
-region dispatches to. A checking call hands what the light path needs to its
-``path_choice.CheckRecorder``. A region met inside another's forward is its
-child: the parent's recompute *replays* it (same kept outputs, same masks).
+What it shares with the light path is ``rerun.RegionBase``; the per-op rules are objects of ``rules`` (one per rule,
+each with its own state), which this region dispatches to. A checking call hands what the light path needs to its
+``path_choice.CheckRecorder``. A region met inside another's forward is its child: the parent's recompute *replays*
+it (same kept outputs, same masks).
 """
 import contextlib
-
-import mindspore as ms
 
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import RecomputeConfig
 from ..errors import RecomputeError
 from ..mindspore_compat import EXECUTOR_CALLS
-from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision
 from ..tensors import cell_path_of, detached, root_cell_of, storage_info, tensor_leaves
 from . import messages
 from .dispatch import REBUILD, SAVE, SWAP, RegionDispatch, StopRerun, arg_meta
-from .rerun import (
-    RegionBase,
-    RegionRun,
-    Token,
-    drop_saved,
-    keep_saved,
-    recompute_graph,
-    rerun_inputs,
-    unpack_saved,
-    weak_pack,
-)
-from .rules.alignment import Alignment
-from .rules.kept_ops import KeptOps
-from .rules.must_swap import MustSwap
-from .rules.nesting import Nesting
-from .rules.randomness import RandomOps
-from .rules.safety_net import SafetyNet, SampleIndex
-from .rules.writes import Writes
+from .rerun import RegionBase, RegionRun, Token, recompute_graph, rerun_inputs, saved_hooks
+from .rules import alignment, kept_ops, must_swap, nesting, randomness, safety_net, writes
 from .side_effects import buffers_as_before
-from .state import ENGINE, FORWARD, RECOMPUTE, REPLAY
+from .state import ENGINE, FORWARD, RECOMPUTE
 
 
 class Region(RegionBase):
     """One call on the op-intercepting path, from its forward to the end of its backward. ``recorder``: a
-    ``path_choice.CheckRecorder`` when this call is the first of its call signature; ``settings``: the
-    ``recompute`` section apply_ac was given (the checkpoint API's ``early_stop`` keyword is its field)."""
+    ``path_choice.CheckRecorder`` when this call is the first of its call signature; ``settings``: the ``recompute``
+    section apply_ac was given (the checkpoint API's ``early_stop`` keyword is its field)."""
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 recorder=None, chain=None, debug=False, settings=None):
+                 recorder=None, chain=None, debug=False, settings=None, rebind=None):
         self.settings = settings if settings is not None else RecomputeConfig()
         self.root = root if root is not None else tracker.root if tracker is not None else root_cell_of(fn)
-        self.writes = Writes(self, self.root)
-        super().__init__(fn, stats, context_fn, self.writes.param_ptrs, self.writes.params, chain)
+        self.writes = writes.Writes(self, self.root)
+        super().__init__(fn, stats, context_fn, self.writes.param_ptrs, self.writes.params, chain, rebind)
+        self.replaced.moved = self.writes.param_moved
         self.tracker, self.recorder = tracker, recorder
         self.op_names = []        # forward op names, to detect a diverging recompute
         self.op_paths = {}        # op index -> cell path, for ops that left tokens (for messages)
         self.decisions = {}       # op index -> SAVE / SWAP / REBUILD (absent: recompute)
         self.token_meta = {}      # key of a saved tensor dropped in forward -> its (shape, dtype)
-        self.kept, self.swap = KeptOps(self, policy_fn), MustSwap(self, swap_executor, swap_inputs)
-        self.random, self.nesting = RandomOps(self), Nesting(self)
-        self.align = Alignment(self, self.settings.early_stop, debug)
-        self.net = SafetyNet(self, recorder.check.probe_index if recorder is not None else SampleIndex())
+        self.kept, self.swap = kept_ops.KeptOps(self, policy_fn), must_swap.MustSwap(self, swap_executor, swap_inputs)
+        self.random, self.nesting = randomness.RandomOps(self), nesting.Nesting(self)
+        self.align = alignment.Alignment(self, self.settings.early_stop, debug)
+        self.net = safety_net.SafetyNet(self, recorder.check.probe_index if recorder is not None
+                                        else safety_net.SampleIndex())
         if recorder is not None:
             recorder.attach(self)
         elif self.intercept:   # never checked: say why once per call (a per-call policy, swapped inputs)
@@ -112,13 +94,6 @@ class Region(RegionBase):
         if idx in self.kept.policy_saves:
             self.kept.note_args(idx, args)
 
-    def keep_output(self, run, idx, out, name, args):
-        if self.decisions[idx] == SWAP:
-            self.swap.keep_output(run, idx, out)
-            return
-        self.kept.keep_output(idx, out)
-        self.writes.note_kept_writer(idx, name, args)
-
     # -- saved tensors ------------------------------------------------------------
     def pack_forward(self, run, t):
         """Forward pack hook: what the autograd graph keeps for ``t`` (itself, a swap holder or a Token)."""
@@ -133,14 +108,13 @@ class Region(RegionBase):
             # op's are filtered out when the check ends: whether it stays kept is known then, rule K2)
             self.recorder.note_forward(t, key)
         ptr = t.data_ptr()
-        writes = self.writes
-        if ptr in writes.param_ptrs:
+        if ptr in self.writes.param_ptrs:
             return t
         base, nbytes = storage_info(t)
         self.kept.packed[(base, self.bytes.producer.get(base))] = nbytes
         if decision == SAVE and key is not None and self.kept.saves_argument(key, ptr):
             decision = None   # K1: a kept op keeps its outputs; an argument it saved is the re-run's
-        elif decision == SAVE or (ptr in writes.input_ptrs and not self.swap.inputs):
+        elif decision == SAVE or (ptr in self.writes.input_ptrs and not self.swap.inputs):
             self.bytes.keep(t)
             if decision == SAVE:
                 # An alias cut from autograd: an op that saves its own output (Softmax, Exp) and gets the
@@ -186,7 +160,7 @@ class Region(RegionBase):
         return self.random.dropout_call(run, prim, x)
 
     # -- runs -------------------------------------------------------------------
-    def _tracking(self):
+    def tracking(self):
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
 
     def run_forward(self, args, kwargs):
@@ -199,9 +173,9 @@ class Region(RegionBase):
                 self.start_forward()
                 chained = self.link_chain(args, kwargs)
                 self.writes.input_ptrs = set(self.save_inputs(args, kwargs, self.swap.input_offloader(run), chained))
-                with self.run_context(FORWARD), self._tracking(), RegionDispatch(run), \
-                        ms.saved_tensors_hooks(weak_pack(run, Region.pack_forward, keep_saved), unpack_saved), \
-                        self.replaced.watch(run.engine_ops, (args, kwargs), self.writes.param_moved):
+                with self.run_context(FORWARD), self.tracking(), RegionDispatch(run), \
+                        saved_hooks(run, Region.pack_forward, forward=True), \
+                        self.replaced.watch((args, kwargs)):
                     out = self.fn(*args, **kwargs)
                 with run.engine_ops():   # on the run, so that no enclosing region numbers the sample's op
                     self.net.take_samples(run, out)
@@ -226,19 +200,6 @@ class Region(RegionBase):
         self.swap.holders = None
         self.stats.open_region(self, self.bytes.close())
 
-    def replay(self, args, kwargs, grad_calls):
-        """Run again inside a parent's recompute, with this region's kept outputs and masks. ``grad_calls``:
-        the grad calls running when the enclosing re-run started (``Nesting.pack_replay``)."""
-        run = RegionRun(self, REPLAY, self.tracker)
-        run.grad_calls = grad_calls
-        ENGINE.push(run)
-        try:
-            with self.run_context(REPLAY), self._tracking(), RegionDispatch(run), \
-                    ms.saved_tensors_hooks(weak_pack(run, Nesting.pack_replay), keep_saved):
-                return self.fn(*args, **kwargs)
-        finally:
-            ENGINE.pop(run)
-
     def _recompute(self):
         try:
             self._rerun()
@@ -254,8 +215,8 @@ class Region(RegionBase):
         outputs = self.nesting.rerun_outputs()
         with EXECUTOR_CALLS.counting(), self.replaced.rerun_from(), buffers_as_before(self.writes.snapshots.values()), \
                 recompute_graph(run, self.precision, self.random_state, outputs), \
-                self.run_context(RECOMPUTE), self._tracking(), RegionDispatch(run), \
-                ms.saved_tensors_hooks(weak_pack(run, Region.pack_recompute, drop_saved), keep_saved):
+                self.run_context(RECOMPUTE), self.tracking(), RegionDispatch(run), \
+                saved_hooks(run, Region.pack_recompute):
             with run.engine_ops():   # the inputs' views are ours, not ops of the region
                 args, kwargs = rerun_inputs(args, kwargs)
             self.align.start_rerun()
@@ -286,22 +247,3 @@ class Region(RegionBase):
         """The region's cell path in its model (or its function's name)."""
         return cell_path_of(self.root) if self.root is not None else self.describe_root()
 
-
-def run_region(fn, args, kwargs, **options):
-    """Entry point of ``checkpoint``: forward a new region, replay a nested one, or run plainly."""
-    top = ENGINE.top()
-    if top is not None and top.mode in (RECOMPUTE, REPLAY):
-        child = top.region.next_child(top)
-        ENGINE.enter_recompute()
-        try:
-            return child.replay(args, kwargs, top.grad_calls)
-        finally:
-            ENGINE.exit_recompute()
-    if top is None and not _executor.requires_grad():
-        return fn(*args, **kwargs)   # no graph is recorded: nothing would be saved
-    region = Region(fn, **options)
-    if top is not None:
-        top.region.children.append(region)
-        if isinstance(top.region, Region):
-            top.region.nesting.note_child()
-    return region.run_forward(args, kwargs)

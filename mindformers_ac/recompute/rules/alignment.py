@@ -1,6 +1,6 @@
-"""Re-run alignment and early stop (rules W7 and S1 of docs/exactness.md): re-run op *i* is forward op *i*, or
-one past ops it may skip under the marker; every op that left something for backward saves as many tensors as
-in forward, of the same shapes and dtypes; a re-run may stop once the last dropped tensor is rebuilt."""
+"""Re-run alignment and early stop (rules W7 and S1 of docs/exactness.md): re-run op *i* is forward op *i*, or one
+past ops it may skip under the marker; every op that left something for backward saves as many tensors as in
+forward, of the same shapes and dtypes; a re-run may stop once the last dropped tensor is rebuilt."""
 from ...mindspore_compat import pushes_cell_state
 from .. import messages
 from ..debug_log import DebugLog
@@ -30,8 +30,8 @@ class Alignment(Rule):
 
     def align(self, run, idx, name, args):
         """The forward index of the re-run's next op ``name`` (``idx``: right after the previous one): op ``idx``
-        when it has that name (and, if kept, the same tensor arguments), else the next such op past skippable
-        ones; ``RecomputeError`` when there is none."""
+        when it has that name (and, if kept, the same tensor arguments), else the next such op past skippable ones;
+        ``RecomputeError`` when there is none."""
         names = self.region.op_names
         j = idx
         while j < len(names):

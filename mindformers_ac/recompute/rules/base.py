@@ -4,9 +4,9 @@ import weakref
 
 class Rule:
     """One rule's state in one intercepting region. ``region`` is a weak proxy: a region is freed by reference
-    counting when its graph lets go of it (a cycle would hold its bytes until a collection). ``reasons``: key ->
-    why this call's signature must stay intercepted (the light path can't reproduce what the rule decided),
-    collected by ``Region.intercept``."""
+    counting when its graph lets go of it (a cycle would hold its bytes until a collection). ``reasons``: key -> why
+    this call's signature must stay intercepted (the light path can't reproduce what the rule decided), collected by
+    ``Region.intercept``."""
 
     __slots__ = ("region", "reasons")
 

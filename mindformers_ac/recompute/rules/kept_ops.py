@@ -1,6 +1,6 @@
 """Kept ops (rules K1, K2 of docs/exactness.md): what a policy keeps (``MUST_SAVE``, ``exclude_op``,
-``PREFER_SAVE``) keeps its outputs, not its inputs, and is never re-run; unread ``PREFER_SAVE`` outputs are
-re-run instead while the region keeps more than its forward saved."""
+``PREFER_SAVE``) keeps its outputs, not its inputs, and is never re-run; unread ``PREFER_SAVE`` outputs are re-run
+instead while the region keeps more than its forward saved."""
 from mindspore import Tensor
 
 from ...checkpoint_policy import CheckpointPolicy
@@ -14,8 +14,8 @@ from .base import Rule
 
 
 class KeptOps(Rule):
-    """The policy's decisions and the outputs kept for the re-run. ``packed``: (storage, producing op) ->
-    bytes of every tensor saved in forward (K2's budget, and W6: was an output saved); ``None`` after it."""
+    """The policy's decisions and the outputs kept for the re-run. ``packed``: (storage, producing op) -> bytes of
+    every tensor saved in forward (K2's budget, and W6: was an output saved); ``None`` after it."""
 
     __slots__ = ("policy_fn", "site_policy", "policy_saves", "cache", "kept_ptrs", "kept_args", "arg_saves",
                  "packed")
@@ -77,9 +77,9 @@ class KeptOps(Rule):
                 region.recomputed[key] = tensors[i]
 
     def release_unread(self):
-        """K2, at the end of the forward: unread PREFER_SAVE ops are re-run instead, largest first, while the
-        region keeps more than its forward saved; a collective or a writer (W3) stays kept. MUST_SAVE is kept
-        whatever it costs: the excess is reported (``RecomputeStats.kept_over_bytes``, a warning)."""
+        """K2, at the end of the forward: unread PREFER_SAVE ops are re-run instead, largest first, while the region
+        keeps more than its forward saved; a collective or a writer (W3) stays kept. MUST_SAVE is kept whatever it
+        costs: the excess is reported (``RecomputeStats.kept_over_bytes``, a warning)."""
         region = self.region
         kept, budget = sum(region.bytes.kept.values()), sum(self.packed.values())
         unread = []

@@ -1,5 +1,5 @@
-"""Random ops and Dropout (docs/exactness.md, "Random ops"): a random op is never drawn again in a re-run; a
-Dropout is rebuilt from its mask bits, any other random op keeps its output (the facts: ``random_ops``)."""
+"""Random ops and Dropout (docs/exactness.md, "Random ops"): a random op is never drawn again in a re-run; a Dropout
+is rebuilt from its mask bits, any other random op keeps its output (the facts: ``random_ops``)."""
 from mindspore.ops import Primitive
 
 from ..dispatch import REBUILD, SAVE
@@ -9,8 +9,8 @@ from .base import Rule
 
 
 class RandomOps(Rule):
-    """``ops``: op index of a random op kept or rebuilt -> its primitive (None: a pyboost op);
-    ``dropouts``: op index -> ``DropoutRecord`` of a Dropout rebuilt from its mask."""
+    """``ops``: op index of a random op kept or rebuilt -> its primitive (None: a pyboost op); ``dropouts``: op
+    index -> ``DropoutRecord`` of a Dropout rebuilt from its mask."""
 
     __slots__ = ("ops", "dropouts")
 
@@ -26,9 +26,9 @@ class RandomOps(Rule):
         return REBUILD if name == "Dropout" and dropout_input(args)[0] is not None else SAVE
 
     def finish_dropout(self, run, idx, args, out):
-        """After Dropout op ``idx`` ran: its mask as bits, its packed outputs left for the rebuild; what it
-        packed that is not an output, or everything when the output can't be rebuilt bitwise (then it is kept
-        and not run again), is handed to its token as it is."""
+        """After Dropout op ``idx`` ran: its mask as bits, its packed outputs left for the rebuild; what it packed
+        that is not an output, or everything when the output can't be rebuilt bitwise (then it is kept and not run
+        again), is handed to its token as it is."""
         region = self.region
         pending, run.pending = run.pending, []
         x, keep_prob = dropout_input(args)
@@ -47,8 +47,8 @@ class RandomOps(Rule):
             self.dropouts[idx] = record
 
     def dropout_call(self, run, prim, x):
-        """An ``nn.Dropout`` cell's kernel call through its slot: one the region rebuilds from its mask, the
-        only op of this call, is noted for the path check (the light path's dropout slot takes it later)."""
+        """An ``nn.Dropout`` cell's kernel call through its slot: one the region rebuilds from its mask, the only op
+        of this call, is noted for the path check (the light path's dropout slot takes it later)."""
         if run.mode != FORWARD or run.in_hook:
             return prim(x)
         start = run.op_idx

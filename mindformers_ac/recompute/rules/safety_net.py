@@ -1,11 +1,11 @@
-"""The safety net of every re-run: a bitwise sample of a tensor both runs computed (docs/exactness.md, "The
-safety net").
+"""The safety net of every re-run: a bitwise sample of a tensor both runs computed (docs/exactness.md, "The safety
+net").
 
-Whatever pattern no rule knows (an op whose output depends on Python state, a branch on a flag changed since
-the forward), a re-run that computes other values than its forward must not hand them to backward. Each
-region keeps ``PROBE_SIZE`` evenly spaced elements of a tensor its forward computed (its first floating
-output, or, when its re-run may stop early, the last tensor it dropped) and compares them bitwise with the
-re-run's before any saved tensor leaves the region: one ``GatherNd`` per forward and per re-run.
+Whatever pattern no rule knows (an op whose output depends on Python state, a branch on a flag changed since the
+forward), a re-run that computes other values than its forward must not hand them to backward. Each region keeps
+``PROBE_SIZE`` evenly spaced elements of a tensor its forward computed (its first floating output, or, when its
+re-run may stop early, the last tensor it dropped) and compares them bitwise with the re-run's before any saved
+tensor leaves the region: one ``GatherNd`` per forward and per re-run.
 """
 import mindspore as ms
 import numpy as np
@@ -52,8 +52,8 @@ class SampleIndex:
 
 
 class Sample:
-    """``PROBE_SIZE`` elements of tensor ``t`` (None: nothing to sample), copied: one ``GatherNd`` on the
-    tensor as it is (a flattening view first would cost another op, about 8 us at the small shape)."""
+    """``PROBE_SIZE`` elements of tensor ``t`` (None: nothing to sample), copied: one ``GatherNd`` on the tensor as
+    it is (a flattening view first would cost another op, about 8 us at the small shape)."""
 
     __slots__ = ("index", "values", "shape")
 
@@ -77,9 +77,9 @@ class Sample:
 
 
 class SafetyNet(Rule):
-    """The intercepting region's samples: its output and the last tensor dropped before the forward's end and
-    before and after each kept op (whose kept output hides from the region's output what the re-run computed
-    before it). ``index``: the signature's ``SampleIndex`` (a checking call's) or the region's own."""
+    """The intercepting region's samples: its output and the last tensor dropped before the forward's end and before
+    and after each kept op (whose kept output hides from the region's output what the re-run computed before it).
+    ``index``: the signature's ``SampleIndex`` (a checking call's) or the region's own."""
 
     __slots__ = ("index", "samples", "last_drop", "cut_samples", "cut_pending")
 

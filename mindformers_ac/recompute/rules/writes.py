@@ -1,5 +1,5 @@
-"""Writes of a region's forward (rules W1-W6 of docs/exactness.md; the write model is ``side_effects``): each
-lands once per step, and the re-run reads what its forward read."""
+"""Writes of a region's forward (rules W1-W6 of docs/exactness.md; the write model is ``side_effects``): each lands
+once per step, and the re-run reads what its forward read."""
 from mindspore import Tensor, ops
 
 from ...mindspore_compat import no_grad
@@ -24,8 +24,8 @@ from .base import Rule
 
 
 class Writes(Rule):
-    """The root's Parameters and what the forward wrote. ``written``: data_ptr -> (op index, StateSnapshot or
-    None, slot) of its first write; ``writes_arg``: kept ops that wrote their first argument (W3)."""
+    """The root's Parameters and what the forward wrote. ``written``: data_ptr -> (op index, StateSnapshot or None,
+    slot) of its first write; ``writes_arg``: kept ops that wrote their first argument (W3)."""
 
     __slots__ = ("params", "param_names", "buffers", "param_ptrs", "input_ptrs", "snapshots", "written",
                  "writes_arg", "may_write_seen", "saved_outputs")
@@ -45,9 +45,9 @@ class Writes(Rule):
         self.saved_outputs = ()       # positions of the outputs an op of the region saved (stamped: W6)
 
     def guard(self, run, idx, name, args, decision):
-        """Forward, before op ``idx`` that may write: protect what it writes that the re-run must see as it is
-        now (W1, W2), then snapshot what it writes (None), or keep its output (SAVE) when the copies would be
-        too large; a kept op (``decision``) is not run again."""
+        """Forward, before op ``idx`` that may write: protect what it writes that the re-run must see as it is now
+        (W1, W2), then snapshot what it writes (None), or keep its output (SAVE) when the copies would be too large;
+        a kept op (``decision``) is not run again."""
         self.may_write_seen = True
         if self.input_ptrs or self.region.kept.kept_ptrs:
             self.protect_targets(run, idx, name, args)
@@ -117,9 +117,9 @@ class Writes(Rule):
                                                    f"for real)")
 
     def rerun_args(self, run, idx, name, args):
-        """Re-run op ``idx``'s arguments: a side-effect op gets fresh copies of what it wrote (the real tensors
-        were written once, in forward); a reader of such a tensor gets the run's copy. A read of a tensor whose
-        writer kept its output instead, before that write, can't be served: ``RecomputeError``."""
+        """Re-run op ``idx``'s arguments: a side-effect op gets fresh copies of what it wrote (the real tensors were
+        written once, in forward); a reader of such a tensor gets the run's copy. A read of a tensor whose writer
+        kept its output instead, before that write, can't be served: ``RecomputeError``."""
         with run.engine_ops(), no_casts():   # copies are ours, not ops of the region
             snapshot = self.snapshots.get(idx)
             if snapshot is not None:
