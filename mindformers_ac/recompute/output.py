@@ -485,16 +485,12 @@ def _scope_of(cell):
 def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None, on_retire=None):
     """Drop the output of op ``owner_cell.<attr_name>`` (or ``owner_cell.<registry>[attr_name]``) for backward.
 
-    The op may be a Python function, a Primitive, or a Cell (e.g. a collective with a custom ``bprop``). A registry
-    slot or a function/Primitive attribute gets the output role of its ``op_slot.OpSlot``; a Cell attribute keeps
-    its object and gets an instance ``construct`` patch (the cell tree and parameter names stay). Neither what the
-    op saves for backward nor its output as saved by consumers running inside ``scope`` (default: ``owner_cell``;
-    pass the transformer layer) is kept, only its inputs, for each call where that frees more than the inputs cost
-    (else the call keeps what it would without recompute, and a warning says why); backward rebuilds them by running
-    the op again on its inputs, counted in ``stats`` (``ops_rerun``, ``recompute_calls``, ``dropped_bytes``,
-    ``kept_bytes``). An op whose first training forward dropped none of its calls (it saves nothing: the warning
-    says why) is retired: it runs plainly from then on, and ``on_retire(why)`` is called. Returns an
-    ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot twice raises ValueError.
+    The op (a function, a Primitive, or a Cell with a custom ``bprop``) gets the output role of its
+    ``op_slot.OpSlot``, or, a Cell, an instance ``construct`` patch. Neither what it saves nor its output as saved by
+    consumers inside ``scope`` (default ``owner_cell``; pass the layer) is kept, only its inputs, for each call where
+    that frees more than the inputs cost (else a warning says why); backward runs the op again, counted in
+    ``stats``. An op whose first training forward dropped none of its calls is retired (``on_retire(why)``).
+    Returns an ``OpOutputHandle`` (``remove()`` undoes it); wrapping a slot twice raises ValueError.
     """
     holder, key = owner_cell, attr_name
     if registry is None:

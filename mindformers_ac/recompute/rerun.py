@@ -106,12 +106,9 @@ def saved_hooks(run, pack, forward=False):
 
 
 class RegionRun:
-    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry.
-
-    ``tracker``: the region's ``PathTracker`` (a policy's cell and attribute paths), or None; path hooks and op
-    slots' track role act only for runs of their own tracker. The op-numbering fields are used by the intercepting
-    path (``dispatch``), ``dropout_idx`` by the light path.
-    """
+    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry. ``tracker``:
+    the region's ``PathTracker``, or None (path hooks and op slots' track role act only for their own tracker's runs).
+    The op-numbering fields are the intercepting path's, ``dropout_idx`` the light path's."""
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
@@ -166,11 +163,8 @@ class RegionRun:
 
 
 class SavedInput:
-    """A region input kept for the recompute, and whether autograd tracked it in forward.
-
-    ``written``: the forward writes it in place (``copy_``, an ``Inplace*`` op), so ``value`` is a private copy
-    taken before that write.
-    """
+    """A region input kept for the recompute, and whether autograd tracked it in forward; ``written``: the forward
+    writes it in place, so ``value`` is a private copy taken before that write."""
 
     __slots__ = ("value", "tracked", "ptr", "written")
 
@@ -189,11 +183,8 @@ def map_inputs(fn, args, kwargs):
 
 
 class ChainedInput:
-    """A layer group member's first argument, not kept: the previous member's region rebuilds it (``chain``).
-
-    ``region``: that member's region (held until this one's recompute); ``tracked`` and ``ptr`` as for
-    ``SavedInput``.
-    """
+    """A layer group member's first argument, not kept: the previous member's ``region`` rebuilds it (``chain``);
+    ``tracked`` and ``ptr`` as for ``SavedInput``."""
 
     __slots__ = ("region", "tracked", "ptr")
 
@@ -325,13 +316,9 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
 
 
 class RegionBase:
-    """One checkpointed call, whichever way it was entered (see the module docstring).
-
-    A subclass runs the forward (``save_inputs`` first, ``bytes.close`` at the end), defines ``_recompute()`` (run
-    ``fn`` again on ``load_inputs()`` and check it against the forward; raise ``RecomputeError`` on a divergence)
-    and ``dropout_call``. Lifetime: what a forward leaves in the autograd graph holds the region, so it dies with
-    the graph after backward.
-    """
+    """One checkpointed call, whichever way it was entered: a subclass runs the forward (``save_inputs`` first,
+    ``bytes.close`` at the end) and defines ``_recompute()`` and ``dropout_call``. What a forward leaves in the graph
+    holds the region, so it dies with the graph after backward."""
 
     def __init__(self, fn, stats, context_fn, param_ptrs, params=(), chain=None, rebind=None):
         self.fn, self.stats, self.context_fn = fn, stats, context_fn

@@ -1,11 +1,7 @@
-"""The safety net of every re-run: a bitwise sample of a tensor both runs computed (docs/exactness.md, "The safety
-net").
-
-Whatever pattern no rule knows (an op whose output depends on Python state, a branch on a flag changed since the
-forward), a re-run that computes other values than its forward must not hand them to backward. Each region keeps
-``PROBE_SIZE`` evenly spaced elements of a tensor its forward computed (its first floating output, or, when its
-re-run may stop early, the last tensor it dropped) and compares them bitwise with the re-run's before any saved
-tensor leaves the region: one ``GatherNd`` per forward and per re-run.
+"""The safety net of every re-run (docs/exactness.md, "The safety net"): whatever pattern no rule knows, a re-run
+that computes other values than its forward must not hand them to backward. ``PROBE_SIZE`` evenly spaced elements of
+a tensor the forward computed are compared bitwise with the re-run's before any saved tensor leaves the region: one
+``GatherNd`` per forward and per re-run.
 """
 import mindspore as ms
 import numpy as np
