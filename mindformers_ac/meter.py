@@ -34,8 +34,7 @@ from mindspore import Tensor, nn
 
 from .logs import OnceLogger
 from .mindspore_compat import chained_hook_pushes, registered_pack_hook
-from .tensors import param_ptrs, storage_info
-from .tensors import tensor_leaves_in_objects as tensor_leaves
+from .tensors import param_ptrs, storage_info, tensor_leaves_in_objects
 
 logger = logging.getLogger("mindformers_ac.meter")
 
@@ -82,7 +81,7 @@ def held_tensors(obj):
     its attributes (``__dict__`` and ``__slots__``), one level down."""
     if isinstance(obj, Tensor):
         return [obj]
-    found = tensor_leaves(obj)
+    found = tensor_leaves_in_objects(obj)
     if found or isinstance(obj, (tuple, list, dict)) or obj is None:
         return found
     values = list(getattr(obj, "__dict__", {}).values())
@@ -90,7 +89,7 @@ def held_tensors(obj):
         for name in getattr(cls, "__slots__", ()):
             if name != "__weakref__" and hasattr(obj, name):
                 values.append(getattr(obj, name))
-    return tensor_leaves(tuple(values))
+    return tensor_leaves_in_objects(tuple(values))
 
 
 class _HookChain:

@@ -93,8 +93,8 @@ def tensor_leaves_in_objects(value, depth=8):
     Hugging Face-style ``LayerOutput(hidden=h)``; an object with slots only is not). A Cell, a class, a
     module or a function is not searched (they hold weights and code, not a call's values).
 
-    Used by the recompute engine only (its saved outputs, rule W6; the safety net's probe; Parameters handed
-    in an argument object), until the recompute half of issue 49 gives it stamps as swap has.
+    Used by the recompute engine (its saved outputs, rule W6; the safety net's sample; Parameters handed in an
+    argument object), the meter and the budget's controller (a layer's outputs, wherever they are held).
     """
     if isinstance(value, Tensor):
         return [value]

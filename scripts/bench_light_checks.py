@@ -4,7 +4,7 @@
 
 Per region and step the engine now takes a ``RandomState`` when the forward starts and sets and puts back
 one around the re-run (functional random ops draw what their forward drew), copies 64 elements of the
-light forward's output and compares them after the re-run (``probe.Sample``: another code path is
+light forward's output and compares them after the re-run (``rules.safety_net.Sample``: another code path is
 caught), and hands the re-run its tracked input as a view (an in-place write into it works). Each piece
 is timed alone, on the shape's hidden state, and the sum for the model's layers is shown next to the
 baseline step of the reference GPT at that shape (medians, one process).
@@ -20,7 +20,7 @@ from mindspore import Tensor
 from mindformers_ac.harness.models import GPTConfig
 from mindformers_ac.mindspore_compat import RandomState, synchronous_pynative
 from mindformers_ac.recompute.path_choice import PathCheck
-from mindformers_ac.recompute.probe import Sample
+from mindformers_ac.recompute.rules.safety_net import Sample
 
 from bench_common import SHAPES
 from bench_families import build

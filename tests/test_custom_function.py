@@ -13,6 +13,7 @@ import pytest
 from mindspore import nn
 
 import mindformers_ac as mac
+from mindformers_ac.recompute.side_effects import RebindSlot
 from mindformers_ac.swap import install_layer_swap
 
 from custom_function_models import (
@@ -106,9 +107,11 @@ def test_global_aux_loss_counters_under_recompute_are_bitwise(mode):
     assert diff is None, f"{mode}: {diff}"
     router = model.decoder.layers[0].mlp.router
     assert float(router.ga_steps.asnumpy()) == 4
-    assert "set_data" not in vars(router.ga_steps)   # the forward's watch is gone
+    assert isinstance(vars(router.ga_steps).get("set_data"), RebindSlot)   # put there once by the wrapper
     stats = list(mac.ac_state(model).recompute_stats.values())
     assert all(s.light_calls > 0 and s.recompute_calls == s.light_calls + s.intercepted_calls for s in stats)
+    mac.remove_ac(model)
+    assert "set_data" not in vars(router.ga_steps)   # and taken off with it
 
 
 def _orders(num_models, steps, seed=0):

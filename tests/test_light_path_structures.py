@@ -139,7 +139,7 @@ def test_the_checking_call_is_recorded_apart_from_the_region(monkeypatch):
 
     def finish(self, region):
         real(self, region)
-        finished.append((self, region.policy_saves, {a for a in ("cell_dropouts", "op_sites", "_cells",
+        finished.append((self, region.kept.policy_saves, {a for a in ("cell_dropouts", "op_sites", "_cells",
                                                                    "path_check") if hasattr(region, a)}))
     monkeypatch.setattr(path_choice.CheckRecorder, "finish", finish)
     ms.set_seed(3)

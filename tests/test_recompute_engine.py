@@ -9,6 +9,7 @@ twice per step).
 """
 import gc
 import logging
+import os
 import textwrap
 import types
 
@@ -569,3 +570,66 @@ def test_engine_detaches_without_recording_stop_gradient(monkeypatch, policy):
     assert sum(s.recompute_calls for s in stats) == 4
     assert sum(s.light_calls for s in stats) == (0 if policy else 2)
     assert recording and not any(recording), recording   # inputs saved and re-tracked, never recorded
+
+
+def test_the_region_dispatches_to_rule_objects(monkeypatch):
+    """Issue 49 point 4: ``region.py`` is at most 250 lines and a live ``Region`` sets at most 15 attributes of its
+    own (those ``RegionBase`` sets aside): each rule's per-region state lives in its object of ``recompute/rules/``,
+    which names every rule module in its docstring."""
+    import inspect
+
+    from mindformers_ac.recompute import region as region_module
+    from mindformers_ac.recompute import rules
+
+    assert len(inspect.getsource(region_module).splitlines()) <= 250
+    seen = []
+    real = region_module.Region.finish_forward
+
+    def finish(self, *args):
+        real(self, *args)
+        seen.append(self)
+    monkeypatch.setattr(region_module.Region, "finish_forward", finish)
+    x = Tensor(np.ones((2, 3), np.float32))
+    ms.grad(lambda v: rc.checkpoint(lambda u: ops.tanh(ops.sin(u)), v, use_reentrant=False).sum())(x)
+    base = set(vars(RegionBase(lambda u: u, rc.RecomputeStats(), None, set())))
+    own = set(vars(seen[0])) - base
+    assert len(own) <= 15, sorted(own)
+    files = [f[:-3] for f in os.listdir(os.path.dirname(rules.__file__)) if f.endswith(".py") and f != "__init__.py"]
+    assert len(files) >= 7 and all(f"``{name}``" in rules.__doc__ for name in files)
+
+
+def test_parameter_rebinding_is_watched_from_the_wrap_not_per_forward():
+    """Issue 49 point 4: a wrapper puts its ``RebindSlot`` on each root Parameter once (a forward adds none), a
+    ``set_data`` in forward is still undone for the re-run (bitwise gradients), a deep copy of the Parameter
+    carries no slot, and ``unwrap`` takes every slot off."""
+    import copy
+
+    from mindformers_ac.recompute.side_effects import RebindSlot
+
+    class Rebinds(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.w = ms.Parameter(Tensor(np.full((3,), 0.5, np.float32)), name="w")
+            self.g = ms.Parameter(Tensor(np.zeros((3,), np.float32)), name="g", requires_grad=False)
+
+        def construct(self, v):
+            out = ops.sin(v * self.w + self.g)
+            self.g.set_data(self.g + 1)   # rebound in forward: the re-run must read the old value
+            return out
+
+    def grads(wrap):
+        cell = Rebinds()
+        if wrap:
+            rc.checkpoint_wrapper(cell)
+        slots = {m: cell.g.__dict__.get(m) for m in ("set_data", "assign_value")}
+        got = ms.grad(lambda v: cell(v).sum(), grad_position=None, weights=[cell.w])(Tensor(np.ones((3,), np.float32)))
+        return cell, slots, got
+
+    _, _, expected = grads(False)
+    cell, slots, got = grads(True)
+    assert all(isinstance(s, RebindSlot) for s in slots.values())
+    assert {m: cell.g.__dict__.get(m) for m in slots} == slots   # the forward installed nothing new
+    assert np.array_equal(got[0].asnumpy(), expected[0].asnumpy())
+    assert "set_data" not in vars(copy.deepcopy(cell.g))
+    rc.unwrap(cell)
+    assert not any(m in vars(p) for p in cell.get_parameters() for m in ("set_data", "assign_value"))

@@ -89,8 +89,7 @@ from ..layer_specs import format_layer_specs, swappable_layers
 from ..logs import report_summary
 from ..mindspore_compat import pynative_executor
 from ..plan import plan_with_layers
-from ..tensors import MiB, is_tracked
-from ..tensors import tensor_leaves_in_objects as tensor_leaves
+from ..tensors import MiB, is_tracked, tensor_leaves_in_objects
 from .agreement import Agreement, agreed_profile, initialised_world
 from .options import OptionSample, applied_layers, candidate_options, profile_with_noise
 from .sizes import format_bytes
@@ -136,7 +135,7 @@ def retiming_schedule(first_pass, steps):
 
 def shape_key(args):
     """The shapes and dtypes of a forward's tensor arguments: what a profile is valid for."""
-    return tuple((tuple(t.shape), str(t.dtype)) for t in tensor_leaves(args))
+    return tuple((tuple(t.shape), str(t.dtype)) for t in tensor_leaves_in_objects(args))
 
 
 def _elements(key):
@@ -340,7 +339,7 @@ class BudgetController:
             self._open.end_forward()
         # the backward that reaches this output runs the whole model's backward in the same call: once
         # it has, a new training forward may switch the plan
-        tracked = next((t for t in tensor_leaves(output) if is_tracked(t)), None)
+        tracked = next((t for t in tensor_leaves_in_objects(output) if is_tracked(t)), None)
         if tracked is not None:
             token = object()
             self._awaiting[token] = weakref.ref(tracked)

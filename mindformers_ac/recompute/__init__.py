@@ -1,17 +1,13 @@
 """The recompute engine: drop activations in forward, rebuild them exactly in backward.
 
-Public: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy``
-(HyperParallel's checkpoint API, with PyTorch's checkpoint keywords),
-MindFormers' marker API (``is_in_recompute``, ``save_for_recompute`` /
-``get_recompute_metadata``), output recompute of one op (``wrap_op_output``)
-and ``RecomputeStats``; ``CheckpointPolicy`` is defined in
-``mindformers_ac.checkpoint_policy`` (the swap engine reads it too) and
-re-exported here. Each mechanism of the engine, what it exists for and the
-invariant it keeps, with its module: docs/architecture.md, "The recompute
-engine's mechanisms" (one list, not repeated here).
+Public: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy`` (HyperParallel's checkpoint API, with
+PyTorch's checkpoint keywords), MindFormers' marker API (``is_in_recompute``, ``save_for_recompute`` /
+``get_recompute_metadata``), output recompute of one op (``wrap_op_output``) and ``RecomputeStats``;
+``CheckpointPolicy`` is defined in ``mindformers_ac.checkpoint_policy`` (the swap engine reads it too) and
+re-exported here. Each mechanism of the engine, what it exists for and the invariant it keeps, with its module:
+docs/architecture.md, "The recompute engine's mechanisms" (one list, not repeated here).
 
-A recompute that can't rebuild what its forward dropped raises
-``RecomputeError`` (a ``RuntimeError``) in backward.
+A recompute that can't rebuild what its forward dropped raises ``RecomputeError`` (a ``RuntimeError``) in backward.
 """
 from ..checkpoint_policy import CheckpointPolicy
 from ..errors import RecomputeError

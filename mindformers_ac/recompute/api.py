@@ -1,15 +1,12 @@
 """Policy-driven activation recompute for MindSpore PyNative (HyperParallel's checkpoint API).
 
-``checkpoint(fn, *args)`` runs ``fn`` so that only what a policy says is kept
-for backward; everything else is rebuilt, on the first unpack in backward, by
-running ``fn`` again on its saved inputs, bitwise equal to a run without
-recompute. What stays alive between forward and backward (the region's
-inputs, what the policy keeps, Dropout masks and copies of written tensors)
-is counted in ``RecomputeStats`` (an outer saved-tensor hook does not see
-inside a region). Every guarantee (random ops, writes: rules W1-W7, inputs
-tracked as in forward), and every failure raised instead (``RecomputeError``
-in backward, TypeError / ValueError for bad arguments, naming the fix), is in
-docs/exactness.md.
+``checkpoint(fn, *args)`` runs ``fn`` so that only what a policy says is kept for backward; everything else is
+rebuilt, on the first unpack in backward, by running ``fn`` again on its saved inputs, bitwise equal to a run
+without recompute. What stays alive between forward and backward (the region's inputs, what the policy keeps,
+Dropout masks and copies of written tensors) is counted in ``RecomputeStats`` (an outer saved-tensor hook does not
+see inside a region). Every guarantee (random ops, writes: rules W1-W7, inputs tracked as in forward), and every
+failure raised instead (``RecomputeError`` in backward, TypeError / ValueError for bad arguments, naming the fix),
+is in docs/exactness.md.
 """
 import dataclasses
 import functools
@@ -33,8 +30,8 @@ from ..tensors import root_cell_of
 from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
 from .op_slot import install_dropout_slots
-from .path_choice import PathChecks, run_checkpoint
-from .region import run_region
+from .path_choice import PathChecks, run_checkpoint, run_region
+from .side_effects import RebindSlots
 from .stats import RecomputeStats
 from .tracking import PathTracker
 
@@ -50,8 +47,8 @@ TORCH_OPTIONS = ("use_reentrant", "preserve_rng_state", "determinism_check", "de
 
 
 class CheckpointOptions:
-    """PyTorch's checkpoint keywords, checked (see the comment above); only ``debug`` and ``early_stop``
-    change what a region does."""
+    """PyTorch's checkpoint keywords, checked (see the comment above); only ``debug`` and ``early_stop`` change what
+    a region does."""
 
     __slots__ = ("debug", "early_stop")
 
@@ -83,8 +80,7 @@ def take_options(where, kwargs):
 def check_exclude_args(names, path_patterns, base_policy):
     """``exclude_policy``'s arguments: lists of strings (and valid regexes), a callable base policy.
 
-    Returns ``(names, compiled patterns)`` as tuples. TypeError / ValueError name the argument and the
-    bad item.
+    Returns ``(names, compiled patterns)`` as tuples. TypeError / ValueError name the argument and the bad item.
     """
     checked = []
     for arg, items in (("names", names), ("path_patterns", path_patterns)):
@@ -118,38 +114,19 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
                swap_executor=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` keeping only what ``policy_fn`` says; rebuild the rest in backward.
 
-    ``policy_fn(ctx, op, *op_args, **op_kwargs) -> CheckpointPolicy`` is asked
-    for every op dispatched in ``fn`` (in forward and again in the recompute;
-    the forward answer is the one applied). ``op.name`` is the dispatched op's
-    name; ``ctx`` is an ``OpContext`` (``op_name``, ``cell_path``, ``op_path``,
-    ``attr_path``, ``is_recompute``). Legacy ops arrive as ``(primitive, name,
-    (inputs...))``. Default (None): recompute every op. Random ops that a second call
-    would not repeat are kept whatever the policy says (a primitive marked
-    ``mac_replayable`` is recomputed like any other op). MUST_SWAP hands the op's saved tensors and output
-    to ``swap_executor`` (``offload(tensor) -> handle``, ``load(handle) ->
-    Tensor``); without one, to ``SwapManager``'s (``swap.api.ManagerSwapExecutor``,
-    counted in ``SwapManager().report``), as HyperParallel's recipe implies.
+    ``policy_fn(ctx, op, *op_args, **op_kwargs) -> CheckpointPolicy`` is asked for every op dispatched in ``fn``, in
+    forward (the answer applied) and in the re-run; ``ctx`` is an ``OpContext``; legacy ops arrive as ``(primitive,
+    name, (inputs...))``. Default: recompute every op. Random ops a second call would not repeat are kept whatever
+    the policy says. MUST_SWAP hands the op's saves and output to ``swap_executor`` (``offload(tensor) -> handle``,
+    ``load(handle) -> Tensor``; default ``SwapManager``'s); ``swap_inputs=True`` offloads the region's inputs too.
+    ``context_fn() -> (forward_ctx, recompute_ctx)``: entered around the forward and its re-run (PyTorch's
+    meaning). ``stats``: a ``RecomputeStats`` to count into. PyTorch's and HyperParallel's keywords
+    (``use_reentrant=False``, ``preserve_rng_state``, ``determinism_check``, ``debug``, ``early_stop``) are taken
+    here (``CheckpointOptions``); other keywords go to ``fn``. A bad argument is a TypeError / ValueError naming it.
 
-    ``swap_inputs=True`` offloads the region's saved inputs the same way.
-    ``context_fn() -> (forward_ctx, recompute_ctx)``: called once per region
-    call; the two context managers are entered around the forward and its
-    re-run (PyTorch's and HyperParallel's meaning; MindFormers'
-    ``recompute_context_fn`` is one). A ``context_fn`` that is not callable,
-    or returns anything but such a pair, is a TypeError naming it. ``stats``: a ``RecomputeStats`` to
-    count into (a private one otherwise).
-
-    PyTorch's and HyperParallel's keywords ``use_reentrant`` (False),
-    ``preserve_rng_state``, ``determinism_check`` (``"default"`` /
-    ``"none"``), ``debug`` and ``early_stop`` are taken here, not passed to
-    ``fn`` (see ``CheckpointOptions``; a bad value is a ValueError naming it); every
-    other keyword argument is passed to ``fn``. A ``policy_fn`` that is not
-    callable is a TypeError naming it, raised here.
-
-    Without gradient recording (no ``value_and_grad`` around) ``fn`` just runs.
-    Nested calls (any depth, with ``checkpoint_wrapper`` and ``apply_ac`` regions too) are replayed by the
-    enclosing re-run, not redrawn, and re-run by their own backward (rule N1); each backward that reaches a
-    region re-runs it once, keyed by MindSpore's autodiff engine (rule R1), so a grad of a grad through it
-    equals the same without AC (docs/exactness.md, "Higher-order gradients and nested regions").
+    Without gradient recording ``fn`` just runs. Nested regions are replayed by the enclosing re-run (N1); each
+    backward that reaches a region re-runs it once (R1): docs/exactness.md, "Higher-order gradients and nested
+    regions".
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
@@ -163,8 +140,8 @@ def _region_options(where, torch_options, policy_fn, stats, swap_executor, swap_
     """The keywords of ``checkpoint`` / ``checkpoint_wrapper`` (``where``), checked, as a region's options.
 
     ``swap_executor`` defaults to ``SwapManager``'s (stateless: one per call is as cheap as a shared one);
-    ``settings`` is the ``recompute`` section a region reads (``Region.settings``; None: the defaults), and
-    the ``early_stop`` keyword, when False, is that section's field."""
+    ``settings`` is the ``recompute`` section a region reads (``Region.settings``; None: the defaults), and the
+    ``early_stop`` keyword, when False, is that section's field."""
     check_policy_fn(where, policy_fn)
     check_context_fn(context_fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
@@ -191,7 +168,7 @@ class _WrapInfo:
 
     def __init__(self, original, tracker, stats, options, path_checks=None, remove_proxies=None):
         self.original, self.tracker, self.stats, self.options = original, tracker, stats, options
-        self.path_checks, self.remove_proxies = path_checks, remove_proxies
+        self.path_checks, self.remove_proxies = path_checks, remove_proxies   # options["rebind"]: RebindSlots
 
     def remove(self):
         """``unwrap``'s undo of what was installed besides the construct patch."""
@@ -201,6 +178,7 @@ class _WrapInfo:
             self.tracker.remove()
         if self.remove_proxies is not None:
             self.remove_proxies()
+        self.options["rebind"].remove()
 
 
 def _wrap_info(obj, required=False):
@@ -228,39 +206,19 @@ def get_checkpoint_stats(cell_or_fn):
 def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context_fn=None, stats=None,
                        swap_executor=None, light_path=True, chain=None, use_reentrant=None, preserve_rng_state=True,
                        determinism_check="default", debug=False, early_stop=True, settings=None):
-    """Make every call of a cell (or function) a ``checkpoint`` region.
+    """Make every call of a cell (or function) a ``checkpoint`` region; ``unwrap`` undoes it.
 
-    For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the same
-    cell is returned: parameter names, the cell tree and other instances are
-    unchanged; ``unwrap(cell)`` restores it. With a ``policy_fn``, forward
-    hooks that track ``ctx.cell_path`` stay on the sub-cells until ``unwrap``
-    (without one nothing is installed on them but the dropout role of each
-    ``nn.Dropout``'s kernel slot). For a function a new callable is returned. Wrapping twice
-    raises ValueError, and so does a cell that ``swap_wrapper`` wraps (in
-    either order: recompute or swap a cell, not both). Keyword arguments are
-    those of ``checkpoint``; ``stats`` defaults to a new ``RecomputeStats``
-    (see ``get_checkpoint_stats``).
+    For an ``nn.Cell`` the *instance's* ``construct`` is wrapped and the cell returned (names and the cell tree are
+    unchanged); for a function a new callable is returned. Installed until ``unwrap``: a policy's path hooks on the
+    sub-cells, the dropout role of each ``nn.Dropout``'s kernel slot, and the rebinding slots of the root's
+    Parameters (rule W4). Wrapping twice, or a cell ``swap_wrapper`` wraps, is a ValueError. Keywords as for
+    ``checkpoint``; ``stats`` defaults to a new ``RecomputeStats`` (``get_checkpoint_stats``).
 
-    ``light_path`` (default True): without ``swap_inputs``, and without a
-    ``policy_fn`` or with one marked ``decides_by_site = True`` (as
-    ``exclude_policy``'s), later calls of a call signature whose first call
-    the op-intercepting path showed safe run with saved-tensor hooks only:
-    same results and errors, without Python per op (docs/exactness.md, "The
-    light path"; ``RecomputeStats.light_calls`` / ``intercepted_calls``).
-
-    ``chain``: ``(LayerChain, index)`` when the cell is member ``index`` of a
-    layer group (``recompute.group_layers``, see ``chain``): its first argument
-    is then rebuilt from the previous member instead of kept.
-
-    ``use_reentrant``, ``preserve_rng_state``, ``determinism_check``,
-    ``debug``, ``early_stop``: PyTorch's and HyperParallel's keywords, as for
-    ``checkpoint`` (see ``CheckpointOptions``), checked here.
-
-    ``settings``: the ``recompute`` section (``RecomputeConfig``) ``apply_ac`` installs the region for; the
-    region reads its settings from it (default: ``RecomputeConfig()``'s).
-
-    Nesting and higher-order gradients: as for ``checkpoint`` (a wrapped sub-cell of a wrapped cell is a
-    nested region).
+    ``light_path`` (default True): without ``swap_inputs``, and with no ``policy_fn`` or one that
+    ``decides_by_site`` (``exclude_policy``'s), later calls of a call signature whose first call the intercepting
+    path showed safe run with saved-tensor hooks only (docs/exactness.md, "The light path"). ``chain``:
+    ``(LayerChain, index)`` of a layer group member, whose first argument is rebuilt from the previous member.
+    ``settings``: the ``recompute`` section (``RecomputeConfig``) the region reads (default: its defaults).
     """
     torch_options = CheckpointOptions("checkpoint_wrapper", use_reentrant, preserve_rng_state, determinism_check,
                                       debug, early_stop)
@@ -281,12 +239,14 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
         refuse_wrapped_function(cell_or_fn, _KIND)
     root = cell_or_fn if is_cell else root_cell_of(cell_or_fn)
     tracker = _tracker_for(root, policy_fn)
+    options["rebind"] = rebind = RebindSlots()   # W4: put on the root's Parameters once, at the end
     checks = PathChecks() if light else None
     if not is_cell:
         @functools.wraps(cell_or_fn)
         def wrapped_fn(*args, **kwargs):
             return run_checkpoint(cell_or_fn, args, kwargs, checks, root, tracker=tracker, **options)
         mark_wrapped_function(wrapped_fn, _KIND, _WrapInfo(cell_or_fn, tracker, options["stats"], options, checks))
+        rebind.cover(root.get_parameters() if root is not None else ())
         return wrapped_fn
 
     def around(inner, *args, **kwargs):
@@ -297,6 +257,7 @@ def checkpoint_wrapper(cell_or_fn, *, policy_fn=None, swap_inputs=False, context
                            install_dropout_slots(root) if light else None)
     if tracker is not None:
         tracker.install()
+    rebind.cover(root.get_parameters())
     return root
 
 
@@ -313,22 +274,12 @@ def unwrap(cell_or_fn):
 def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="", observer=None):
     """A ``policy_fn`` that keeps (MUST_SAVE) excluded ops and asks ``base_policy`` (default: recompute) otherwise.
 
-    ``names``: op names matched case-insensitively as substrings of the
-    dispatched op name (``"matmul"`` matches ``MatMulExt`` and ``BatchMatMul``;
-    ``"AllGather"`` matches ``InnerCommAllGather``). ``path_patterns``: regexes
-    ``fullmatch``-ed against ``ctx.op_path`` (``cell_path.OpName``, e.g.
-    ``self_attention.core_attention.Softmax``) and ``ctx.attr_path`` (the
-    attribute holding the op, e.g. ``self_attention.core_attention.softmax``,
-    when it can be found). Paths are relative to the region root; pass
-    ``path_prefix`` (e.g. ``"mlp"`` for a region on ``layer.mlp``) to match
-    patterns written against layer-relative paths.
-
-    ``observer``: called with each ``OpContext`` the policy is asked about, before it answers (``apply_ac``
-    tells from it which ``exclude_op`` names matched no op).
-
-    The policy is marked ``decides_by_site`` (unless ``base_policy`` isn't):
-    ``checkpoint_wrapper`` then keeps a region on the light path when every
-    op it keeps is reached through a keep site (``keep_sites``).
+    ``names``: matched case-insensitively as substrings of the op name (``"AllGather"`` matches
+    ``InnerCommAllGather``). ``path_patterns``: regexes ``fullmatch``-ed against ``ctx.op_path``
+    (``self_attention.core_attention.Softmax``) and ``ctx.attr_path`` (``self_attention.core_attention.softmax``),
+    relative to the region root, or to ``path_prefix`` before it. ``observer(ctx)``: told every op asked about
+    (``apply_ac`` finds unmatched ``exclude_op`` names with it). Marked ``decides_by_site`` (unless ``base_policy``
+    isn't): its regions may keep ops at keep sites on the light path (``keep_sites``).
     """
     names, compiled = check_exclude_args(names, path_patterns, base_policy)
     lowered = tuple(n.lower() for n in names)

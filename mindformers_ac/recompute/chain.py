@@ -1,21 +1,12 @@
-"""Layer groups (``recompute.group_layers``): consecutive layers recomputed together, keeping only the
-first one's inputs.
+"""Layer groups (``recompute.group_layers``): consecutive layers recomputed together, keeping only the first one's
+inputs (MindSpeed's ``--recompute-method uniform``).
 
-A group is layers the model calls in a row, each on the previous one's output (``x = layer(x, ...)``, or by
-keyword, ``x = layer(hidden_states=x)``: MindSpeed's ``--recompute-method uniform``). Each member stays its own
-checkpointed call, with its own region, stats and light path, but a member after the first does not keep the
-argument the previous member's output went into (by position or keyword): it holds
-the previous member's region instead (``rerun.ChainedInput``), and its recompute starts by asking that
-region for the output the region's own re-run computed, which runs that re-run first, and so on back
-to the first member, whose inputs are kept. Backward reaches the last member first, so a group is
-rebuilt at once: less is kept at the end of forward, more is alive inside backward. Everything else
-a member receives (masks, rotary tuples, keyword arguments) is kept as it received it.
-
-``LayerChain`` is the forward's bookkeeping of one group: which member ran last and its output, held
-weakly (a failed forward leaves nothing alive), with the output's stamp (``tensor_stamp``). A member none
-of whose arguments is the previous member's output, or that runs out of order, is refused with a
-``RecomputeError`` naming the layers. One whose chained argument was written between the two members
-keeps it as an ungrouped layer does (rule W5 of docs/exactness.md).
+A member after the first, called on the previous member's output (``x = layer(x, ...)``, or by keyword), does not
+keep that argument but holds the previous member's region (``rerun.ChainedInput``), whose re-run output rebuilds it:
+less is kept at the end of forward, more is alive inside backward. ``LayerChain`` is the forward's bookkeeping of
+one group (the last member and its output, held weakly, with its stamp). A member not called on the previous one's
+output, or out of order, is refused with a ``RecomputeError`` naming the layers; one whose chained argument was
+written between the two keeps it as an ungrouped layer does (rule W5 of docs/exactness.md).
 """
 import weakref
 
@@ -58,9 +49,9 @@ class LayerChain:
         self._next, self._region, self._output, self._stamp = 0, None, None, None
 
     def link(self, index, args, kwargs=None):
-        """Member ``index`` starts its forward on ``args`` and ``kwargs``: ``(the previous member's region,
-        where its output went: a position or a keyword)``, None for the first member, or when the previous
-        member's output was written since it returned (then this member keeps it)."""
+        """Member ``index`` starts its forward on ``args`` and ``kwargs``: ``(the previous member's region, where
+        its output went: a position or a keyword)``, None for the first member, or when the previous member's output
+        was written since it returned (then this member keeps it)."""
         if index == 0:
             self._reset()
             self._next = 1

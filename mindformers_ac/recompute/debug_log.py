@@ -1,16 +1,9 @@
 """``checkpoint(..., debug=True)``: the forward's and the re-run's op logs, side by side, in a divergence error.
 
-PyTorch's ``debug=True`` prints the operator traces of the original forward
-and of the recomputation when they differ. Here a region with ``debug``
-records, per op its intercepting path dispatches, ``#index name (cell path)``
-and the Python line of the model code that ran it (the nearest frame outside
-MindSpore and this package, from ``traceback.extract_stack``: no frame is
-walked by hand); when its re-run raises ``RecomputeError`` (other
-op, missing ops, other saves), the error carries both logs in two columns,
-the first differing row marked, so a user finds the branch that differs.
-Costs a stack summary per op: for finding a bug, not for training. The only
-place the package reads the Python stack, and only when the user asked for
-``debug`` (``tests/test_layout.py::test_no_frame_walking_in_the_package``).
+Per op the intercepting path dispatches: ``#index name (cell path)`` and the Python line of the model code that ran
+it (from ``traceback.extract_stack``: the only stack read of the package, by request,
+``tests/test_layout.py::test_no_frame_walking_in_the_package``). A stack summary per op: for finding a bug, not
+for training.
 """
 import contextlib
 import functools

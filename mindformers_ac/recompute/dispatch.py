@@ -1,23 +1,14 @@
 """Op dispatch inside a region run: number every op, apply the region's decision before it runs.
 
-Forward: the region's function runs under a ``MsDispatchMode`` that numbers
-every op and asks the region, *before* the op runs (legacy ops such as
-LayerNorm or Dropout pack their saved tensors inside the call), whether to
-keep it (``Region.decide``; an op that writes is shown to ``guard_writes``
-first), under saved-tensor hooks that leave a ``Token`` for each tensor a
-recomputed op saves (``Region.pack_forward``). Backward: the first unpack of a
-token re-runs the function on the saved inputs in a throw-away graph, under
-the same numbering (``Region.align``: a re-run may skip one-shot side effects
-under ``is_in_recompute()``); kept ops return their cached outputs, ops that
-write run on copies (``Region.rerun_args``), and ``Region.check_recompute``
-checks that every dropped tensor came back alike. The dispatch only numbers
-ops and asks its region; the region owns every decision.
+In forward every op is numbered and shown to the region *before* it runs (legacy ops such as LayerNorm pack inside
+the call); in the re-run it is aligned with its forward op (``rules.alignment``), a kept one hands back its output
+and one that writes runs on copies (``rules.writes``). The dispatch only numbers ops and asks the region's rules.
 """
 from mindspore import Tensor
 from mindspore.utils import MsDispatchMode
 
 from ..precision import no_casts
-from .side_effects import may_write, written_slots
+from .side_effects import may_write
 from .state import ENGINE, FORWARD
 
 # Decisions recorded per op index in forward (absent = recompute).
@@ -32,8 +23,8 @@ OP_NAME_ATTR = "mac_op_name"
 def op_name_of(op, args=()):
     """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds).
 
-    A legacy op is dispatched with its primitive as ``args[0]``; a str
-    ``mac_op_name`` attribute on that primitive is the name instead.
+    A legacy op is dispatched with its primitive as ``args[0]``; a str ``mac_op_name`` attribute on that primitive
+    is the name instead.
     """
     alias = getattr(args[0], OP_NAME_ATTR, None) if args else None
     if isinstance(alias, str):
@@ -50,8 +41,8 @@ _COMM_NAMES = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast
 
 
 def is_comm_op(name):
-    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``,
-    an ``AllToAll`` stand-in)."""
+    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``, an
+    ``AllToAll`` stand-in)."""
     lowered = name.lower()
     return any(n in lowered for n in _COMM_NAMES)
 
@@ -67,8 +58,8 @@ def arg_meta(args):
 
 
 class StopRerun(BaseException):
-    """Ends a re-run early (``early_stop``): every tensor the backward needs from it is rebuilt. A
-    BaseException, so a model's ``except Exception`` does not swallow it."""
+    """Ends a re-run early (``early_stop``): every tensor the backward needs from it is rebuilt. A BaseException, so
+    a model's ``except Exception`` does not swallow it."""
 
 
 class RegionDispatch(MsDispatchMode):
@@ -104,68 +95,73 @@ class RegionDispatch(MsDispatchMode):
         region = run.region
         name = op_name_of(func, args)
         region.op_names.append(name)
-        if region.debug_log is not None:
-            region.debug_log.note(False, idx, name, run.cell_path())
+        if region.align.debug_log is not None:
+            region.align.debug_log.note(False, idx, name, run.cell_path())
         region.stats.ops_forward += 1
-        if region.cut_pending is not None:   # a pyboost op packs after it returns: the kept op before is done
-            region.sample_at_kept(run, region.cut_pending)
+        net = region.net
+        if net.cut_pending is not None:   # a pyboost op packs after it returns: the kept op before is done
+            net.sample_at_kept(run, net.cut_pending)
         decision = region.decide(run, idx, name, func, args, kwargs)
         if may_write(name, args):   # before the call: the op writes during it
-            region.may_write_seen = True
-            region.guard_write_targets(run, idx, name, args)
-            decision = region.guard_writes(run, idx, name, args, decision)
+            decision = region.writes.guard(run, idx, name, args, decision)
         if decision is not None:
-            region.sample_at_kept(run, (idx, "before"))   # the safety net: what a kept op cuts off the output
-            region.record_decision(idx, decision)   # before the call: legacy ops pack inside it
-            region.arg_metas[idx] = arg_meta(args)   # to tell it from a same-named op when the re-run skips ops
-            if idx in region.policy_saves:
-                region.note_kept_args(idx, args)
+            net.sample_at_kept(run, (idx, "before"))   # the safety net: what a kept op cuts off the output
+            region.record_decision(idx, decision, args)
         out = self._call(run, idx, func, args, kwargs)
         if decision is not None:   # what it saved of its arguments (K1): sampled once its packs are made
-            region.cut_pending = (idx, "after")
+            net.cut_pending = (idx, "after")
         region.bytes.note_outputs(idx, out)
         if decision == REBUILD:
-            region.finish_dropout(run, idx, args, out)
-        elif decision in (SAVE, SWAP):
-            region.cache_output(run, idx, out, name, args)
+            region.random.finish_dropout(run, idx, args, out)
+        elif decision == SWAP:
+            region.swap.keep_output(run, idx, out)
+        elif decision == SAVE:
+            region.kept.keep_output(idx, out)
+            region.writes.note_kept_writer(idx, name, args)
         return out
 
     def _recompute_op(self, run, idx, func, args, kwargs):
         region = run.region
         name = op_name_of(func, args)
-        if region.debug_log is not None:
-            region.debug_log.note(True, idx, name, run.cell_path())
-        idx = run.op_idx = region.align(run, idx, name, args)
-        if region.stop_after is not None and idx > region.stop_after:
+        align = region.align
+        if align.debug_log is not None:
+            align.debug_log.note(True, idx, name, run.cell_path())
+        idx = run.op_idx = align.align(run, idx, name, args)
+        if align.stop_after is not None and idx > align.stop_after:
             raise StopRerun()   # no later op left a tensor for backward (early_stop)
-        if region.policy_fn is not None:
-            region.ask_policy(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
+        if region.kept.policy_fn is not None:
+            region.kept.ask(run, idx, name, func, args, kwargs)   # lets the policy observe the re-run
         decision = region.decisions.get(idx)
         if decision is None:
             region.stats.count_rerun(name)
-            if region.may_write_seen and may_write(name, args) and written_slots(name, args, region.param_ptrs):
-                # on copies, but a light re-run would write for real
-                region.keep_intercepted("rerun_writes", f"re-run op #{idx} {name} writes (a light re-run would "
-                                                        f"write for real)")
-            if region.written:
-                served = region.rerun_args(run, idx, name, args)
+            writes = region.writes
+            if writes.may_write_seen and may_write(name, args):
+                writes.note_rerun_write(idx, name, args)
+            if writes.written:
+                served = writes.rerun_args(run, idx, name, args)
                 if served is not args:
                     # The op's inputs were cast already (mixed precision casts before dispatch); the copies
                     # that stand in for the Parameters it writes must stay uncast, as those Parameters were.
                     with no_casts():
                         return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
+        return self._reused_op(run, region, idx, func, args, kwargs, decision)
+
+    @staticmethod
+    def _reused_op(run, region, idx, func, args, kwargs, decision):
+        """A kept, swapped or rebuilt op in the re-run: its forward output, checked at the safety net's cuts."""
         region.stats.ops_reused += 1
-        if region.cut_samples:
-            region.check_at_kept(run, (idx, "before"))
+        net = region.net
+        if net.cut_samples:
+            net.check_at_kept(run, (idx, "before"))
         run.last = idx
-        out = region.rebuild_dropout(run, idx, args) if decision == REBUILD else region.cached_output(idx)
-        if idx in region.kept_args:
-            region.serve_kept_args(idx, args)
-        if region.cut_samples:
-            region.check_at_kept(run, (idx, "after"))
-        if idx in region.writes_arg:
-            out = region.replay_write(run, idx, args, out)
-        if region.recorder is not None and idx in region.random_ops:
+        out = region.random.rebuild(run, idx, args) if decision == REBUILD else region.kept.output(idx)
+        if idx in region.kept.kept_args:
+            region.kept.serve_arguments(idx, args)
+        if net.cut_samples:
+            net.check_at_kept(run, (idx, "after"))
+        if idx in region.writes.writes_arg:
+            out = region.writes.replay_write(run, args, out)
+        if region.recorder is not None and idx in region.random.ops:
             region.recorder.check_replay(run, idx, func, args, kwargs, out)
         return out

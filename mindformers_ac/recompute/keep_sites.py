@@ -1,12 +1,9 @@
-"""Where an excluded op is reached, a *keep site*, so that the light path can keep it without intercepting
-every op (what qualifies, and why no Python frame is read: docs/exactness.md, "The light path").
+"""Where an excluded op is reached, a *keep site*, so that the light path can keep it without intercepting every op
+(what qualifies, and why no Python frame is read: docs/exactness.md, "The light path").
 
-The two kinds: ``attr``, an op slot whose ``OpSlot`` has the track role (the innermost one running
-when the op is dispatched): an op attribute, or an op in a ``_comm_ops`` registry (MindFormers'
-``register_comm_op`` entries, ``{'fn': fn, 'domain': d}``, hold it under ``'fn'``); and ``item``, a
-Primitive held in a dict attribute or by a dict-held cell (a ``_comm_ops`` registry of cells; a legacy op
-by identity, a pyboost op as the only one of its name). The
-site's ``OpSlot`` gets the keep role (``LightRegion.keep_call``) from ``path_choice.CheckRecorder``.
+``attr``: the innermost op slot with the track role (an op attribute, or an op of a ``_comm_ops`` registry);
+``item``: a Primitive held in a dict attribute or by a dict-held cell. The site's ``OpSlot`` gets the keep role
+(``LightRegion.keep_call``) from ``path_choice.CheckRecorder``.
 """
 from mindspore import nn
 from mindspore.ops import Primitive
@@ -19,8 +16,8 @@ _NO_SLOT = ("it is not called through an op attribute of the region's cells (a f
 
 
 def decides_by_site(policy_fn):
-    """Whether ``policy_fn`` says its answers depend on the op's name and place only (``exclude_policy``'s
-    do): its kept ops may then be installed at their keep sites."""
+    """Whether ``policy_fn`` says its answers depend on the op's name and place only (``exclude_policy``'s do): its
+    kept ops may then be installed at their keep sites."""
     return getattr(policy_fn, "decides_by_site", False) is True
 
 
@@ -37,8 +34,8 @@ class Site:
 class NoSite:
     """An op reached where no proxy can stand; ``why`` says where, for ``intercept_reasons``.
 
-    ``held``: the object whose ``id`` is in ``key``, kept alive until the check ends, so that no object
-    made later in the same forward (a primitive built on first use) takes its address and its key.
+    ``held``: the object whose ``id`` is in ``key``, kept alive until the check ends, so that no object made later
+    in the same forward (a primitive built on first use) takes its address and its key.
     """
 
     __slots__ = ("key", "why", "held")
@@ -48,8 +45,8 @@ class NoSite:
 
 
 def region_cells(root):
-    """``(id -> cell, id -> path)`` of the cells a region rooted at ``root`` runs: its sub-cells, and cells
-    held in dict attributes (MindFormers' ``_comm_ops`` slots, which the cell tree does not list)."""
+    """``(id -> cell, id -> path)`` of the cells a region rooted at ``root`` runs: its sub-cells, and cells held in
+    dict attributes (MindFormers' ``_comm_ops`` slots, which the cell tree does not list)."""
     cells, paths = {}, {}
     todo = [("", root)] if root is not None else []
     while todo:
@@ -67,10 +64,9 @@ def region_cells(root):
 
 
 def _held_primitives(cells, paths):
-    """``(cell, (attr, key or None), primitive, description)`` of every Primitive the region holds outside
-    its cell tree's op attributes: in a dict attribute of a region cell (``_prims["AllGather"]``), or as an
-    attribute of a cell held in a dict (a ``_comm_ops`` slot's collective). An ``OpSlot`` standing there
-    counts as its Primitive."""
+    """``(cell, (attr, key or None), primitive, description)`` of every Primitive the region holds outside its cell
+    tree's op attributes: in a dict attribute of a region cell (``_prims["AllGather"]``), or as an attribute of a
+    cell held in a dict (a ``_comm_ops`` slot's collective). An ``OpSlot`` standing there counts as its Primitive."""
     held = []
     for cell_id, cell in cells.items():
         prefix = paths[cell_id] + "." if paths[cell_id] else ""
@@ -88,8 +84,8 @@ def _inner(value):
 
 
 def _held_site(name, args, cells, paths):
-    """The held Primitive (``_held_primitives``) a kept op ran: the one a legacy op was dispatched with, or
-    else the only one of the op's name (a pyboost op is dispatched without its Primitive)."""
+    """The held Primitive (``_held_primitives``) a kept op ran: the one a legacy op was dispatched with, or else the
+    only one of the op's name (a pyboost op is dispatched without its Primitive)."""
     prim = args[0] if args and isinstance(args[0], Primitive) else None
     held = _held_primitives(cells, paths)
     found = [h for h in held if h[2] is prim] if prim is not None else \
@@ -102,9 +98,9 @@ def _held_site(name, args, cells, paths):
 
 
 def find_site(run, name, args, cells, paths, resolve):
-    """The ``Site`` (or ``NoSite``) of op ``name`` being dispatched now in ``run``: the innermost op attribute
-    slot running (``run.attrs``), else a held Primitive (``_held_site``; ``cells`` / ``paths``: ``id`` -> cell /
-    its path). Without ``resolve`` only the key is sure: enough to tell which site a recomputed op runs under.
+    """The ``Site`` (or ``NoSite``) of op ``name`` being dispatched now in ``run``: the innermost op attribute slot
+    running (``run.attrs``), else a held Primitive (``_held_site``; ``cells`` / ``paths``: ``id`` -> cell / its
+    path). Without ``resolve`` only the key is sure: enough to tell which site a recomputed op runs under.
     """
     if run.attrs:
         slot, path = run.attrs[-1]

@@ -1,15 +1,10 @@
-"""The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md,
-"The light path": when a call goes light, what a light re-run checks and what it can't see).
+"""The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md, "The light
+path").
 
-The forward numbers every tensor saved for backward and keeps only its shape
-and dtype; the recompute runs the function again on the saved inputs,
-collects what it saves, in order, and backward takes them by position.
-Everything else (inputs, Dropout records, bytes, the once-only re-run) is
-``rerun.RegionBase``'s. Two kinds of call arrive through their
-``op_slot.OpSlot`` and are numbered apart: an ``nn.Dropout`` kernel call
-(``dropout_call``) and a call at a keep site (``keep_call``). ``probe.Sample``
-catches a re-run that took another code path; ``side_effects.BufferGuard``
-undoes a late write.
+The forward numbers every tensor saved for backward and keeps its shape and dtype; the re-run collects what it
+saves, in order, and backward takes them by position. An ``nn.Dropout`` kernel call and a call at a keep site arrive
+through their ``op_slot.OpSlot`` and are numbered apart; ``safety_net.Sample`` catches a re-run that took another
+code path; ``side_effects.BufferGuard`` undoes a late write.
 """
 import mindspore as ms
 from mindspore import Tensor
@@ -18,16 +13,16 @@ from ..mindspore_compat import no_grad, recording_backward
 from ..tensors import output_tensors, tensors_equal
 from . import messages
 from .dispatch import arg_meta, tensor_args
-from .probe import Sample, first_probed, probed
 from .rerun import RegionBase, RegionRun, keep_saved, recompute_graph, rerun_inputs
+from .rules.safety_net import Sample, first_probed, probed
 from .side_effects import BufferGuard
 from .state import ENGINE, FORWARD, RECOMPUTE
 
 
 class _ApartPack:
-    """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout``
-    kernel call (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept, or, for
-    one of the call's arguments, ``call`` and ``index``: the re-run's argument, rule K1)."""
+    """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout`` kernel call
+    (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept, or, for one of the call's
+    arguments, ``call`` and ``index``: the re-run's argument, rule K1)."""
 
     __slots__ = ("region", "tensor", "drop", "index", "call")
 
@@ -63,14 +58,13 @@ def _unpack(obj):
 class LightRegion(RegionBase):
     """One call on the light path: saved tensors are numbered in forward and refilled by position.
 
-    ``check``: the ``path_choice.PathCheck`` that let this signature go light
-    (op names for messages, counters); ``checks``/``key``: where to forget it
-    when this forward saved something else.
+    ``check``: the ``path_choice.PathCheck`` that let this signature go light (op names for messages, counters);
+    ``checks``/``key``: where to forget it when this forward saved something else.
     """
 
-    def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None):
-        super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain)
-        self.check = check
+    def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None, rebind=None):
+        super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain, rebind)
+        self.check, self.path = check, check.region_path   # its cell path, for messages
         self.precision = precision
         self._checks, self._key = checks, key
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
@@ -81,8 +75,8 @@ class LightRegion(RegionBase):
         self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
         self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
         self._collector = None
-        self.probe = None         # probe.Sample of the forward's output (the safety net)
-        self.kept_inputs = []     # probe.Sample of each kept call's input, in order (the safety net)
+        self.probe = None         # safety_net.Sample of the forward's output (the safety net)
+        self.kept_inputs = []     # safety_net.Sample of each kept call's input, in order (the safety net)
 
     # -- forward ------------------------------------------------------------------
     def _pack(self, t):
@@ -102,7 +96,7 @@ class LightRegion(RegionBase):
         recomputed = self.ensure_recomputed()
         t = recomputed[i]
         if t is None:
-            raise messages.already_used(f"saved tensor #{i}")
+            raise messages.already_used(f"saved tensor #{i}", self.path)
         recomputed[i] = None
         return t
 
@@ -116,7 +110,7 @@ class LightRegion(RegionBase):
             self.start_forward()
             self.input_ptrs = set(self.save_inputs(args, kwargs, chained=self.link_chain(args, kwargs)))
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), \
-                    self.replaced.watch(args=(args, kwargs)):
+                    self.replaced.watch((args, kwargs)):
                 out = self.fn(*args, **kwargs)
             self.probe = Sample(first_probed(out), self.check.probe_index)
             self.stamp(args, kwargs, out, self.check.saved_outputs)   # its own ops: not an enclosing region's (N1)
@@ -145,13 +139,13 @@ class LightRegion(RegionBase):
         i = run.dropout_idx
         run.dropout_idx += 1
         if i >= len(self.dropouts):
-            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts), self.path)
         drop = self.dropouts[i]
         if drop.kept is not None:
             return drop.kept
         got = (tuple(x.shape), x.dtype)
         if got != drop.meta:
-            raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got)
+            raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got, self.path)
         self._collector.skip = True   # the rebuild's own ops save nothing for this region
         try:
             drop.rebuilt = drop.rebuild(x)
@@ -174,8 +168,8 @@ class LightRegion(RegionBase):
         return out
 
     def keep_call(self, run, proxy, args, kwargs):
-        """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and whatever
-        it saved; the recompute hands those outputs back without running it."""
+        """A call at a keep site (an ``OpSlot`` with the keep role): forward runs it and keeps its outputs and
+        whatever it saved; the recompute hands those outputs back without running it."""
         if run.mode == FORWARD:
             # the safety net: the kept output hides from the region's output what the re-run computed before
             # it, so the call's input is sampled and compared by the re-run (docs/exactness.md)
@@ -201,14 +195,14 @@ class LightRegion(RegionBase):
         i = run.keep_idx
         run.keep_idx += 1
         if i >= len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_keep)
+            raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_keep, self.path)
         held, meta, out = self.kept[i]
         got = arg_meta(args)
         if held is not proxy or got != meta:
-            raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got)
+            raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got, self.path)
         if not self.kept_inputs[i].matches(self._kept_input(args)):
             self._checks.forget(self._key)
-            raise messages.other_values(self.check.region_path, f"the input of kept call #{i} ({proxy.mac_keep})")
+            raise messages.other_values(self.path, f"the input of kept call #{i} ({proxy.mac_keep})")
         self.kept_args.append(tensor_args(args))
         return out
 
@@ -218,10 +212,10 @@ class LightRegion(RegionBase):
         return next((t for t in tensor_args(args) if probed(t) and t.data_ptr() not in weights), None)
 
     def _arg_plan(self, n, args, out, packed):
-        """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is
-        (the re-run's argument then stands for it), or None (kept). A legacy op saves converted copies of
-        its arguments, not the caller's tensors, so the first light forward of the signature compares
-        values once and notes the positions (``PathCheck.kept_arg_plans``); later ones check shapes."""
+        """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is (the
+        re-run's argument then stands for it), or None (kept). A legacy op saves converted copies of its arguments,
+        not the caller's tensors, so the first light forward of the signature compares values once and notes the
+        positions (``PathCheck.kept_arg_plans``); later ones check shapes."""
         tensors = tensor_args(args)
         plans = self.check.kept_arg_plans
         plan = plans.get(n)
@@ -250,7 +244,7 @@ class LightRegion(RegionBase):
     # -- recompute ------------------------------------------------------------------
     def _recompute(self):
         if self.fn is None:   # let go after a re-run no later backward was to reach (R1): a second backward
-            raise messages.already_used("a saved tensor")
+            raise messages.already_used("a saved tensor", self.path)
         run = RegionRun(self, RECOMPUTE)
         run.keeps = self.check.keep_proxies or None
         collector = self._collector = _Collector()
@@ -270,7 +264,7 @@ class LightRegion(RegionBase):
         self._check(saved, run)
         if not self.probe.matches(first_probed(out)):
             self._checks.forget(self._key)
-            raise messages.other_values(self.check.region_path, self.check.output_op)
+            raise messages.other_values(self.path, self.check.output_op)
         self.keep_rerun_output(out)
         self.recomputed = saved
         check, stats = self.check, self.stats
@@ -286,13 +280,13 @@ class LightRegion(RegionBase):
         self.fn = self.replaced = self.check = self._checks = None
 
     def _check(self, saved, run):
-        """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every
-        nn.Dropout of it."""
+        """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every nn.Dropout of
+        it."""
         sig = self.sig
         if run.keep_idx != len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep)
+            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep, self.path)
         messages.check_saves([(t.shape, t.dtype) for t in saved], sig, self.check.describe_save
-                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"))
+                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"), self.path)
         if run.dropout_idx != len(self.dropouts):
-            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts))
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts), self.path)
 

@@ -1,17 +1,10 @@
 """What model code may ask a recompute: whether this is the re-run, and what its own forward left for it.
 
-Two markers answer: ours, ``is_in_recompute()`` (true while any region of this
-engine re-runs a forward, a recompute or a nested region's replay inside one,
-on this thread), and MindFormers' ``is_in_recompute()`` of
-``MINDFORMERS_MARKER_MODULE``, true inside the recompute context of its
-``recompute_context_fn``, which ``apply_ac`` passes to every region by default
-when that module is loaded (``default_context_fn``). ``save_for_recompute`` /
-``get_recompute_metadata`` have MindFormers' semantics. Both, with what the
-engine accepts of a re-run under the marker (fewer ops than its forward, never
-other or extra ones; ``messages.SAME_PATH``): docs/exactness.md, "Model code
-that asks the recompute marker", and rule W7; a nested region's two runs each
-read the metadata from its start (``RegionRun.metadata_read``; the same page,
-after rule K2).
+Two markers answer: ours, ``is_in_recompute()`` (true while a region of this engine re-runs or replays a forward on
+this thread), and MindFormers' (``MINDFORMERS_MARKER_MODULE``), true inside the context of its
+``recompute_context_fn``, which ``apply_ac`` passes to every region when that module is loaded
+(``default_context_fn``). ``save_for_recompute`` / ``get_recompute_metadata`` have MindFormers' semantics; each run
+reads the metadata from its start (docs/exactness.md, "Model code that asks the recompute marker", rule W7).
 """
 import collections
 import importlib
@@ -45,8 +38,8 @@ def note_marker_asked():
 def save_for_recompute(key, value):
     """Queue ``value`` under ``key`` for the re-run of the region whose forward is running.
 
-    Returns True when it was saved, False outside a region's forward (no
-    region, or inside a re-run: a re-run consumes, it does not save).
+    Returns True when it was saved, False outside a region's forward (no region, or inside a re-run: a re-run
+    consumes, it does not save).
     """
     run = ENGINE.top()
     if run is None or run.mode != FORWARD:
@@ -61,9 +54,8 @@ def save_for_recompute(key, value):
 def get_recompute_metadata(key):
     """The next value the forward of the running re-run saved under ``key``; None outside a re-run.
 
-    Raises ``RecomputeError`` when the forward saved nothing (more) under
-    ``key``: repeating the host work silently would hide a key or ordering
-    bug in the model.
+    Raises ``RecomputeError`` when the forward saved nothing (more) under ``key``: repeating the host work silently
+    would hide a key or ordering bug in the model.
     """
     run = ENGINE.top()
     if run is None or run.mode == FORWARD or not ENGINE.in_recompute():
@@ -81,10 +73,8 @@ def get_recompute_metadata(key):
 def default_context_fn():
     """MindFormers' ``recompute_context_fn`` when MindFormers' marker module is loaded or importable, else None.
 
-    Loaded: a MindFormers model imported it for its ``is_in_recompute()``.
-    Importable only: it is imported here; any failure to import it (a
-    MindFormers built for another MindSpore) means no bridge, logged at
-    debug level.
+    Loaded: a MindFormers model imported it for its ``is_in_recompute()``. Importable only: it is imported here; any
+    failure to import it (a MindFormers built for another MindSpore) means no bridge, logged at debug level.
     """
     module = sys.modules.get(MINDFORMERS_MARKER_MODULE)
     if module is None:

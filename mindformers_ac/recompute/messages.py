@@ -1,13 +1,11 @@
 """The texts of what the recompute engine finds while it runs (in forward and backward), written once.
 
-Both ways into a region report the same failure with the same words (a bad
-argument of ``checkpoint`` is not here: ``api`` raises it at the call,
-docs/architecture.md). Each function returns the exception to raise, built
-from what the caller knows (an op by ``describe_op``, a saved tensor by
-``describe_meta``); the upper-case constants are warnings logged once. A
-message starts with ``mindformers_ac:``, says what differed between the
-forward and its recompute, and what to change in the region; tests and users
-match on these texts, so a change of wording is a change of interface.
+Both ways into a region report the same failure with the same words (a bad argument of ``checkpoint`` is not here:
+``api`` raises it at the call, docs/architecture.md). Each function returns the exception to raise, built from what
+the caller knows (an op by ``describe_op``, a saved tensor by ``describe_meta``); the upper-case constants are
+warnings logged once. A message starts with ``mindformers_ac:``, says what differed between the forward and its
+recompute, and what to change in the region; tests and users match on these texts, so a change of wording is a
+change of interface.
 """
 from ..errors import RecomputeError
 
@@ -24,6 +22,11 @@ _DIVERGED = "mindformers_ac: recompute diverged from forward"
 def in_path(path):
     """`` (in 'cell.path')``, or nothing at the region root."""
     return f" (in {path!r})" if path else ""
+
+
+def of_region(region):
+    """`` in the recomputed region 'layers.1'``: where it happened (the region's cell path, or its class)."""
+    return f" in the recomputed region {region!r}" if region else ""
 
 
 def describe_op(op_names, op_paths, idx):
@@ -50,17 +53,19 @@ def cast_hint(forward_op, recompute_op):
 
 # -- a recompute that took another code path -----------------------------------------------------
 
-def other_op(idx, forward_desc, forward_name, name, path):
+def other_op(idx, forward_desc, forward_name, name, path, region):
     """The recompute's op ``idx`` is not the forward's."""
     return RecomputeError(
-        f"{_DIVERGED} at op #{idx}: forward ran {forward_desc}, recompute runs {name}{in_path(path)}. "
+        f"{_DIVERGED} at op #{idx}: forward ran {forward_desc}, recompute runs {name}{in_path(path)}"
+        f"{of_region(region)}. "
         f"{SAME_PATH}{cast_hint(forward_name, name)}")
 
 
-def missing_ops(idx, n, first_missing):
+def missing_ops(idx, n, first_missing, region):
     """The recompute skipped op ``idx`` of the forward's ``n``, which left something for backward."""
     return RecomputeError(
-        f"{_DIVERGED}: it did not run op #{idx} {first_missing} of the forward's {n}, which saved tensors for "
+        f"{_DIVERGED}{of_region(region)}: it did not run op #{idx} {first_missing} of the forward's {n}, which saved "
+        "tensors for "
         f"backward or kept its output (only ops that leave nothing for backward may be skipped). {SAME_PATH}")
 
 
@@ -84,10 +89,11 @@ def parameter_replaced(region, name):
         "restores the old value for the re-run), or leave this cell out of recompute.")
 
 
-def skipped_op_needed(idx, desc):
+def skipped_op_needed(idx, desc, region):
     """Backward reached an op that the re-run skipped under the marker."""
     return RecomputeError(
-        f"{_DIVERGED}: its re-run skipped op #{idx} {desc} under is_in_recompute(), but the backward needs "
+        f"{_DIVERGED}{of_region(region)}: its re-run skipped op #{idx} {desc} under is_in_recompute(), but the "
+        "backward needs "
         "what that op saved: a skipped side effect must not feed the loss. Run the op in the re-run too, or "
         "detach its result (ops.stop_gradient) before keeping it.")
 
@@ -100,38 +106,41 @@ def no_metadata(key):
         "the forward and the re-run.")
 
 
-def save_count_at_op(idx, desc, fwd, rec):
+def save_count_at_op(idx, desc, fwd, rec, region):
     """Op ``idx`` saved another number of tensors than in forward (the intercepting path knows the op)."""
     return RecomputeError(
-        f"{_DIVERGED} at op #{idx} {desc}: it saved {fwd} tensor(s) for backward in forward but {rec} in the "
+        f"{_DIVERGED} at op #{idx} {desc}{of_region(region)}: it saved {fwd} tensor(s) for backward in forward but "
+        f"{rec} in the "
         "recompute, so its dropped tensors can't be matched. An op saves different tensors when autograd "
         "tracks different inputs: e.g. a tensor the region reads from outside its arguments (a closure or an "
         "attribute set by the caller) that requires grad in only one of the runs; pass it as an argument of "
         "the region.")
 
 
-def save_count(rec, fwd, first_unmatched):
+def save_count(rec, fwd, first_unmatched, region):
     """The recompute saved another number of tensors than the forward (the light path counts saves only)."""
     return RecomputeError(
-        f"{_DIVERGED}: it saved {rec} tensor(s) for backward, the forward {fwd}; the first unmatched one is "
+        f"{_DIVERGED}{of_region(region)}: it saved {rec} tensor(s) for backward, the forward {fwd}; the first "
+        "unmatched one is "
         f"{first_unmatched}. {SAME_PATH} It must read tensors only from its arguments.")
 
 
-def check_saves(got, expected, where):
-    """Raise at the first re-run save whose ``(shape, dtype)`` in ``got`` is not the forward's in ``expected``
-    (None there: not compared, a weight), or when the counts differ; ``where(i)`` names save ``i``. The one
-    check of a re-run that is matched to its forward by position (the light path, an op's output recompute)."""
+def check_saves(got, expected, where, region):
+    """Raise at the first re-run save whose ``(shape, dtype)`` in ``got`` is not the forward's in ``expected`` (None
+    there: not compared, a weight), or when the counts differ; ``where(i)`` names save ``i``. The one check of a
+    re-run that is matched to its forward by position (the light path, an op's output recompute)."""
     i = next((j for j, (g, e) in enumerate(zip(got, expected)) if e is not None and g != e), None)
     if i is not None:
-        raise other_tensor(where(i), expected[i], got[i])
+        raise other_tensor(where(i), expected[i], got[i], region)
     if len(got) != len(expected):
-        raise save_count(len(got), len(expected), where(min(len(got), len(expected))))
+        raise save_count(len(got), len(expected), where(min(len(got), len(expected))), region)
 
 
-def other_tensor(where, fwd_meta, rec_meta):
+def other_tensor(where, fwd_meta, rec_meta, region):
     """A saved tensor (or a Dropout input) ``where`` had another shape or dtype in the recompute."""
     return RecomputeError(
-        f"{_DIVERGED} at {where}: it was {describe_meta(fwd_meta)} in forward but {describe_meta(rec_meta)} in "
+        f"{_DIVERGED} at {where}{of_region(region)}: it was {describe_meta(fwd_meta)} in forward but "
+        f"{describe_meta(rec_meta)} in "
         f"the recompute. {_SAME_SHAPES}")
 
 
@@ -147,36 +156,37 @@ def other_values(region, op):
         f"the re-run with save_for_recompute, or keep the op with exclude_op / a policy. {SAME_PATH}")
 
 
-def dropout_calls(rec, fwd):
+def dropout_calls(rec, fwd, region):
     """The recompute called ``nn.Dropout`` another number of times than the forward."""
-    return RecomputeError(f"{_DIVERGED}: it called nn.Dropout {rec} time(s), the forward {fwd}. {SAME_PATH}")
+    return RecomputeError(f"{_DIVERGED}{of_region(region)}: it called nn.Dropout {rec} time(s), the forward {fwd}. "
+                          f"{SAME_PATH}")
 
 
-def kept_calls(rec, fwd, where):
+def kept_calls(rec, fwd, where, region):
     """The recompute reached the ops exclude_op keeps another number of times than the forward."""
-    return RecomputeError(f"{_DIVERGED}: the forward made {fwd} call(s) of ops exclude_op keeps, its recompute "
-                          f"{rec} (at {where}). {SAME_PATH}")
+    return RecomputeError(f"{_DIVERGED}{of_region(region)}: the forward made {fwd} call(s) of ops exclude_op keeps, "
+                          f"its recompute {rec} (at {where}). {SAME_PATH}")
 
 
-def other_kept_call(i, fwd_where, fwd_meta, where, got):
+def other_kept_call(i, fwd_where, fwd_meta, where, got, region):
     """Kept call ``i`` of the recompute is not the forward's (another site, or inputs of other shapes)."""
     fwd_args = ", ".join(describe_meta(m) for m in fwd_meta) or "no tensor"
     args = ", ".join(describe_meta(m) for m in got) or "no tensor"
-    return RecomputeError(f"{_DIVERGED} at kept call #{i}: forward called {fwd_where} on {fwd_args}, recompute "
-                          f"calls {where} on {args}. {_SAME_SHAPES}")
+    return RecomputeError(f"{_DIVERGED} at kept call #{i}: forward called {fwd_where} on {fwd_args}, recompute calls "
+                          f"{where} on {args}{of_region(region)}. {_SAME_SHAPES}")
 
 
-def nested_regions(fwd):
+def nested_regions(fwd, region):
     """The recompute met more nested regions than the forward did."""
     return RecomputeError(
-        f"{_DIVERGED}: a checkpointed region called more nested checkpoints in its recompute than in its "
-        f"forward ({fwd}). {SAME_PATH}")
+        f"{_DIVERGED}{of_region(region)}: it called more nested checkpoints in its recompute than in its forward "
+        f"({fwd}). {SAME_PATH}")
 
 
-def read_before_kept_write(idx, name, path, writer_idx, writer_desc):
+def read_before_kept_write(idx, name, path, writer_idx, writer_desc, region):
     """A re-run op reads a tensor that a later op writes, and that writer's output was kept (no copy)."""
     return RecomputeError(
-        f"mindformers_ac: op #{idx} {name}{in_path(path)} of a recomputed region reads a tensor that op "
+        f"mindformers_ac: op #{idx} {name}{in_path(path)}{of_region(region)} reads a tensor that op "
         f"#{writer_idx} {writer_desc} writes later in the region; that op's output is kept instead of a copy of "
         "what it writes (too large to copy), so the recompute can't see the value the forward read. Keep "
         f"{name}'s output too (exclude_op) or move the write out of the recomputed region.")
@@ -194,15 +204,16 @@ def group_not_chained(layer_ids, index, reason):
 
 # -- the engine used the wrong way ---------------------------------------------------------------
 
-def already_used(what):
+def already_used(what, region):
     """A recomputed tensor (``what``: which one) was asked for a second time."""
     return RecomputeError(
-        f"mindformers_ac: {what} of a checkpointed region was already used: its recompute regenerated it once "
-        "and an earlier backward took it. Was the graph backpropagated twice? Run backward once per forward.")
+        f"mindformers_ac: {what}{of_region(region) or ' of a checkpointed region'} was already used: its recompute "
+        "regenerated it once and an earlier backward took it. Was the graph backpropagated twice? Run backward once "
+        "per forward.")
 
 
-def recompute_reentered():
-    return RecomputeError("mindformers_ac: a region's recompute asked for its own saved tensors")
+def recompute_reentered(region):
+    return RecomputeError(f"mindformers_ac: the recompute{of_region(region)} asked for its own saved tensors")
 
 
 def stack_corrupted():

@@ -1,24 +1,14 @@
 """``OpSlot``: the one object the engine puts in a cell's op slot in place of the op, with up to four roles.
 
-An op slot is an instance attribute holding a Primitive or a function (``self.bmm_qk``,
-``self.activation_func``, a callable object), or an item of a dict a cell holds (``_prims["AllGather"]``,
-a ``_comm_ops`` entry: the op itself, or the ``'fn'`` of MindFormers' ``{'fn': fn, 'domain': d}`` entry). Four mechanisms act on an op there, and each is a role of one ``OpSlot``, set
-and cleared independently, so none wraps another by hand:
-
-* **track** (``mac_paths``: path tracker -> the slot's path under its root): while a region of one of
-  those trackers runs, ``(slot, path)`` is on the run's ``attrs`` stack, so a policy sees
-  ``ctx.attr_path`` and a keep site is known by its slot (``tracking``, ``keep_sites``); nested
-  wrappers with policies each track the slot under their own root;
-* **keep** (``mac_keep``, a description): in a light run that keeps this slot, the region takes the
-  call (``LightRegion.keep_call``: ``exclude_op`` on the light path, ``keep_sites``);
-* **dropout** (``mac_dropout``, how many wrappers asked): an ``nn.Dropout`` cell's kernel, handed to
-  the running region (``region.dropout_call``), which keeps its mask as bits (``install_dropout_slots``);
-* **output** (``mac_output``): output recompute of the op (``output._Target.observe``).
-
-A call goes through the roles in that order and ends in the op. Attribute reads the slot doesn't
-answer go to the op (``name``, ``keep_prob``, a Primitive's attrs); a deep copy of the cell gets the
-plain op; ``mac_is_op_proxy`` marks it as an op for ``tracking.is_op_attribute``. When its last role
-is cleared, ``release`` puts the plain op back (unless someone replaced the slot since).
+An op slot is an instance attribute holding a Primitive or a function, or an item of a dict a cell holds
+(``_prims["AllGather"]``, a ``_comm_ops`` entry or the ``'fn'`` of MindFormers' ``{'fn': fn, 'domain': d}``). Each
+mechanism acting on an op there is a role of one ``OpSlot``, set and cleared independently, so none wraps another by
+hand: **track** (``mac_paths``: the slot's path under each path tracker's root, pushed on the run's ``attrs`` for a
+policy's ``ctx.attr_path`` and for keep sites), **keep** (``mac_keep``: a light run that keeps this slot hands the call
+to ``LightRegion.keep_call``), **dropout** (``mac_dropout``: an ``nn.Dropout`` kernel, handed to the running region)
+and **output** (``mac_output``: output recompute of the op). A call goes through the roles in that order and ends in
+the op; other attribute reads go to the op; a deep copy of the cell gets the plain op; ``release`` puts the plain op
+back when the last role is cleared (unless someone replaced the slot since).
 """
 import copy
 
@@ -76,8 +66,8 @@ class OpSlot:
 
 
 def slot_at(holder, key):
-    """The ``OpSlot`` in ``holder``'s op slot ``key`` (a cell and an attribute name, or a dict and a key),
-    put there around the op if there is none yet."""
+    """The ``OpSlot`` in ``holder``'s op slot ``key`` (a cell and an attribute name, or a dict and a key), put there
+    around the op if there is none yet."""
     table = holder if isinstance(holder, dict) else vars(holder)
     current = table[key] if key in table else getattr(holder, key)
     if isinstance(current, OpSlot):
@@ -91,8 +81,8 @@ def slot_at(holder, key):
 
 
 def release(holder, key, slot):
-    """Put the plain op back in ``holder``'s slot ``key`` once ``slot`` has no role left (a slot someone
-    replaced since is left as they set it)."""
+    """Put the plain op back in ``holder``'s slot ``key`` once ``slot`` has no role left (a slot someone replaced
+    since is left as they set it)."""
     table = holder if isinstance(holder, dict) else vars(holder)
     if slot.in_use() or table.get(key) is not slot:
         return
@@ -105,11 +95,11 @@ def release(holder, key, slot):
 def install_dropout_slots(root):
     """The dropout role on the kernel slot of every ``nn.Dropout`` under ``root``; returns an undo callable.
 
-    The light path intercepts no op, yet a Dropout must never be run again in a recompute (it would draw
-    another mask): the slot hands its kernel call to the innermost running region (``dropout_call`` of
-    either path, ``rerun.RegionBase.keep_dropout``). A cell whose ``dropout`` is not the plain ``Dropout``
-    primitive (replaced by the user or another tool) is left alone: its kernel goes through the dispatch
-    only, and the region stays intercepted.
+    The light path intercepts no op, yet a Dropout must never be run again in a recompute (it would draw another
+    mask): the slot hands its kernel call to the innermost running region (``dropout_call`` of either path,
+    ``rerun.RegionBase.keep_dropout``). A cell whose ``dropout`` is not the plain ``Dropout`` primitive (replaced by
+    the user or another tool) is left alone: its kernel goes through the dispatch only, and the region stays
+    intercepted.
     """
     slots = []
     for _, cell in root.cells_and_names():

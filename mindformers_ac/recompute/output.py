@@ -1,13 +1,11 @@
 """Output recompute of one op attribute (MindFormers' ``output_recompute`` / ``recompute_comm``).
 
-The op's own saves are tokens (``_OutputRecord.pack_inner``); the scope cell
-(normally the layer) runs under hooks that recognise packs of the op's output
-(``_Scope._pack``); when the scope returns each call is settled (``_settle``):
-dropped, keeping its inputs, only when that frees more bytes than the inputs
-cost, else kept as without recompute, with a warning saying why. In backward
-a dropped call's first token re-runs the op once (``_OutputRecord.rerun``),
-checked against the forward's saves. Why, and the limits: docs/exactness.md,
-"Output recompute of one op".
+The op's own saves are tokens (``_OutputRecord.pack_inner``); the scope cell (normally the layer) runs under hooks
+that recognise packs of the op's output (``_Scope._pack``); when the scope returns each call is settled
+(``_settle``): dropped, keeping its inputs, only when that frees more bytes than the inputs cost, else kept as
+without recompute, with a warning saying why. In backward a dropped call's first token re-runs the op once
+(``_OutputRecord.rerun``), checked against the forward's saves. Why, and the limits: docs/exactness.md, "Output
+recompute of one op".
 """
 import logging
 import weakref
@@ -22,8 +20,7 @@ from ..meter import CHAIN_PASSED
 from ..mindspore_compat import no_grad
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision, no_casts, under_precision
-from ..tensors import detached, output_tensors, param_ptrs, storage_info
-from ..tensors import tensor_leaves_in_objects as tensor_leaves  # issue 49: the walk stays here for now
+from ..tensors import detached, output_tensors, param_ptrs, storage_info, tensor_leaves_in_objects
 from ..whitelist import registry_slot
 from . import messages
 from .dispatch import op_name_of
@@ -42,8 +39,8 @@ _OUTPUT_KIND = "wrap_op_output"
 class _RerunProbe(MsDispatchMode):
     """Sees the ops of one call and notes those that can't be run again (ops are forwarded unchanged):
     ``random_ops`` would draw other numbers, ``side_effect_ops`` write again (BatchNorm's moving statistics,
-    ``AssignAdd``, any ``Inplace*`` op): the re-run calls the whole op or cell and can't hand it copies of
-    what it writes, unlike a checkpoint region."""
+    ``AssignAdd``, any ``Inplace*`` op): the re-run calls the whole op or cell and can't hand it copies of what it
+    writes, unlike a checkpoint region."""
 
     def __init__(self):
         super().__init__()
@@ -60,8 +57,8 @@ class _RerunProbe(MsDispatchMode):
 
 
 def _layout(t):
-    """What a pack must match to be the output itself: shape, dtype and strides (a transposed view of a
-    square output has its pointer, shape and dtype)."""
+    """What a pack must match to be the output itself: shape, dtype and strides (a transposed view of a square
+    output has its pointer, shape and dtype)."""
     return tuple(t.shape), t.dtype, tuple(t.stride())
 
 
@@ -100,8 +97,8 @@ class _ScopeRun:
 class _OutputRecord:
     """One call of the wrapped op: its inputs, what it saved, its outputs; re-run in backward if dropped.
 
-    ``dropped``: None until the scope returns, then True (tokens take a
-    re-run's tensors) or False (tokens keep what they stand for).
+    ``dropped``: None until the scope returns, then True (tokens take a re-run's tensors) or False (tokens keep what
+    they stand for).
     """
 
     __slots__ = ("target", "run", "inputs", "input_bytes", "views", "precision", "outs", "held_outs",
@@ -110,7 +107,7 @@ class _OutputRecord:
     def __init__(self, target, run, args, kwargs):
         self.target, self.run = target, run
         self.precision = cell_precision(target.owner)   # the op runs inside its owner's __call__
-        leaves = tensor_leaves((args, kwargs))
+        leaves = tensor_leaves_in_objects((args, kwargs))
         self.input_bytes = _storages(leaves, run.weights)
         self.views = []   # (storage pointer, SavedInput) of each tensor argument
         top = set()
@@ -168,10 +165,9 @@ class _OutputRecord:
     def input_cost(self, kept, freeable):
         """Bytes the inputs cost when dropping this call, and the storages to keep as copies of its views.
 
-        An input storage kept anyway (``kept``: saved elsewhere in the scope;
-        ``freeable``: saved by the op itself) costs nothing; any other costs
-        its bytes, or those of copies of the argument views on it when smaller
-        (a SwiGLU gate split from the fc1 output holds all of that output).
+        An input storage kept anyway (``kept``: saved elsewhere in the scope; ``freeable``: saved by the op itself)
+        costs nothing; any other costs its bytes, or those of copies of the argument views on it when smaller (a
+        SwiGLU gate split from the fc1 output holds all of that output).
         """
         views = {}
         for ptr, saved in self.views:
@@ -188,8 +184,8 @@ class _OutputRecord:
         return cost, compact
 
     def settle(self, drop, compact=()):
-        """Drop (keep only the inputs, views on ``compact`` storages as copies; returns ``{storage: bytes}``
-        of what it keeps) or keep (tokens hold what they stand for; inputs released)."""
+        """Drop (keep only the inputs, views on ``compact`` storages as copies; returns ``{storage: bytes}`` of what
+        it keeps) or keep (tokens hold what they stand for; inputs released)."""
         self.dropped = drop
         if not drop:
             self.inputs = self.views = None
@@ -240,7 +236,7 @@ class _OutputRecord:
             with recompute_graph(None, self.precision), ms.saved_tensors_hooks(saved.append, keep_saved):
                 out = output_tensors(target.op(*args, **kwargs))
             messages.check_saves([(tuple(t.shape), t.dtype) for t in saved], self.inner_meta,
-                                 lambda k: f"saved tensor #{k} of {target.name}")
+                                 lambda k: f"saved tensor #{k} of {target.name}", "")
             with no_grad():
                 self.rebuilt = [detached(t) if m is not None else None for t, m in zip(saved, self.inner_meta)]
         else:   # it saved nothing itself: no graph is needed
@@ -405,9 +401,9 @@ class _Target:
         self.on_retire = on_retire
 
     def retire(self, warning):
-        """Its first training forward saved nothing by any call (``warning``: the warn-once key, text and
-        arguments that said why): from now on the op runs plainly, unrecorded and never re-run, so the work
-        agrees with the log; ``on_retire`` is told why (``apply_ac`` notes it on the layer's plan)."""
+        """Its first training forward saved nothing by any call (``warning``: the warn-once key, text and arguments
+        that said why): from now on the op runs plainly, unrecorded and never re-run, so the work agrees with the
+        log; ``on_retire`` is told why (``apply_ac`` notes it on the layer's plan)."""
         _, text, *args = warning
         self.retired = text % tuple(args)
         if self.on_retire is not None:
@@ -489,21 +485,12 @@ def _scope_of(cell):
 def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None, on_retire=None):
     """Drop the output of op ``owner_cell.<attr_name>`` (or ``owner_cell.<registry>[attr_name]``) for backward.
 
-    The op may be a Python function, a Primitive, or a Cell (e.g. a collective
-    with a custom ``bprop``). A registry slot or a function/Primitive attribute
-    gets the output role of its ``op_slot.OpSlot``; a Cell attribute keeps its object and gets an
-    instance ``construct`` patch (the cell tree and parameter names stay).
-    Neither what the op saves for backward nor its output as saved by
-    consumers running inside ``scope`` (default: ``owner_cell``; pass the
-    transformer layer) is kept, only its inputs, for each call where that
-    frees more than the inputs cost (else the call keeps what it would without
-    recompute, and a warning says why); backward rebuilds them by running the
-    op again on its inputs, counted in ``stats`` (``ops_rerun``,
-    ``recompute_calls``, ``dropped_bytes``, ``kept_bytes``). An op whose first training forward dropped
-    none of its calls (it saves nothing: the warning says why) is retired: it runs plainly from then on,
-    and ``on_retire(why)`` is called. Returns an
-    ``OpOutputHandle``; ``handle.remove()`` undoes it. Wrapping the same slot
-    twice raises ValueError.
+    The op (a function, a Primitive, or a Cell with a custom ``bprop``) gets the output role of its
+    ``op_slot.OpSlot``, or, a Cell, an instance ``construct`` patch. Neither what it saves nor its output as saved by
+    consumers inside ``scope`` (default ``owner_cell``; pass the layer) is kept, only its inputs, for each call where
+    that frees more than the inputs cost (else a warning says why); backward runs the op again, counted in
+    ``stats``. An op whose first training forward dropped none of its calls is retired (``on_retire(why)``).
+    Returns an ``OpOutputHandle`` (``remove()`` undoes it); wrapping a slot twice raises ValueError.
     """
     holder, key = owner_cell, attr_name
     if registry is None:

@@ -1,17 +1,15 @@
 """Which way into the engine a wrapped call takes: the light path, or the op-intercepting region.
 
-A call goes light only after the first call of its *call signature* ran
-intercepted and showed it safe (what the signature holds and what going light
-requires: docs/exactness.md, "The light path"). That checking call's
-``Region`` hands what it observes to a ``CheckRecorder``; after its recompute
-the recorder fills the signature's ``PathCheck``, which the light path only
-reads, from one mark, ``Region.intercept`` (see ``CheckRecorder.finish``).
+A call goes light only after the first call of its *call signature* ran intercepted and showed it safe (what the
+signature holds and what going light requires: docs/exactness.md, "The light path"). That checking call's ``Region``
+hands what it observes to a ``CheckRecorder``; after its recompute the recorder fills the signature's ``PathCheck``,
+which the light path only reads, from one mark, ``Region.intercept`` (see ``CheckRecorder.finish``).
 
-Nothing is raised here. A refused signature stays intercepted; a checking
-call whose region died without a recompute is checked again by the next
-call; past ``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay
-intercepted. The counters a light call can't measure (``ops_forward``,
-``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are its checking call's.
+Nothing is raised here. A refused signature stays intercepted; a checking call whose region died without a recompute
+is checked again by the next call; past ``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay intercepted.
+The counters a light call can't measure (``ops_forward``, ``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are its
+checking call's. ``run_region`` is the intercepting way in (and ``checkpoint``'s): a new region, a nested one
+replayed, or a plain run without gradient recording.
 """
 import collections
 import enum
@@ -26,12 +24,12 @@ from ..mindspore_compat import pynative_executor as _executor
 from ..precision import cell_precision
 from ..tensors import is_tracked, tensors_equal
 from . import messages
+from . import region as intercepting  # looked up per call: a subclass put there is the one that runs
 from .dispatch import REBUILD, SAVE
 from .keep_sites import NoSite, find_site, install_site, region_cells
 from .light import LightRegion
-from .probe import SampleIndex
-from .region import run_region
-from .state import ENGINE
+from .rules.safety_net import SampleIndex
+from .state import ENGINE, RECOMPUTE, REPLAY
 
 logger = logging.getLogger("mindformers_ac")
 
@@ -40,9 +38,8 @@ class PathCheck:
     """What the first (intercepted) call of one call signature showed about the region (filled by its
     ``CheckRecorder``; the light path only reads it).
 
-    ``ok`` is None until that call's recompute finished, then whether later
-    calls with this signature may take the light path. It also keeps what the
-    light path reports in its place: op names and paths (to name an op in a
+    ``ok`` is None until that call's recompute finished, then whether later calls with this signature may take the
+    light path. It also keeps what the light path reports in its place: op names and paths (to name an op in a
     "diverged" message), op counts and the dropped bytes.
     """
 
@@ -59,7 +56,7 @@ class PathCheck:
         self.param_ptrs = frozenset()
         self.params = ()              # the root's Parameters, whose rebinding in forward is watched
         self.buffers = ()             # the root's non-trainable Parameters, guarded around light re-runs
-        self.probe_index = SampleIndex()   # output shape -> the coordinates a probe.Sample gathers
+        self.probe_index = SampleIndex()   # output shape -> the coordinates a safety_net.Sample gathers
         self.region_path = self.output_op = ""   # the region's cell path and its output's op, for messages
         self.keep_proxies = frozenset()   # the OpSlots whose calls a light run keeps (keep_sites)
         self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
@@ -74,8 +71,8 @@ class PathCheck:
         return self.ok is None and (self._owner is None or self._owner() is None)
 
     def describe_save(self, i):
-        """``op #3 MatMulExt (in 'mlp'), its saved tensor #0`` for forward save ``i``, as the checking call
-        numbered it."""
+        """``op #3 MatMulExt (in 'mlp'), its saved tensor #0`` for forward save ``i``, as the checking call numbered
+        it."""
         key = self.keys[i] if i < len(self.keys) else None
         if key is None:
             return f"saved tensor #{i}"
@@ -84,8 +81,8 @@ class PathCheck:
 
 
 class CheckRecorder:
-    """Records the checking call of one signature for the light path, apart from the region's per-op
-    decisions and replay: the region hands it observations, ``finish`` fills ``check`` from them."""
+    """Records the checking call of one signature for the light path, apart from the region's per-op decisions and
+    replay: the region hands it observations, ``finish`` fills ``check`` from them."""
 
     __slots__ = ("check", "fwd", "rec", "keys", "sites", "cells", "cell_dropouts")
 
@@ -113,18 +110,18 @@ class CheckRecorder:
         self.sites[idx] = find_site(run, name, args, *self.cells, resolve=kept)
 
     def note_cell_dropout(self, region, idx):
-        """Op ``idx`` is an nn.Dropout kernel call the region rebuilds: the light path's dropout slot keeps its
-        mask bits too, so it does not keep the signature intercepted."""
+        """Op ``idx`` is an nn.Dropout kernel call the region rebuilds: the light path's dropout slot keeps its mask
+        bits too, so it does not keep the signature intercepted."""
         self.cell_dropouts.add(idx)
         region.light_reproduces(("op", idx))
 
     def check_replay(self, run, idx, func, args, kwargs, out):
-        """In the re-run: does random op ``idx``, run again from the forward's random state, draw what the
-        forward drew? (``ops.dropout`` and other functional random ops make a fresh primitive seeded from
-        MindSpore's seed table, which the re-run starts from as the forward did; whether the backend's
-        kernel then repeats its draw is measured, not assumed.) The run's result is ours, not the region's:
-        its saves are not filed and its output is discarded."""
-        if idx in self.cell_dropouts or (args and args[0] is run.region.random_ops[idx]):
+        """In the re-run: does random op ``idx``, run again from the forward's random state, draw what the forward
+        drew? (``ops.dropout`` and other functional random ops make a fresh primitive seeded from MindSpore's seed
+        table, which the re-run starts from as the forward did; whether the backend's kernel then repeats its draw
+        is measured, not assumed.) The run's result is ours, not the region's: its saves are not filed and its
+        output is discarded."""
+        if idx in self.cell_dropouts or (args and args[0] is run.region.random.ops[idx]):
             # A primitive a cell holds (nn.Dropout's, or one stored on any cell) draws from its own state,
             # which no RandomState covers: its early launches may repeat, later ones do not.
             return
@@ -140,18 +137,18 @@ class CheckRecorder:
             run.in_hook = run.noting_replay = False
 
     def _settle_sites(self, region):
-        """Give the keep role to the slot of every kept op whose site ran kept ops only; a kept op without
-        one keeps the signature intercepted (its reason says why). Returns the proxies the light path is
-        to hand to the region, and the ops they keep."""
+        """Give the keep role to the slot of every kept op whose site ran kept ops only; a kept op without one keeps
+        the signature intercepted (its reason says why). Returns the proxies the light path is to hand to the
+        region, and the ops they keep."""
         by_site = {}
         for idx, site in self.sites.items():
             by_site.setdefault(site.key, []).append(idx)
         proxies, kept_ops = set(), set()
-        for idx in sorted(region.policy_saves):
+        for idx in sorted(region.kept.policy_saves):
             site, name = self.sites.get(idx), region.op_names[idx]
-            if site is None or idx in region.random_ops or region.decisions.get(idx) != SAVE:
+            if site is None or idx in region.random.ops or region.decisions.get(idx) != SAVE:
                 continue
-            others = [region.op_names[i] for i in by_site[site.key] if i not in region.policy_saves]
+            others = [region.op_names[i] for i in by_site[site.key] if i not in region.kept.policy_saves]
             if isinstance(site, NoSite):
                 why = site.why
             elif others:
@@ -164,43 +161,44 @@ class CheckRecorder:
                     region.light_reproduces(("op", idx))
                     continue
                 why = f"{site.description} can't hold a proxy for {name}"
-            region.intercept[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
+            region.kept.reasons[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
         return frozenset(proxies), kept_ops
 
     def finish(self, region):
         """After the checking call's recompute: may this signature take the light path? Fills ``check``."""
-        check, decisions, kept = self.check, region.decisions, region.policy_saves
+        check, decisions, kept = self.check, region.decisions, region.kept.policy_saves
         # nn.Dropout kernels the light path's dropout slots handle (mask bits): not re-run ops.
         cell_dropouts = {i for i in self.cell_dropouts if decisions.get(i) == REBUILD}
         # a kept op's saves are numbered apart by a light run (its slot's call)
         check.fwd = [m for m, key in zip(self.fwd, self.keys) if key is None or key[0] not in kept]
         check.keys = [key for key in self.keys if key is None or key[0] not in kept]
         if check.fwd != self.rec:
-            region.keep_intercepted("saves", "its recompute saved other tensors than its forward")
+            region.align.keeps_intercepted("saves", "its recompute saved other tensors than its forward")
         kept_ops = set()
         if kept and all(isinstance(k, tuple) and k[0] == "op" and k[1] in kept for k in region.intercept):
             # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
             check.keep_proxies, kept_ops = self._settle_sites(region)
             check.n_kept_ops = len(kept_ops)
         self.sites = self.cells = None   # they hold the checking call's primitives and cells
-        # One mark, set by whoever made a per-op decision or found what a light re-run can't reproduce
-        # (``Region.keep_intercepted``), taken back for one it does reproduce (``light_reproduces``); a new
+        # One mark, the reasons of every rule that made a per-op decision or found what a light re-run can't
+        # reproduce (``Region.intercept``), taken back for one it does reproduce (``light_reproduces``); a new
         # kind of decision is covered without an edit here. Writes in forward only, to buffers, that no
         # re-run op reads, leave no mark: a light re-run writes nothing either (BufferGuard checks it does not).
-        check.ok = not region.intercept
+        reasons = region.intercept
+        check.ok = not reasons
         if not check.ok:
-            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(region.intercept.values()))
-            region.stats.note_intercepted(region.intercept.values())
-        check.params, check.buffers = region.params, region.buffers
-        check.saved_outputs = region.saved_outputs
-        check.region_path, check.output_op = region.cell_path(), region.describe_output_op()
+            logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(reasons.values()))
+            region.stats.note_intercepted(reasons.values())
+        check.params, check.buffers = region.writes.params, region.writes.buffers
+        check.saved_outputs = region.writes.saved_outputs
+        check.region_path, check.output_op = region.cell_path(), region.net.describe_output_op()
         check.op_names, check.op_paths = list(region.op_names), dict(region.op_paths)
         check.rerun_counts = collections.Counter(n for i, n in enumerate(check.op_names)
                                                  if i not in cell_dropouts and i not in kept_ops)
         check.n_rerun = sum(check.rerun_counts.values())
         check.n_dropouts = len(cell_dropouts)
         check.dropped = region.bytes.dropped_total
-        check.param_ptrs = frozenset(region.param_ptrs)
+        check.param_ptrs = frozenset(region.writes.param_ptrs)
         check._owner = None   # pylint: disable=protected-access
 
 
@@ -242,8 +240,8 @@ class PathChecks:
 
     @staticmethod
     def key(root, args, kwargs):
-        """The call signature (see the module docstring), or None when an argument can't be described
-        without holding it (that call is not checked and takes the intercepting path)."""
+        """The call signature (see the module docstring), or None when an argument can't be described without
+        holding it (that call is not checked and takes the intercepting path)."""
         try:
             # The mixed-precision type changes which Casts run and what is saved (to_float after some steps).
             return (root.training if root is not None else None, cell_precision(root),
@@ -289,10 +287,9 @@ _IN_CHECK = "its signature's first call is still being checked (its backward has
 def run_checkpoint(fn, args, kwargs, checks, root, **options):
     """Entry point of a wrapped cell: the light path when its signature's check allows, else ``run_region``.
 
-    ``checks``: the wrapper's ``PathChecks``, or None when the light path is
-    off (a policy, swapped inputs, ``light_path=False``). Nested calls (inside
-    another region's run) and calls without gradient recording always go to
-    ``run_region``, which replays or runs them plainly.
+    ``checks``: the wrapper's ``PathChecks``, or None when the light path is off (a policy, swapped inputs,
+    ``light_path=False``). Nested calls (inside another region's run) and calls without gradient recording always go
+    to ``run_region``, which replays or runs them plainly.
     """
     if checks is None or ENGINE.top() is not None or not _executor.requires_grad():
         return run_region(fn, args, kwargs, root=root, **options)
@@ -302,7 +299,7 @@ def run_checkpoint(fn, args, kwargs, checks, root, **options):
     check = checks.lookup(key) if key is not None else None
     if check is not None and check.ok:
         return LightRegion(fn, check, checks, key, options["stats"], options["context_fn"],
-                           cell_precision(root), options.get("chain")).run_forward(args, kwargs)
+                           cell_precision(root), options.get("chain"), options.get("rebind")).run_forward(args, kwargs)
     if key is not None and check is None:
         check = checks.start(key)
         if check is None:
@@ -312,3 +309,23 @@ def run_checkpoint(fn, args, kwargs, checks, root, **options):
     elif key is not None and check.ok is None:
         options["stats"].note_intercepted((_IN_CHECK,))
     return run_region(fn, args, kwargs, root=root, **options)
+
+
+def run_region(fn, args, kwargs, **options):
+    """Entry point of ``checkpoint``: forward a new region, replay a nested one, or run plainly."""
+    top = ENGINE.top()
+    if top is not None and top.mode in (RECOMPUTE, REPLAY):
+        child = top.region.next_child(top)
+        ENGINE.enter_recompute()
+        try:
+            return child.nesting.replay(args, kwargs, top.grad_calls)
+        finally:
+            ENGINE.exit_recompute()
+    if top is None and not _executor.requires_grad():
+        return fn(*args, **kwargs)   # no graph is recorded: nothing would be saved
+    region = intercepting.Region(fn, **options)
+    if top is not None:
+        top.region.children.append(region)
+        if isinstance(top.region, intercepting.Region):
+            top.region.nesting.note_child()
+    return region.run_forward(args, kwargs)

@@ -1,11 +1,9 @@
 """Random ops in a recomputed region: which ones can't be run again, and how Dropout is rebuilt exactly.
 
-A random op's second call draws different numbers, so the engine never runs
-it again in a recompute: ``Dropout`` (the only random kernel the CPU build has
-on this path) keeps its mask as packed bits and its output is rebuilt as
-``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel
-once per dtype and keep_prob (if the check fails the outputs are kept
-instead); other random ops keep their outputs, unless marked replayable
+A random op's second call draws different numbers, so the engine never runs it again in a recompute: ``Dropout``
+(the only random kernel the CPU build has on this path) keeps its mask as packed bits and its output is rebuilt as
+``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel once per dtype and keep_prob (if the
+check fails the outputs are kept instead); other random ops keep their outputs, unless marked replayable
 (``REPLAYABLE_ATTR``; docs/exactness.md, "Random ops"). A random op is one MindSpore marks as random
 (``is_random_op``), its name only the fallback.
 """
@@ -48,21 +46,21 @@ def is_random_primitive(prim):
 
 
 def is_random_op_name(name):
-    """True if an op called ``name`` draws random numbers by MindSpore's own op table (a pyboost op
-    dispatched without its primitive: ``generator_random_op``), or by its name (the fallback)."""
+    """True if an op called ``name`` draws random numbers by MindSpore's own op table (a pyboost op dispatched
+    without its primitive: ``generator_random_op``), or by its name (the fallback)."""
     return bool(name) and (generator_random_op(name) or RANDOM_OP_PATTERN.search(name) is not None)
 
 
 def is_random_op(name, args):
-    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers: a
-    primitive MindSpore marks (``is_random_primitive``), else by ``is_random_op_name``."""
+    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers: a primitive
+    MindSpore marks (``is_random_primitive``), else by ``is_random_op_name``."""
     prim = args[0] if args and isinstance(args[0], Primitive) else None
     return (prim is not None and is_random_primitive(prim)) or is_random_op_name(name)
 
 
 def is_unreplayable_random_op(name, args):
-    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat:
-    not one marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
+    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat: not one
+    marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
     if not is_random_op(name, args):
         return False
     return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
@@ -71,11 +69,9 @@ def is_unreplayable_random_op(name, args):
 class DropoutFormulaCheck:
     """Whether ``dropout_formula`` equals the kernel bitwise, checked once per (dtype, keep_prob).
 
-    The outputs are compared as bit patterns (a NaN equals itself, -0 differs
-    from 0). Only a call whose input and output are all finite decides the
-    cached answer: an overflowed step (which a loss scaler skips) is judged
-    for itself alone, so it can neither cache a failure for the process nor
-    log one.
+    The outputs are compared as bit patterns (a NaN equals itself, -0 differs from 0). Only a call whose input and
+    output are all finite decides the cached answer: an overflowed step (which a loss scaler skips) is judged for
+    itself alone, so it can neither cache a failure for the process nor log one.
     """
 
     def __init__(self):
@@ -111,11 +107,10 @@ class DropoutFormulaCheck:
 def dropout_formula(x, mask, keep_prob):
     """The CPU kernel's ``out = mask * x * (1/keep_prob)`` as ``x * (mask * scale)``.
 
-    With mask in {0, 1} both orders round identically (x*scale or a signed
-    zero); the scale is rounded in the mask dtype as the kernel does, except
-    for float16 / bfloat16, which the kernel computes in float32. Runs a
-    MindSpore op so that the rebuilt output carries gradient history from ``x``
-    (the recompute must record the ops that consume it).
+    With mask in {0, 1} both orders round identically (x*scale or a signed zero); the scale is rounded in the mask
+    dtype as the kernel does, except for float16 / bfloat16, which the kernel computes in float32. Runs a MindSpore
+    op so that the rebuilt output carries gradient history from ``x`` (the recompute must record the ops that
+    consume it).
     """
     mask = mask.asnumpy() if isinstance(mask, Tensor) else mask
     if x.dtype in _HALF:
@@ -130,9 +125,9 @@ def dropout_formula(x, mask, keep_prob):
 
 
 class DropoutRecord:
-    """One Dropout kernel call of a forward, on either path: its mask as 1 bit per element, from which
-    ``rebuild`` makes (output, mask) again from the op's input; or, when ``dropout_formula`` does not
-    reproduce the kernel bitwise (``rebuilds`` False), its outputs ``out``, ``kept``."""
+    """One Dropout kernel call of a forward, on either path: its mask as 1 bit per element, from which ``rebuild``
+    makes (output, mask) again from the op's input; or, when ``dropout_formula`` does not reproduce the kernel
+    bitwise (``rebuilds`` False), its outputs ``out``, ``kept``."""
 
     __slots__ = ("bits", "shape", "dtype", "keep_prob", "meta", "kept", "pack_outputs", "rebuilt")
 

@@ -1,23 +1,21 @@
 """What every recompute region shares, whichever way it was entered: one engine, two ways in.
 
-A region is one call of a checkpointed function, from its forward to the end
-of its backward; the op-intercepting ``Region`` and the ``LightRegion`` differ
-only in how they decide what to save. Everything else is here, once (what,
-and the invariants: docs/architecture.md, "The recompute engine's
-mechanisms"; the rules: docs/exactness.md). The engine's own ops in a region
-run under ``no_casts``.
+A region is one call of a checkpointed function, from its forward to the end of its backward; the op-intercepting
+``Region`` and the ``LightRegion`` differ only in how they decide what to save. Everything else is here, once (what,
+and the invariants: docs/architecture.md, "The recompute engine's mechanisms"; the rules: docs/exactness.md). The
+engine's own ops in a region run under ``no_casts``.
 """
 import contextlib
 import weakref
 
+import mindspore as ms
 from mindspore import Parameter, Tensor, ops
 
 from ..ledger import ActivationLedger
 from ..mindspore_compat import EXECUTOR_CALLS, RandomState, autodiff_engine_id, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
-from ..tensors import detached, is_tracked
-from ..tensors import tensor_leaves_in_objects as tensor_leaves  # issue 49: the walk stays here for now
+from ..tensors import detached, is_tracked, tensor_leaves_in_objects
 from . import messages
 from .chain import first_output
 from .markers import context_pair
@@ -58,12 +56,12 @@ class Token:
         region = self.region
         t = region.ensure_recomputed().pop(self.key, None)
         if t is None:
-            # The recompute checked that it regenerated every dropped tensor (Region.check_recompute) but
+            # The recompute checked that it regenerated every dropped tensor (Alignment.check) but
             # those of ops it skipped under the marker, so a missing one was skipped or handed out already.
             idx, k = self.key
-            if idx in region.skipped:
-                raise messages.skipped_op_needed(idx, region.describe_op(idx))
-            raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}")
+            if idx in region.align.skipped:
+                raise messages.skipped_op_needed(idx, region.describe_op(idx), region.cell_path())
+            raise messages.already_used(f"saved tensor #{k} of op #{idx} {region.describe_op(idx)}", region.cell_path())
         return t
 
 
@@ -88,8 +86,8 @@ def drop_saved(_tensor):
 def weak_pack(run, pack, after=drop_saved):
     """A pack hook calling ``pack(region, run, t)`` while ``run`` lives, ``after(t)`` once it is gone.
 
-    MindSpore keeps a hook function as long as the graph that used it (an inner grad call's made in a
-    forward outlived every step: one region a step kept, PyTorch's nested-grad test ported,
+    MindSpore keeps a hook function as long as the graph that used it (an inner grad call's made in a forward
+    outlived every step: one region a step kept, PyTorch's nested-grad test ported,
     ``test_an_inner_grad_call_keeps_no_region_alive``): the hook holds the run, and so the region, weakly."""
     wrun = weakref.ref(run)
 
@@ -99,14 +97,18 @@ def weak_pack(run, pack, after=drop_saved):
     return hook
 
 
-class RegionRun:
-    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry.
+def saved_hooks(run, pack, forward=False):
+    """The saved-tensor hooks of ``run``: ``pack`` through ``weak_pack``; a forward's graph keeps what it packs
+    (``unpack_saved`` resolves it), a re-run's or a replay's graph nothing once the run is gone."""
+    if forward:
+        return ms.saved_tensors_hooks(weak_pack(run, pack, keep_saved), unpack_saved)
+    return ms.saved_tensors_hooks(weak_pack(run, pack), keep_saved)
 
-    ``tracker``: the region's ``PathTracker`` (a policy's cell and attribute
-    paths), or None; path hooks and op slots' track role act only for runs of their
-    own tracker. The op-numbering fields are used by the intercepting path
-    (``dispatch``), ``dropout_idx`` by the light path.
-    """
+
+class RegionRun:
+    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry. ``tracker``:
+    the region's ``PathTracker``, or None (path hooks and op slots' track role act only for their own tracker's runs).
+    The op-numbering fields are the intercepting path's, ``dropout_idx`` the light path's."""
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
@@ -161,11 +163,8 @@ class RegionRun:
 
 
 class SavedInput:
-    """A region input kept for the recompute, and whether autograd tracked it in forward.
-
-    ``written``: the forward writes it in place (``copy_``, an ``Inplace*``
-    op), so ``value`` is a private copy taken before that write.
-    """
+    """A region input kept for the recompute, and whether autograd tracked it in forward; ``written``: the forward
+    writes it in place, so ``value`` is a private copy taken before that write."""
 
     __slots__ = ("value", "tracked", "ptr", "written")
 
@@ -184,11 +183,8 @@ def map_inputs(fn, args, kwargs):
 
 
 class ChainedInput:
-    """A layer group member's first argument, not kept: the previous member's region rebuilds it (``chain``).
-
-    ``region``: that member's region (held until this one's recompute); ``tracked`` and ``ptr`` as for
-    ``SavedInput``.
-    """
+    """A layer group member's first argument, not kept: the previous member's ``region`` rebuilds it (``chain``);
+    ``tracked`` and ``ptr`` as for ``SavedInput``."""
 
     __slots__ = ("region", "tracked", "ptr")
 
@@ -203,9 +199,9 @@ class ChainedInput:
 class _Held:
     """A view of a saved output, made without recording, that reads like a weak reference (``held()``).
 
-    It shares the output's storage and version counter but has no graph node: holding the output itself
-    would tie the region to its own graph (a cycle through MindSpore's C++ nodes that a step failing before
-    its backward never frees)."""
+    It shares the output's storage and version counter but has no graph node: holding the output itself would tie
+    the region to its own graph (a cycle through MindSpore's C++ nodes that a step failing before its backward never
+    frees)."""
 
     __slots__ = ("tensor",)
 
@@ -218,9 +214,9 @@ class _Held:
 
 
 def recompute_input(a):
-    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward (why,
-    for int and bool inputs too: docs/exactness.md, "Int and bool inputs"; an input tracked in only one run
-    makes its consumers save another number of tensors, and the forward's tokens would take the wrong ones)."""
+    """A saved input as the recompute must see it: loaded, detached, tracked exactly as in forward (why, for int and
+    bool inputs too: docs/exactness.md, "Int and bool inputs"; an input tracked in only one run makes its consumers
+    save another number of tensors, and the forward's tokens would take the wrong ones)."""
     if not isinstance(a, SavedInput):
         return a   # not a tensor, or a Parameter: passed as is
     tracked, a = a.tracked, a.value
@@ -235,10 +231,10 @@ def recompute_input(a):
 def _region_input(a):
     """``recompute_input(a)``, to be handed to the re-run through an op when it must (``_RerunInput``).
 
-    The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as a
-    write into a leaf (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires
-    grad"). A view costs nothing; a ``copy_`` target needs a copy of its own, so the saved one stays as
-    it was (``* 1``: a recorded, exact copy; ``deepcopy`` would not be tracked).
+    The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as a write into
+    a leaf (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires grad"). A view costs
+    nothing; a ``copy_`` target needs a copy of its own, so the saved one stays as it was (``* 1``: a recorded,
+    exact copy; ``deepcopy`` would not be tracked).
     """
     if isinstance(a, ChainedInput):
         a = a.saved()
@@ -276,15 +272,15 @@ def _rerun_top_cell():
 
 @contextlib.contextmanager
 def recompute_graph(run, precision=None, random_state=None, outputs=None):
-    """Run a region's function again as ``run``: recording on, in a new graph, under the forward's
-    mixed-precision type ``precision`` and from the forward's ``random_state``; everything restored
-    on every exit path (the random state to what it was before the re-run). ``run`` None: nothing
-    on the engine stack (an op output's re-run, whose forward had no run either).
+    """Run a region's function again as ``run``: recording on, in a new graph, under the forward's mixed-precision
+    type ``precision`` and from the forward's ``random_state``; everything restored on every exit path (the random
+    state to what it was before the re-run). ``run`` None: nothing on the engine stack (an op output's re-run, whose
+    forward had no run either).
 
-    ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that
-    makes grad calls of its own (docs/exactness.md, "Higher-order gradients and nested regions";
-    without it the second such call fails: "The pointer[top_cell_] is null"): a top cell of its own
-    (``new_graph``), ended with the output the caller appends to ``outputs``.
+    ``outputs``: None for the throw-away graph (``new_empty_graph``); a list, for a function that makes grad calls
+    of its own (docs/exactness.md, "Higher-order gradients and nested regions"; without it the second such call
+    fails: "The pointer[top_cell_] is null"): a top cell of its own (``new_graph``), ended with the output the
+    caller appends to ``outputs``.
     """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
     current = None
@@ -320,23 +316,18 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
 
 
 class RegionBase:
-    """One checkpointed call, whichever way it was entered (see the module docstring).
+    """One checkpointed call, whichever way it was entered: a subclass runs the forward (``save_inputs`` first,
+    ``bytes.close`` at the end) and defines ``_recompute()`` and ``dropout_call``. What a forward leaves in the graph
+    holds the region, so it dies with the graph after backward."""
 
-    A subclass runs the forward (``save_inputs`` first, ``bytes.close`` at the
-    end), defines ``_recompute()`` (run ``fn`` again on ``load_inputs()`` and
-    check it against the forward; raise ``RecomputeError`` on a divergence)
-    and ``dropout_call``. Lifetime: what a forward leaves in the autograd graph
-    holds the region, so it dies with the graph after backward.
-    """
-
-    def __init__(self, fn, stats, context_fn, param_ptrs, params=(), chain=None):
+    def __init__(self, fn, stats, context_fn, param_ptrs, params=(), chain=None, rebind=None):
         self.fn, self.stats, self.context_fn = fn, stats, context_fn
         self.chain = chain           # (LayerChain, member index) of a layer group, or None
         self.feeds_next = False      # a group's next member rebuilds its first argument from this re-run's output
         self._rerun_out = None
-        # the root's Parameters, whose rebinding the forward watches (``replaced.watch``) and the re-run
-        # undoes around itself (``replaced.rerun_from``)
-        self.replaced = ReboundParameters(params)
+        # the root's Parameters, whose rebinding the forward watches (``replaced.watch``, through the wrapper's
+        # ``RebindSlots`` ``rebind``) and the re-run undoes around itself (``replaced.rerun_from``)
+        self.replaced = ReboundParameters(params, rebind)
         self.precision = None     # the mixed-precision type the forward ran under
         self.random_state = None  # RandomState when the forward started (start_forward)
         self.metadata = None      # key -> list of values the forward saved for the re-run (markers)
@@ -350,29 +341,29 @@ class RegionBase:
         self._recompute_ctx = None   # the recompute context made with this call's forward context
 
     def start_forward(self):
-        """Note what the re-run must start from; called once the forward's run is on the ENGINE stack
-        (so an enclosing region's dispatch does not number the snapshot's op)."""
+        """Note what the re-run must start from; called once the forward's run is on the ENGINE stack (so an
+        enclosing region's dispatch does not number the snapshot's op)."""
         self.random_state = RandomState()
 
     def keep_replaced(self):
         """After the forward: count the pre-forward copies of rebound Parameters as kept."""
-        for i, (_, c) in enumerate(self.replaced.before):
+        for i, (_, c) in enumerate(self.replaced.before.values()):
             self.bytes.keep_bytes(("replaced", i), int(c.nbytes))
 
     # -- writes after the forward (rule W6) -------------------------------------------------------------
     def stamp(self, args, kwargs, out, saved_outputs):
-        """At the end of the forward: stamp the region's tensor inputs, which the re-run reads through the
-        aliases it saved, and the outputs at ``saved_outputs`` (positions in ``tensor_leaves(out)``), which
-        an op of the region saved for backward. Inputs are held weakly (the saved alias has its own version
-        counter, so the caller's tensor is stamped: once it dies nobody writes it). A saved output is held
-        until the re-run as a view (``_Held``), as the graph holds it without AC (counted as kept): the
-        model's loop rebinds its variable, so a weak reference would die before the next layer's write."""
+        """At the end of the forward: stamp the region's tensor inputs, which the re-run reads through the aliases
+        it saved, and the outputs at ``saved_outputs`` (positions in ``tensor_leaves_in_objects(out)``), which an
+        op of the region saved for backward. Inputs are held weakly (the saved alias has its own version counter, so the
+        caller's tensor is stamped: once it dies nobody writes it). A saved output is held until the re-run as a
+        view (``_Held``), as the graph holds it without AC (counted as kept): the model's loop rebinds its variable,
+        so a weak reference would die before the next layer's write."""
         stamps = []
         for i, a in enumerate((*args, *kwargs.values())):
             if isinstance(a, Tensor) and not isinstance(a, Parameter):
                 stamps.append((weakref.ref(a), tensor_stamp(a), f"input #{i}"))
         if saved_outputs:
-            leaves = tensor_leaves(out)
+            leaves = tensor_leaves_in_objects(out)
             for j in saved_outputs:
                 if j < len(leaves):
                     t = leaves[j]
@@ -381,8 +372,8 @@ class RegionBase:
         self.stamps = stamps
 
     def check_unwritten(self):
-        """Before the re-run: ``RecomputeError`` when a stamped tensor was written in place since the forward
-        (same storage, another version), as MindSpore refuses a saved tensor modified in place."""
+        """Before the re-run: ``RecomputeError`` when a stamped tensor was written in place since the forward (same
+        storage, another version), as MindSpore refuses a saved tensor modified in place."""
         for ref, (ptr, version), what in self.stamps:
             t = ref()
             if t is not None:
@@ -391,15 +382,19 @@ class RegionBase:
                     raise messages.written_after_forward(what, tuple(t.shape), t.dtype, self.describe_root())
         self.stamps = ()
 
+    def cell_path(self):
+        """The region's cell path in its model, for messages (its root's class, or its function's name, here)."""
+        return self.describe_root()
+
     def describe_root(self):
         root = getattr(self, "root", None)
         return type(root).__name__ if root is not None else getattr(self.fn, "__qualname__", "function")
 
     # -- layer groups (see ``chain``) -----------------------------------------------------------------
     def link_chain(self, args, kwargs=None):
-        """As a group member's forward starts: ``(the previous member's region, the position or keyword its
-        output went into)`` (None: the first member, or no group). ``RecomputeError`` when no argument is
-        that member's output."""
+        """As a group member's forward starts: ``(the previous member's region, the position or keyword its output
+        went into)`` (None: the first member, or no group). ``RecomputeError`` when no argument is that member's
+        output."""
         if self.chain is None:
             return None
         chain, index = self.chain
@@ -424,24 +419,21 @@ class RegionBase:
         self.ensure_recomputed()
         out, self._rerun_out = self._rerun_out, None
         if out is None:
-            raise messages.already_used("the output a layer group's next layer is rebuilt from")
+            raise messages.already_used("the output a layer group's next layer is rebuilt from", self.cell_path())
         return out
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None, chained=None):
         """Keep the tensor arguments for the recompute; returns the storage pointers of those kept.
 
-        Each is detached (the recompute makes its own graph) and remembered
-        with whether autograd tracked it. Holding a tracked one with its graph
-        node instead would tie the region to the graph that holds it (a cycle
-        through MindSpore's C++ nodes, which Python's collector can't break:
-        tried, the checking call's regions outlived every step,
-        ``test_fifty_steps_do_not_grow``). ``offload(tensor, ptr) -> holder``
-        hands them to a swap executor instead of keeping them on the device;
-        kept ones are counted in ``bytes``. Parameters and non-tensors are
-        passed as they are (a Parameter is read at recompute time).
-        ``chained``: ``(the previous member's region, a position or keyword)`` in a layer group
-        (``link_chain``); the argument there is then not kept but rebuilt from that region (``ChainedInput``).
+        Each is detached (the recompute makes its own graph) and remembered with whether autograd tracked it.
+        Holding a tracked one with its graph node instead would tie the region to the graph that holds it (a cycle
+        through MindSpore's C++ nodes, which Python's collector can't break: tried, the checking call's regions
+        outlived every step, ``test_fifty_steps_do_not_grow``). ``offload(tensor, ptr) -> holder`` hands them to a
+        swap executor instead of keeping them on the device; kept ones are counted in ``bytes``. Parameters and
+        non-tensors are passed as they are (a Parameter is read at recompute time). ``chained``: ``(the previous
+        member's region, a position or keyword)`` in a layer group (``link_chain``); the argument there is then not
+        kept but rebuilt from that region (``ChainedInput``).
         """
         ptrs = []
         where = link = None
@@ -468,9 +460,9 @@ class RegionBase:
         return ptrs
 
     def protect_input(self, ptr):
-        """Before an op of the forward writes the saved input at ``ptr`` in place: keep a private copy of it
-        as it is now, for the re-run (which writes it again, into a copy of that copy). Returns whether
-        ``ptr`` is a saved input kept on the device."""
+        """Before an op of the forward writes the saved input at ``ptr`` in place: keep a private copy of it as it
+        is now, for the re-run (which writes it again, into a copy of that copy). Returns whether ``ptr`` is a saved
+        input kept on the device."""
         args, kwargs = self.inputs
         for saved in (*args, *kwargs.values()):
             if isinstance(saved, SavedInput) and saved.ptr == ptr and isinstance(saved.value, Tensor):
@@ -483,17 +475,17 @@ class RegionBase:
         return False
 
     def load_inputs(self):
-        """The saved arguments for the recompute: loaded if swapped, tracked as in forward; pass them
-        through ``rerun_inputs`` inside the re-run's graph."""
+        """The saved arguments for the recompute: loaded if swapped, tracked as in forward; pass them through
+        ``rerun_inputs`` inside the re-run's graph."""
         return map_inputs(lambda _, a: _region_input(a), *self.inputs)
 
     # -- Dropout ------------------------------------------------------------------------------------
     def keep_dropout(self, key, x, out, keep_prob, packed):
         """Settle one Dropout kernel call of the forward, on either path (``out``: its ``(output, mask)``;
-        ``packed``: the tensors it saved for backward, in order): a ``DropoutRecord`` of its mask bits
-        (counted under ``("bits", key)``), or of its outputs, ``kept`` and counted, when the formula does
-        not reproduce this dtype and keep_prob bitwise. Returns it and, per packed tensor, the index in
-        ``(output, mask)`` it is rebuilt as, or None: kept as it is (and counted)."""
+        ``packed``: the tensors it saved for backward, in order): a ``DropoutRecord`` of its mask bits (counted
+        under ``("bits", key)``), or of its outputs, ``kept`` and counted, when the formula does not reproduce this
+        dtype and keep_prob bitwise. Returns it and, per packed tensor, the index in ``(output, mask)`` it is
+        rebuilt as, or None: kept as it is (and counted)."""
         record = DropoutRecord(x, out, keep_prob, ENGINE.dropout_formula_ok(x, *out, keep_prob))
         ptrs = []
         if record.kept is not None:
@@ -524,7 +516,7 @@ class RegionBase:
     def next_child(self, run):
         """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""
         if run.child_idx >= len(self.children):
-            raise messages.nested_regions(len(self.children))
+            raise messages.nested_regions(len(self.children), self.cell_path())
         child = self.children[run.child_idx]
         run.child_idx += 1
         return child
@@ -532,18 +524,18 @@ class RegionBase:
     def ensure_recomputed(self):
         """What the re-run of the running backward rebuilt and no unpack took yet: re-run now on its first unpack.
 
-        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of
-        its own, keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant
-        recompute and PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them
-        a second time. Raises ``RecomputeError`` for a recompute that asks for its own saved tensors, and
-        (from ``_recompute``) for one that diverged from its forward; that engine then has no re-run.
+        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of its
+        own, keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant recompute
+        and PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them a second time.
+        Raises ``RecomputeError`` for a recompute that asks for its own saved tensors, and (from ``_recompute``) for
+        one that diverged from its forward; that engine then has no re-run.
         """
         engine = autodiff_engine_id()
         saved = self.reruns.get(engine)
         if saved is not None:
             return saved
         if self._running:
-            raise messages.recompute_reentered()
+            raise messages.recompute_reentered(self.cell_path())
         self.check_unwritten()
         self._running = True
         try:

@@ -1,22 +1,22 @@
-"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md; why and at
-what cost: its "Stateful ops").
+"""What a region's forward writes, one model for every path (rules W1-W7 of docs/exactness.md; why and at what cost:
+its "Stateful ops").
 
-Ops that write an argument (W1) run in the re-run on copies of what they
-write (``StateSnapshot``; all of a legacy op's Parameter arguments, which its
-signature can't tell apart), or keep their outputs when those copies would
-cost more (``KEEP``). Parameters rebound without an op are ``ReboundParameters``
-(W4); a light re-run's late writes to buffers are undone by ``BufferGuard``.
+Ops that write an argument (W1) run in the re-run on copies of what they write (``StateSnapshot``; all of a legacy
+op's Parameter arguments, which its signature can't tell apart), or keep their outputs when those copies would cost
+more (``KEEP``). Parameters rebound without an op are ``ReboundParameters`` (W4), seen through the ``RebindSlot``
+put on each Parameter once per wrapper; a light re-run's late writes to buffers are undone by ``BufferGuard``.
 """
 import contextlib
 import functools
+import weakref
 
 from mindspore import Parameter, Tensor, ops
 from mindspore.ops import Primitive
 
 from ..mindspore_compat import no_grad
 from ..precision import no_casts
-from ..tensors import is_tracked, param_ptrs
-from ..tensors import tensor_leaves_in_objects as tensor_leaves  # issue 49: the walk stays here for now
+from ..tensors import is_tracked, param_ptrs, tensor_leaves_in_objects
+from .state import ENGINE
 
 SNAPSHOT, KEEP = "snapshot", "keep"
 
@@ -24,8 +24,8 @@ SNAPSHOT, KEEP = "snapshot", "keep"
 def is_side_effect_op(args):
     """True for a legacy op whose primitive writes memory (``side_effect_mem``), checked cheaply.
 
-    Legacy ops are dispatched as ``(primitive, name, (inputs...))``; other
-    ops' first argument is not a Primitive and costs one isinstance check.
+    Legacy ops are dispatched as ``(primitive, name, (inputs...))``; other ops' first argument is not a Primitive
+    and costs one isinstance check.
     """
     return bool(args) and isinstance(args[0], Primitive) and getattr(args[0], "side_effect_mem", False) is True
 
@@ -54,8 +54,8 @@ def may_write(name, args):
 
 
 def written_tensors(name, args):
-    """The tensors op ``name`` may write: a ``side_effect_mem`` primitive's Parameter arguments, and a
-    writer's first input (a tensor, or the tensors of a list of outputs)."""
+    """The tensors op ``name`` may write: a ``side_effect_mem`` primitive's Parameter arguments, and a writer's
+    first input (a tensor, or the tensors of a list of outputs)."""
     found = [_item(args, pos) for pos in written_slots(name, args, ())] if is_side_effect_op(args) else []
     if name.startswith(_WRITES_FIRST):
         first = first_input(args)
@@ -80,9 +80,8 @@ def _positions(args):
 def written_slots(name, args, param_ptrs):
     """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write.
 
-    For a ``side_effect_mem`` primitive: its Parameter arguments. For a writer
-    by name (``writes_first_input``): its first argument when it is one of
-    ``param_ptrs`` (a parameter of the region). Empty for every other op.
+    For a ``side_effect_mem`` primitive: its Parameter arguments. For a writer by name (``writes_first_input``): its
+    first argument when it is one of ``param_ptrs`` (a parameter of the region). Empty for every other op.
     """
     if is_side_effect_op(args):
         return [pos for pos, a in _positions(args) if isinstance(a, Parameter)]
@@ -98,8 +97,8 @@ SMALL_COPY_BYTES = 16 * 1024
 
 
 def choose_handling(args, slots):
-    """SNAPSHOT when the written tensors are at most ``SMALL_COPY_BYTES`` or no larger than the op's other
-    tensor inputs; KEEP the op's outputs otherwise (a ScatterUpdate into an embedding table)."""
+    """SNAPSHOT when the written tensors are at most ``SMALL_COPY_BYTES`` or no larger than the op's other tensor
+    inputs; KEEP the op's outputs otherwise (a ScatterUpdate into an embedding table)."""
     written = {id(_item(args, pos)) for pos in slots}
     param_bytes = sum(int(_item(args, pos).nbytes) for pos in slots)
     if param_bytes <= SMALL_COPY_BYTES:
@@ -130,11 +129,9 @@ def replace_at(args, replacements):
 class StateSnapshot:
     """The tensors a side-effect op may write, copied before its forward call.
 
-    ``ptrs``: storage pointers (``data_ptr``) of the real tensors, which is how
-    the recompute recognises reads of them by other ops. Copies are made
-    without recording a graph; a fresh copy per re-run requires grad exactly
-    when the original was tracked, so the op saves the same tensors as in
-    forward.
+    ``ptrs``: storage pointers (``data_ptr``) of the real tensors, which is how the recompute recognises reads of
+    them by other ops. Copies are made without recording a graph; a fresh copy per re-run requires grad exactly when
+    the original was tracked, so the op saves the same tensors as in forward.
     """
 
     __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes", "buffers", "live")
@@ -181,10 +178,9 @@ def read_slots(args, ptrs):
 
 @contextlib.contextmanager
 def buffers_as_before(snapshots):
-    """Around a re-run (outside its graph): the buffers the forward wrote by an op (``StateSnapshot.buffers``)
-    hold, in place, their values from before the forward's first write, and afterwards what they held
-    before the re-run; so the re-run's write lands in them and is undone, and every read sees the
-    forward's values (rule W1)."""
+    """Around a re-run (outside its graph): the buffers the forward wrote by an op (``StateSnapshot.buffers``) hold,
+    in place, their values from before the forward's first write, and afterwards what they held before the re-run;
+    so the re-run's write lands in them and is undone, and every read sees the forward's values (rule W1)."""
     first = {}
     snapshots = list(snapshots)
     for snapshot in snapshots:   # in op order: the first write's copy is the value before the forward
@@ -212,8 +208,8 @@ def buffers_as_before(snapshots):
 
 class BufferGuard:
     """Copies of a region's non-trainable Parameters (its buffers) taken before a light re-run, whose
-    ``restore_if_written`` undoes a write its checking call did not show (docs/exactness.md, "The light
-    path": a late write is undone)."""
+    ``restore_if_written`` undoes a write its checking call did not show (docs/exactness.md, "The light path": a
+    late write is undone)."""
 
     __slots__ = ("params", "copies")
 
@@ -233,68 +229,116 @@ class BufferGuard:
         return written
 
 
-class ReboundParameters:
-    """A region's Parameters whose storage its forward replaced (``set_data``, ``assign_value``, slice
-    assignment: no op the dispatch sees), with their values from before: rule W4 of docs/exactness.md.
-    Nested regions chain their wrappers, so an enclosing region sees the rebinding too.
-    """
+class RebindSlot:
+    """Stands in a Parameter's ``set_data`` or ``assign_value`` (an instance attribute, put there once per wrapper
+    by ``RebindSlots``): a call made while region forwards run on the engine stack is shown first to each of them
+    that watches the Parameter (``ReboundParameters.note``), as ``op_slot.OpSlot`` routes an op; else it is the
+    method itself. A deep copy or a pickle of the Parameter leaves it behind (a copied model wraps its own)."""
 
-    __slots__ = ("params", "before")
+    __slots__ = ("param", "method", "users")
+
+    def __init__(self, param, method):
+        self.param, self.method, self.users = weakref.ref(param), method, 0
+
+    def __call__(self, *args, **kwargs):
+        p = self.param()
+        call = functools.partial(getattr(type(p), self.method), p)
+        watchers = [run.region.replaced for run in ENGINE.forward_runs()
+                    if run.region.replaced is not None and id(p) in run.region.replaced.watched]
+        if not watchers:
+            return call(*args, **kwargs)
+        old = param_ptrs((p,))
+        for watcher in watchers:
+            watcher.note(p)
+        result = call(*args, **kwargs)
+        new = param_ptrs((p,))
+        for watcher in watchers:
+            if watcher.moved is not None:
+                watcher.moved(old, new)
+        return result
+
+
+class RebindSlots:
+    """The ``RebindSlot`` s one wrapper (or one ``checkpoint`` call) put on Parameters, each once; ``remove`` takes
+    them off (a slot shared with another wrapper stays until its last user goes)."""
+
+    __slots__ = ("covered",)
 
     METHODS = ("set_data", "assign_value")
 
-    def __init__(self, params):
-        self.params = params   # the root's Parameters, trainable or not
-        self.before = ()       # (param, copy of its value before the forward rebound it), in order
+    def __init__(self):
+        self.covered = {}   # id(Parameter) -> weak reference to it
+
+    def cover(self, params):
+        for p in params:
+            if id(p) in self.covered and self.covered[id(p)]() is p:
+                continue
+            self.covered[id(p)] = weakref.ref(p)
+            for method in self.METHODS:
+                slot = p.__dict__.get(method)
+                if not isinstance(slot, RebindSlot):
+                    slot = p.__dict__[method] = RebindSlot(p, method)
+                slot.users += 1
+
+    def remove(self):
+        for ref in self.covered.values():
+            p = ref()
+            for method in self.METHODS if p is not None else ():
+                slot = p.__dict__.get(method)
+                if isinstance(slot, RebindSlot):
+                    slot.users -= 1
+                    if slot.users <= 0:
+                        del p.__dict__[method]
+        self.covered.clear()
+
+
+class ReboundParameters:
+    """A region's Parameters whose storage its forward replaced (``set_data``, ``assign_value``: no op the dispatch
+    sees), with their values from before: rule W4 of docs/exactness.md. ``slots``: the wrapper's ``RebindSlots``
+    (None for a ``checkpoint`` call: its own, for the call); ``moved(old, new)``: told the storage pointers a
+    rebinding freed and took (a freed address is reused by the next tensor, which is no Parameter: found by
+    tests/program_generator.py)."""
+
+    __slots__ = ("params", "slots", "watched", "before", "moved")
+
+    def __init__(self, params, slots=None):
+        self.params, self.slots, self.moved = params, slots, None   # the root's Parameters, trainable or not
+        self.watched = frozenset()   # ids of the Parameters watched while the forward runs
+        self.before = {}             # id -> (param, copy of its value before the forward rebound it), in order
 
     @contextlib.contextmanager
-    def watch(self, hidden=contextlib.nullcontext, args=(), moved=None):
-        """Around the forward: note each Parameter's value before its first rebinding, the root's and those
-        handed to the region in ``args`` (a model's Parameter passed to every layer). ``hidden``: a context
-        under which the copy is no op of the region (the intercepting path's dispatch); ``moved(old, new)``:
-        told the storage pointers a rebinding freed and took (a freed address is reused by the next tensor,
-        which is no Parameter: found by tests/program_generator.py)."""
-        before = {}
-        wrapped = []
+    def watch(self, args=()):
+        """Around the forward: the root's Parameters and those handed to the region in ``args`` (a model's Parameter
+        passed to every layer) are watched; the slots are put only on Parameters without one yet."""
         own = {id(p) for p in self.params}
-        params = (*self.params, *(p for p in tensor_leaves(args) if isinstance(p, Parameter) and id(p) not in own))
-
-        def rebind(p, call, *args, **kwargs):
-            if id(p) not in before:
-                with hidden(), no_grad(), no_casts():
-                    before[id(p)] = (p, ops.deepcopy(p))
-            old = param_ptrs((p,))
-            result = call(*args, **kwargs)
-            if moved is not None:
-                moved(old, param_ptrs((p,)))
-            return result
-
+        extra = [p for p in tensor_leaves_in_objects(args) if isinstance(p, Parameter) and id(p) not in own]
+        slots = self.slots if self.slots is not None else RebindSlots()
+        slots.cover(self.params)
+        slots.cover(extra)
+        self.watched = own.union(map(id, extra))
         try:
-            for p in params:
-                for method in self.METHODS:
-                    outer = p.__dict__.get(method)   # an enclosing region's wrapper
-                    call = outer if outer is not None else functools.partial(getattr(type(p), method), p)
-                    wrapped.append((p, method, outer))
-                    p.__dict__[method] = functools.partial(rebind, p, call)
             yield
         finally:
-            for p, method, outer in reversed(wrapped):
-                if outer is None:
-                    del p.__dict__[method]
-                else:
-                    p.__dict__[method] = outer
-            self.before = tuple(before.values())
+            self.watched = frozenset()
+            if slots is not self.slots:
+                slots.remove()
+
+    def note(self, p):
+        """Before ``p`` is rebound in forward: its value, the first time."""
+        if id(p) not in self.before:
+            with ENGINE.top().engine_ops(), no_grad(), no_casts():   # the copy is no op of the region
+                self.before[id(p)] = (p, ops.deepcopy(p))
 
     @contextlib.contextmanager
     def rerun_from(self):
-        """Around the re-run (outside its graph): the rebound Parameters hold their pre-forward values,
-        and what they held before the re-run afterwards."""
+        """Around the re-run (outside its graph): the rebound Parameters hold their pre-forward values, and what
+        they held before the re-run afterwards."""
         if not self.before:
             yield
             return
         with no_grad(), no_casts():
-            current = [(p, ops.deepcopy(p)) for p, _ in self.before]
-            for p, copy in self.before:
+            current = [(p, ops.deepcopy(p)) for p, _ in self.before.values()]
+            for p, copy in self.before.values():
                 type(p).set_data(p, ops.deepcopy(copy))   # fresh: the re-run may write it in place
         try:
             yield

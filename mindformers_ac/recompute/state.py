@@ -1,11 +1,10 @@
 """The recompute engine's state: per thread, the stack of running region runs and the recompute depth.
 
-``ENGINE`` is one object for the process, on purpose: ``is_in_recompute()``
-and nested regions must be answerable from any code on the thread without a
-handle. The per-run state inside it is thread-local; shared by every thread
-are only the warn-once log (``ENGINE.warnings``: an engine warning is logged
-once per process and key, see ``logs.OnceLogger``) and the Dropout formula
-check (a fact of the installed MindSpore, cached per dtype and keep_prob).
+``ENGINE`` is one object for the process, on purpose: ``is_in_recompute()`` and nested regions must be answerable
+from any code on the thread without a handle. The per-run state inside it is thread-local; shared by every thread
+are only the warn-once log (``ENGINE.warnings``: an engine warning is logged once per process and key, see
+``logs.OnceLogger``) and the Dropout formula check (a fact of the installed MindSpore, cached per dtype and
+keep_prob).
 """
 import logging
 import threading
@@ -36,6 +35,10 @@ class EngineState:
     def top(self):
         runs = self._state().runs
         return runs[-1] if runs else None
+
+    def forward_runs(self):
+        """The forwards running on this thread, innermost last."""
+        return [run for run in self._state().runs if run.mode == FORWARD]
 
     def push(self, run):
         self._state().runs.append(run)

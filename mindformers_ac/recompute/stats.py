@@ -1,9 +1,8 @@
 """Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run, which path ran.
 
-A region's bytes are counted by the package's one ledger
-(``ledger.ActivationLedger``, which swap groups write too); ``RecomputeStats``
-holds the totals of each region while it is alive, and
-``accounting.LayerMeter``'s step figures read those sums.
+A region's bytes are counted by the package's one ledger (``ledger.ActivationLedger``, which swap groups write too);
+``RecomputeStats`` holds the totals of each region while it is alive, and ``accounting.LayerMeter``'s step figures
+read those sums.
 """
 import collections
 import weakref
@@ -12,34 +11,25 @@ import weakref
 class RecomputeStats:
     """Counters of one or more regions (``apply_ac`` shares one per layer).
 
-    ``kept_bytes``: bytes kept for backward by the live regions of this stats
-    object, read when the latest region forward ended (storage-deduplicated
-    inside a region, weights excluded); ``peak_kept_bytes`` its maximum.
-    ``dropped_bytes`` / ``swapped_bytes``: same, for bytes dropped for recompute
-    and handed to the swap executor (``dropped_bytes`` is a lower bound: a
-    storage freed during the forward and reallocated at the same address is
-    counted once). ``live_bytes`` / ``live_regions`` fall back
-    to 0 when backward has freed the regions. ``ops_forward``: ops run in region
-    forwards; ``ops_rerun``: ops run again in backward (``rerun_by_op`` by name);
-    ``ops_reused``: ops whose kept outputs replaced a re-run (policy saves,
-    excluded ops, random ops); ``recompute_calls``: backward-time re-runs.
-    ``intercepted_calls`` / ``light_calls``: region forwards that ran on the
-    op-intercepting path / on the light path (see ``path_choice``); a wrapped
-    cell without a per-op decision is intercepted on its first call per call
-    signature and light afterwards, so ``light_calls`` staying 0 means it
-    never left the slower path. ``chained_calls``: region forwards of a layer
-    group's later members, whose first argument was not kept but will be
-    rebuilt from the previous member (``chain``). ``unread_kept``: kept ops whose
+    ``kept_bytes``: bytes kept for backward by the live regions of this stats object, read when the latest region
+    forward ended (storage-deduplicated inside a region, weights excluded); ``peak_kept_bytes`` its maximum.
+    ``dropped_bytes`` / ``swapped_bytes``: same, for bytes dropped for recompute and handed to the swap executor
+    (``dropped_bytes`` is a lower bound: a storage freed during the forward and reallocated at the same address is
+    counted once). ``live_bytes`` / ``live_regions`` fall back to 0 when backward has freed the regions.
+    ``ops_forward``: ops run in region forwards; ``ops_rerun``: ops run again in backward (``rerun_by_op`` by name);
+    ``ops_reused``: ops whose kept outputs replaced a re-run (policy saves, excluded ops, random ops);
+    ``recompute_calls``: backward-time re-runs. ``intercepted_calls`` / ``light_calls``: region forwards that ran on
+    the op-intercepting path / on the light path (see ``path_choice``); a wrapped cell without a per-op decision is
+    intercepted on its first call per call signature and light afterwards, so ``light_calls`` staying 0 means it
+    never left the slower path. ``chained_calls``: region forwards of a layer group's later members, whose first
+    argument was not kept but will be rebuilt from the previous member (``chain``). ``unread_kept``: kept ops whose
     outputs no backward read, re-run instead of kept (rule K2 of docs/exactness.md, PREFER_SAVE only).
-    ``kept_over_bytes``: the most one region's forward kept beyond what it saved for backward (what the model
-    keeps without AC), because its policy's MUST_SAVE ops (``exclude_op``) are kept whatever they cost.
-    ``intercept_reasons``:
-    why calls stayed on the intercepting path (reason -> times found: once per
-    checked call signature, once per call of a region that is never checked,
-    such as one with a per-call policy), e.g. an excluded op called as a
-    Tensor method, where no keep site can hold it (``keep_sites``).
-    ``early_stops``: re-runs that stopped after the last op that left a
-    dropped tensor (``early_stop``, the intercepting path).
+    ``kept_over_bytes``: the most one region's forward kept beyond what it saved for backward (what the model keeps
+    without AC), because its policy's MUST_SAVE ops (``exclude_op``) are kept whatever they cost.
+    ``intercept_reasons``: why calls stayed on the intercepting path (reason -> times found: once per checked call
+    signature, once per call of a region that is never checked, such as one with a per-call policy), e.g. an
+    excluded op called as a Tensor method, where no keep site can hold it (``keep_sites``). ``early_stops``: re-runs
+    that stopped after the last op that left a dropped tensor (``early_stop``, the intercepting path).
     """
 
     _COUNTERS = ("kept_bytes", "peak_kept_bytes", "dropped_bytes", "swapped_bytes", "ops_forward",
@@ -73,8 +63,8 @@ class RecomputeStats:
         self.rerun_by_op[op_name] += n
 
     def open_region(self, owner, totals):
-        """Account a finished forward (its ledger's ``LedgerTotals``); the bytes are released when ``owner``
-        is garbage."""
+        """Account a finished forward (its ledger's ``LedgerTotals``); the bytes are released when ``owner`` is
+        garbage."""
         kept, dropped, swapped = totals.kept, totals.dropped, totals.swapped
         self.live_bytes += kept
         self._live_dropped += dropped

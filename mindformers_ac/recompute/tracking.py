@@ -1,9 +1,8 @@
 """Where an op runs inside a region: the cell path and op attribute a ``policy_fn`` sees.
 
-``PathTracker`` keeps ``cell_path`` (forward pre/post hooks on the root's
-sub-cells) and ``attr_path`` (the track role of each op attribute's
-``op_slot.OpSlot``) of the innermost running region on this thread; ``OpContext`` is what the policy is
-handed per op.
+``PathTracker`` keeps ``cell_path`` (forward pre/post hooks on the root's sub-cells) and ``attr_path`` (the track
+role of each op attribute's ``op_slot.OpSlot``) of the innermost running region on this thread; ``OpContext`` is
+what the policy is handed per op.
 """
 import contextlib
 import functools
@@ -21,15 +20,12 @@ from .state import ENGINE
 class OpContext:
     """What a ``policy_fn`` learns about the op being dispatched.
 
-    ``op_name``: dispatched op name (``MatMulExt``, ``Softmax``, ``Dropout`` ...).
-    ``cell_path``: dotted path of the innermost sub-cell running, relative to the
-    region root ('' at the root). ``op_path``: ``cell_path + '.' + op_name``.
-    ``attr_path``: path of the op attribute being called (e.g.
-    ``self_attention.core_attention.bmm_qk``, ``mlp.activation_func`` for every
-    op gelu runs), tracked for cell regions; otherwise a guess (the only
-    Primitive or function attribute of the innermost cell named like the op),
-    or None.
-    ``is_recompute``: True in the backward-time re-run. ``op_index``: order in the region.
+    ``op_name``: dispatched op name (``MatMulExt``, ``Softmax``, ``Dropout`` ...). ``cell_path``: dotted path of the
+    innermost sub-cell running, relative to the region root ('' at the root). ``op_path``: ``cell_path + '.' +
+    op_name``. ``attr_path``: path of the op attribute being called (e.g. ``self_attention.core_attention.bmm_qk``,
+    ``mlp.activation_func`` for every op gelu runs), tracked for cell regions; otherwise a guess (the only Primitive
+    or function attribute of the innermost cell named like the op), or None. ``is_recompute``: True in the
+    backward-time re-run. ``op_index``: order in the region.
     """
 
     __slots__ = ("op_name", "cell_path", "is_recompute", "op_index", "_cell", "_attr_path")
@@ -73,9 +69,9 @@ def _find_op_attr(cell, op_name):
 
 
 def is_op_attribute(value):
-    """A cell attribute that runs ops when called: a Primitive, a function, a ``functools.partial``, a bound
-    method, a callable object (a kernel wrapper, a CPU stand-in for a fused kernel), or one of our proxies;
-    not a Cell (a sub-cell is tracked as a cell), a class or a tensor."""
+    """A cell attribute that runs ops when called: a Primitive, a function, a ``functools.partial``, a bound method,
+    a callable object (a kernel wrapper, a CPU stand-in for a fused kernel), or one of our proxies; not a Cell (a
+    sub-cell is tracked as a cell), a class or a tensor."""
     if isinstance(value, (Primitive, types.FunctionType, types.BuiltinFunctionType, functools.partial,
                           types.MethodType)) or getattr(value, "mac_is_op_proxy", False):
         return True
@@ -83,9 +79,9 @@ def is_op_attribute(value):
 
 
 def _op_slots(cell):
-    """``(holder, key, name)`` of every op slot of ``cell`` a path tracker tracks: its op attributes, and the
-    ops of its ``_comm_ops`` registry that are not cells (MindFormers' ``{'fn': op}`` entries, named by their
-    dotted slot name as the whitelist names them; a cell there runs its own ops)."""
+    """``(holder, key, name)`` of every op slot of ``cell`` a path tracker tracks: its op attributes, and the ops of
+    its ``_comm_ops`` registry that are not cells (MindFormers' ``{'fn': op}`` entries, named by their dotted slot
+    name as the whitelist names them; a cell there runs its own ops)."""
     slots = [(cell, attr, attr) for attr, value in list(vars(cell).items())
              if not attr.startswith("_") and attr != "construct" and is_op_attribute(value)]
     registry = vars(cell).get(COMM_OPS_REGISTRY)
@@ -98,10 +94,10 @@ def _op_slots(cell):
 
 
 class PathTracker:
-    """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy (how: the module
-    docstring). Its hooks and track roles act only when the innermost running region on this thread was
-    created with this tracker, so nested regions and calls outside regions are left alone. ``remove()``
-    restores every attribute and hook."""
+    """Maintains ``cell_path`` and ``attr_path`` of the running region for its policy (how: the module docstring).
+    Its hooks and track roles act only when the innermost running region on this thread was created with this
+    tracker, so nested regions and calls outside regions are left alone. ``remove()`` restores every attribute and
+    hook."""
 
     def __init__(self, root):
         self.root = root

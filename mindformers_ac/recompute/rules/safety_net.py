@@ -1,0 +1,142 @@
+"""The safety net of every re-run (docs/exactness.md, "The safety net"): whatever pattern no rule knows, a re-run
+that computes other values than its forward must not hand them to backward. ``PROBE_SIZE`` evenly spaced elements of
+a tensor the forward computed are compared bitwise with the re-run's before any saved tensor leaves the region: one
+``GatherNd`` per forward and per re-run.
+"""
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, ops
+
+from ...mindspore_compat import no_grad
+from ...precision import no_casts
+from ...tensors import storage_info, tensor_leaves_in_objects, tensors_equal
+from .. import messages
+from .base import Rule
+
+PROBE_SIZE = 64
+
+# bfloat16 is left out: the CPU build has no bfloat16 Gather or GatherNd, and a cast of the whole tensor would
+# cost more than the probe is worth; a region whose outputs are all bfloat16 is not probed (docs/exactness.md).
+_PROBED = (ms.float16, ms.float32, ms.float64)
+
+
+def probed(t):
+    """Whether tensor ``t`` can be sampled (a floating dtype the CPU build gathers, contiguous, not empty)."""
+    return t.dtype in _PROBED and t.size > 0 and t.is_contiguous()
+
+
+def first_probed(out):
+    """The first tensor of ``out`` (nested in any object ``tensor_leaves_in_objects`` searches) that can be
+    sampled."""
+    return next((t for t in tensor_leaves_in_objects(out) if probed(t)), None)
+
+
+class SampleIndex:
+    """Per wrapper: output shape -> the coordinates a ``Sample`` of that shape gathers (built once)."""
+
+    __slots__ = ("_index",)
+
+    def __init__(self):
+        self._index = {}
+
+    def of(self, shape):
+        index = self._index.get(shape)
+        if index is None:
+            positions = np.arange(0, int(np.prod(shape)), max(1, int(np.prod(shape)) // PROBE_SIZE))[:PROBE_SIZE]
+            coords = np.stack(np.unravel_index(positions, shape), -1) if shape else positions[:, None]
+            index = self._index[shape] = Tensor(coords.astype(np.int32))
+        return index
+
+
+class Sample:
+    """``PROBE_SIZE`` elements of tensor ``t`` (None: nothing to sample), copied: one ``GatherNd`` on the tensor as
+    it is (a flattening view first would cost another op, about 8 us at the small shape)."""
+
+    __slots__ = ("index", "values", "shape")
+
+    def __init__(self, t, index):
+        self.index = self.values = self.shape = None
+        if t is None:
+            return
+        self.shape = tuple(t.shape)
+        self.index = index.of(self.shape)
+        self.values = self._take(t)
+
+    def _take(self, t):
+        with no_grad(), no_casts():
+            return ops.gather_nd(t if self.shape else t.reshape((1,)), self.index)
+
+    def matches(self, t):
+        """Whether ``t`` (the re-run's tensor) holds the sampled elements bitwise."""
+        if self.values is None:
+            return True
+        return t is not None and tuple(t.shape) == self.shape and tensors_equal(self.values, self._take(t))
+
+
+class SafetyNet(Rule):
+    """The intercepting region's samples: its output and the last tensor dropped before the forward's end and before
+    and after each kept op (whose kept output hides from the region's output what the re-run computed before it).
+    ``index``: the signature's ``SampleIndex`` (a checking call's) or the region's own."""
+
+    __slots__ = ("index", "samples", "last_drop", "cut_samples", "cut_pending")
+
+    def __init__(self, region, index):
+        super().__init__(region)
+        self.index = index
+        self.samples = self.last_drop = None
+        self.cut_samples = {}     # (kept op index, "before" / "after") -> (key, Sample) of the last drop
+        self.cut_pending = None   # (kept op index, "after") until the next op: its packs are made by then
+
+    def note_drop(self, key, t):
+        if probed(t):
+            self.last_drop = (key, t)   # held until the next kept op or the forward's end, then sampled
+
+    def take_samples(self, run, out):
+        """At the end of the forward: its output and the last tensor dropped since the last kept op."""
+        if self.cut_pending is not None:
+            self.sample_at_kept(run, self.cut_pending)
+        t = first_probed(out)
+        producer = self.region.bytes.producer.get(storage_info(t)[0]) if t is not None else None
+        self.samples = (Sample(t, self.index), producer, self._sample_last_drop())
+
+    def _sample_last_drop(self):
+        drop, self.last_drop = self.last_drop, None
+        return (drop[0], Sample(drop[1], self.index)) if drop is not None else None
+
+    def sample_at_kept(self, run, point):
+        """Forward, at a kept op (``point``: ``(index, "before" / "after")`` its call): sample the last tensor
+        dropped since, which may be an argument it saved (K1); the re-run compares at the same point."""
+        self.cut_pending = None
+        if self.last_drop is not None:
+            with run.engine_ops():
+                self.cut_samples[point] = self._sample_last_drop()
+
+    def check_at_kept(self, run, point):
+        cut = self.cut_samples.get(point)
+        if cut is None:
+            return
+        key, sample = cut
+        with run.engine_ops():
+            same = sample.matches(self.region.recomputed.get(key))
+        if not same:
+            self._refuse(key)
+
+    def check(self, out, stopped):
+        """After the re-run, before a rebuilt tensor leaves the region: the samples hold the forward's values
+        bitwise, else ``RecomputeError`` naming the region and the op: a pattern no rule knows fails at once."""
+        at_output, _, last = self.samples
+        if last is not None and not last[1].matches(self.region.recomputed.get(last[0])):
+            self._refuse(last[0])
+        if not stopped and not at_output.matches(first_probed(out)):
+            raise messages.other_values(self.region.cell_path(), self.describe_output_op())
+
+    def _refuse(self, key):
+        raise messages.other_values(self.region.cell_path(), f"op #{key[0]} {self.region.describe_op(key[0])}, "
+                                                             f"its saved tensor #{key[1]}")
+
+    def describe_output_op(self):
+        """``op #7 Add (in 'mlp'), the region's output``: the op that made the sampled output."""
+        idx = self.samples[1] if self.samples is not None else None
+        if idx is None:
+            return "the region's output"
+        return f"op #{idx} {self.region.describe_op(idx)}, the region's output"
