@@ -1059,12 +1059,6 @@ def build_counting_function():
 # a layer group whose members return their output inside a dict or dataclass: refused on the first call
 GROUP_UNWRAPPED = (r"recompute\.group_layers: layer 1 of the group of layers 0, 1, 2 ran without the group's previous "
                    r"layer right before it")
-OUTPUT_WRITTEN_XFAIL = {mode: (
-    "engine bug: a recomputed region's output that an op inside it saved (the sigmoid's), written by the caller "
-    "with ops.assign_add after the region's forward (same storage and version), is rebuilt by the re-run with "
-    "the values before the write, while without AC the backward reads the written ones: gradient 0 differs "
-    "at step 0, nothing raised (the version check misses assign_add; the safety net compares forward and re-run "
-    "only)") for mode in ("full", "select_cell", "exclude_op", "checkpoint_api", "hyper_api")}
 
 
 def counter_refusals(step, cell="counter"):
@@ -1138,11 +1132,10 @@ PATTERNS = {p.name: p for p in [
     Pattern("noise_injection", build_noise_injection, hidden_batch, cell="noise",
             modes=tuple(m for m in _WHY if m != "select_cell"), replay_draws=True),
     Pattern("dataclass_output_assign_add", build_written_output("dataclass"), hidden_batch, cell="out_act",
-            op_swap="out_act", modes=_WHY, raises={"group": (0, GROUP_UNWRAPPED)}, xfail=OUTPUT_WRITTEN_XFAIL),
+            op_swap="out_act", modes=_WHY, raises={"group": (0, GROUP_UNWRAPPED)}),
     # a dict in its place: the same engine paths (its recompute cells as the dataclass's: full stands for them)
     Pattern("dict_output_assign_add", build_written_output("dict"), hidden_batch, cell="out_act",
-            op_swap="out_act", modes=("full", "layer_swap", "op_swap", "swap_api", "async_save_on_cpu"),
-            xfail=OUTPUT_WRITTEN_XFAIL),
+            op_swap="out_act", modes=("full", "layer_swap", "op_swap", "swap_api", "async_save_on_cpu")),
     # select of attn: the layer rebinds the Parameter attn read after attn's forward; attn's re-run reads the new
     # value, which the safety net refuses (exact when the rebinding is inside the region: full, group ...)
     Pattern("argument_parameter_rebound", _write_case("rebinds_argument"), hidden_batch, cell="attn", modes=_WHY,

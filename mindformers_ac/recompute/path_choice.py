@@ -62,7 +62,7 @@ class PathCheck:
         self.n_kept_ops = 0           # ops those calls ran in the checking call (kept, not re-run)
         self.n_kept = None            # kept calls of the first light forward; a later one that differs checks again
         self.checks = None            # the PathChecks holding this check (its installed keep sites)
-        self.saved_outputs = ()       # positions of the outputs an op of the region saved (stamped: rule W6)
+        self.saved_outputs = {}       # output position -> light positions of its saves (held, not rebuilt: W6)
         self.kept_arg_plans = {}      # kept call number -> (saves' metas, argument position per save): K1
         self._owner = None            # weak reference to the checking call's region
 
@@ -190,7 +190,9 @@ class CheckRecorder:
             logger.debug("recompute: a call signature stays intercepted: %s", "; ".join(reasons.values()))
             region.stats.note_intercepted(reasons.values())
         check.params, check.buffers = region.writes.params, region.writes.buffers
-        check.saved_outputs = region.writes.saved_outputs
+        position = {key: i for i, key in enumerate(check.keys)}   # a light forward numbers its saves so
+        check.saved_outputs = {j: tuple(position[k] for k in keys if k in position)
+                               for j, keys in region.writes.saved_outputs.items()}
         check.region_path, check.output_op = region.cell_path(), region.net.describe_output_op()
         check.op_names, check.op_paths = list(region.op_names), dict(region.op_paths)
         check.rerun_counts = collections.Counter(n for i, n in enumerate(check.op_names)

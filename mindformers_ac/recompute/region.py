@@ -111,7 +111,8 @@ class Region(RegionBase):
         if ptr in self.writes.param_ptrs:
             return t
         base, nbytes = storage_info(t)
-        self.kept.packed[(base, self.bytes.producer.get(base))] = nbytes
+        storage = base, self.bytes.producer.get(base)
+        self.kept.packed[storage] = nbytes
         if decision == SAVE and key is not None and self.kept.saves_argument(key, ptr):
             decision = None   # K1: a kept op keeps its outputs; an argument it saved is the re-run's
         elif decision == SAVE or (ptr in self.writes.input_ptrs and not self.swap.inputs):
@@ -126,6 +127,7 @@ class Region(RegionBase):
         elif decision == SWAP:
             return self.swap.offload(run, t)
         token = Token(self, key)
+        self.writes.dropped.setdefault(storage, []).append(key)
         self.token_meta[key] = (tuple(t.shape), t.dtype)   # checked against the recompute's
         self.op_paths.setdefault(key[0], run.cell_path())
         if decision == REBUILD:
@@ -190,9 +192,8 @@ class Region(RegionBase):
         """What the end of the forward keeps, while ``run`` is on the ENGINE stack: an enclosing region's dispatch
         then does not number the ops it runs, which its re-run, replaying this region, would not run (N1)."""
         producer, packed = self.bytes.producer, self.kept.packed
-        self.writes.saved_outputs = tuple(j for j, t in enumerate(tensor_leaves_in_objects(out))
-                                          if (storage_info(t)[0], producer.get(storage_info(t)[0])) in packed)
-        self.stamp(args, kwargs, out, self.writes.saved_outputs)   # first: a held output counts against K2's bound
+        saved = self.writes.find_saved_outputs(tensor_leaves_in_objects(out), packed, producer)
+        self.stamp(args, kwargs, out, saved)   # first: a held output counts against K2's bound
         self.kept.release_unread()
         self.keep_replaced()
         self.finish_chain(out)

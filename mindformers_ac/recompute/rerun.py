@@ -335,6 +335,7 @@ class RegionBase:
         self.children = []        # regions nested in this one's forward, in call order
         self.bytes = ActivationLedger(param_ptrs)
         self.stamps = ()             # (weakref, stamp, description) of what a later write must not touch
+        self.held_saves = {}         # save key (or light position) -> _Held output it saved: served, not rebuilt (W6)
         self.recomputed = None       # what the re-run running now rebuilt (``_recompute`` fills it)
         self.reruns = {}             # autodiff engine id -> its re-run's ``recomputed``, taken on unpack (R1)
         self._running = False
@@ -353,22 +354,26 @@ class RegionBase:
     # -- writes after the forward (rule W6) -------------------------------------------------------------
     def stamp(self, args, kwargs, out, saved_outputs):
         """At the end of the forward: stamp the region's tensor inputs, which the re-run reads through the aliases
-        it saved, and the outputs at ``saved_outputs`` (positions in ``tensor_leaves_in_objects(out)``), which an
-        op of the region saved for backward. Inputs are held weakly (the saved alias has its own version counter, so the
-        caller's tensor is stamped: once it dies nobody writes it). A saved output is held until the re-run as a
-        view (``_Held``), as the graph holds it without AC (counted as kept): the model's loop rebinds its variable,
-        so a weak reference would die before the next layer's write."""
+        it saved, and hold the outputs an op of the region saved for backward (``saved_outputs``: position in
+        ``tensor_leaves_in_objects(out)`` -> the keys of its dropped saves). Inputs are held weakly (the saved alias
+        has its own version counter, so the caller's tensor is stamped: once it dies nobody writes it). A saved
+        output is held as a view (``_Held``, counted as kept), as the graph holds it without AC, and its dropped
+        saves are served from that view, not rebuilt (rule W6): the backward then reads what the code after the
+        region wrote into it without a new version (``ops.assign_add``, ``ops.assign``), as without AC."""
         stamps = []
         for i, a in enumerate((*args, *kwargs.values())):
             if isinstance(a, Tensor) and not isinstance(a, Parameter):
                 stamps.append((weakref.ref(a), tensor_stamp(a), f"input #{i}"))
         if saved_outputs:
             leaves = tensor_leaves_in_objects(out)
-            for j in saved_outputs:
-                if j < len(leaves):
-                    t = leaves[j]
-                    self.bytes.keep(t)
-                    stamps.append((_Held(t), tensor_stamp(t), f"output #{j}"))
+            for j, keys in saved_outputs.items():
+                if j >= len(leaves):
+                    continue   # a light call's output holds fewer tensors than its checking call's
+                t = leaves[j]
+                self.bytes.keep(t)
+                held = _Held(t)
+                stamps.append((held, tensor_stamp(t), f"output #{j}"))
+                self.held_saves.update(dict.fromkeys(keys, held))
         self.stamps = stamps
 
     def check_unwritten(self):
@@ -543,6 +548,8 @@ class RegionBase:
         finally:
             self._running = False
         saved = self.reruns[engine] = self.recomputed
+        for key, held in self.held_saves.items():   # W6: what the graph reads without AC
+            saved[key] = held()
         self.stats.recompute_calls += 1
         return saved
 

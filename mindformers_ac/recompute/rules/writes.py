@@ -4,7 +4,7 @@ from mindspore import Tensor, ops
 
 from ...mindspore_compat import no_grad
 from ...precision import no_casts
-from ...tensors import param_ptrs
+from ...tensors import param_ptrs, storage_info
 from .. import messages
 from ..dispatch import SAVE
 from ..side_effects import (
@@ -28,7 +28,7 @@ class Writes(Rule):
     slot) of its first write; ``writes_arg``: kept ops that wrote their first argument (W3)."""
 
     __slots__ = ("params", "param_names", "buffers", "param_ptrs", "input_ptrs", "snapshots", "written",
-                 "writes_arg", "may_write_seen", "saved_outputs")
+                 "writes_arg", "may_write_seen", "dropped", "saved_outputs")
 
     def __init__(self, region, root):
         super().__init__(region)
@@ -42,7 +42,8 @@ class Writes(Rule):
         self.written = {}
         self.writes_arg = set()
         self.may_write_seen = False   # an op that may write tensors ran in forward
-        self.saved_outputs = ()       # positions of the outputs an op of the region saved (stamped: W6)
+        self.dropped = {}             # (storage, producing op) -> keys of the saves of it the forward dropped
+        self.saved_outputs = {}       # position of an output an op of the region saved -> keys of its dropped saves
 
     def guard(self, run, idx, name, args, decision):
         """Forward, before op ``idx`` that may write: protect what it writes that the re-run must see as it is now
@@ -141,6 +142,15 @@ class Writes(Rule):
                     run.written[ptr] = snap.fresh(k)
                 served[pos] = run.written[ptr]
             return replace_at(args, served) if served else args
+
+    def find_saved_outputs(self, leaves, packed, producer):
+        """W6, at the end of the forward: ``saved_outputs``, the region's outputs (``leaves``) that an op of the
+        region saved (``packed``), each with the keys of the saves of it the forward dropped (served from the held
+        output, not rebuilt: ``RegionBase.stamp``)."""
+        storages = [(storage_info(t)[0], producer.get(storage_info(t)[0])) for t in leaves]
+        self.saved_outputs = {j: tuple(self.dropped.get(s, ())) for j, s in enumerate(storages) if s in packed}
+        self.dropped = None
+        return self.saved_outputs
 
     def param_moved(self, old, new):
         """A Parameter was rebound in forward: its old storage pointers are no weight's any more."""
