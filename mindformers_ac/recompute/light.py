@@ -1,11 +1,6 @@
 """The light way into a region: saved-tensor hooks only, no per-op interception (docs/exactness.md, "The light
-path").
-
-The forward numbers every tensor saved for backward and keeps its shape and dtype; the re-run collects what it
-saves, in order, and backward takes them by position. An ``nn.Dropout`` kernel call and a call at a keep site arrive
-through their ``op_slot.OpSlot`` and are numbered apart; ``safety_net.Sample`` catches a re-run that took another
-code path; ``side_effects.BufferGuard`` undoes a late write.
-"""
+path"). Saved tensors are numbered in forward and refilled by position; an ``nn.Dropout`` kernel call and a call at
+a keep site arrive through their ``op_slot.OpSlot`` and are numbered apart."""
 import mindspore as ms
 from mindspore import Tensor
 
@@ -20,14 +15,14 @@ from .state import ENGINE, FORWARD, RECOMPUTE
 
 
 class _ApartPack:
-    """What a light forward leaves for a tensor saved inside a call it numbers apart: an ``nn.Dropout`` kernel call
-    (``drop``: rebuilt from its mask) or a kept call (``keep_call``: ``tensor`` kept, or, for one of the call's
-    arguments, ``call`` and ``index``: the re-run's argument, rule K1)."""
+    """What a light forward leaves for a tensor saved inside a call it numbers apart, an ``nn.Dropout`` kernel call
+    or a kept call: ``tensor`` kept, or item ``index`` of ``source``, the list the re-run fills (the Dropout's
+    rebuilt ``(output, mask)``, or the kept call's tensor arguments: rule K1)."""
 
-    __slots__ = ("region", "tensor", "drop", "index", "call")
+    __slots__ = ("region", "tensor", "source", "index")
 
     def __init__(self, region, tensor):
-        self.region, self.tensor, self.drop, self.index, self.call = region, tensor, None, 0, None
+        self.region, self.tensor, self.source, self.index = region, tensor, None, 0
 
 
 class _Collector:
@@ -50,35 +45,27 @@ def _unpack(obj):
     if obj.tensor is not None:   # an _ApartPack whose tensor was kept
         return obj.tensor
     obj.region.ensure_recomputed()
-    if obj.call is not None:     # an argument a kept call saved: the re-run's
-        return obj.region.kept_args[obj.call][obj.index]
-    return obj.drop.rebuilt[obj.index]
+    return obj.source[obj.index]
 
 
 class LightRegion(RegionBase):
-    """One call on the light path: saved tensors are numbered in forward and refilled by position.
-
-    ``check``: the ``path_choice.PathCheck`` that let this signature go light (op names for messages, counters);
-    ``checks``/``key``: where to forget it when this forward saved something else.
-    """
+    """One call on the light path. ``check``: the ``path_choice.PathCheck`` that let this signature go light (op
+    names for messages, counters); ``checks``/``key``: where to forget it when this forward saved something else."""
 
     def __init__(self, fn, check, checks, key, stats, context_fn, precision, chain=None, rebind=None):
         super().__init__(fn, stats, context_fn, check.param_ptrs, check.params, chain, rebind)
-        self.check, self.path = check, check.region_path   # its cell path, for messages
-        self.precision = precision
+        self.check, self.path, self.precision = check, check.region_path, precision   # path: for messages
         self._checks, self._key = checks, key
         self.sig = []             # (shape, dtype) of each tensor saved in forward, in order
         self.dropouts = []        # random_ops.DropoutRecord per nn.Dropout kernel call, in order
         self.recomputed = None    # tensors the recompute saved, by position; None once taken
         self._pending = None      # _ApartPacks made inside a Dropout kernel call or a kept call in progress
-        self.kept = []            # (OpSlot, its tensor arguments' (shape, dtype), outputs) per kept call
-        self.kept_args = []       # per kept call, the re-run's tensor arguments (what it saved of them: K1)
-        self.input_ptrs = ()      # storage pointers of the saved inputs (kept anyway)
+        self.kept = []            # (OpSlot, its tensor arguments' (shape, dtype), outputs, re-run's arguments) per call
+        self.input_ptrs = set()   # storage pointers of the saved inputs (kept anyway)
         self._collector = None
         self.probe = None         # safety_net.Sample of the forward's output (the safety net)
         self.kept_inputs = []     # safety_net.Sample of each kept call's input, in order (the safety net)
 
-    # -- forward ------------------------------------------------------------------
     def _pack(self, t):
         # What is left in the graph holds the region until backward used it (not the hook functions:
         # MindSpore keeps those as long as the graph, which outlives the backward).
@@ -94,16 +81,14 @@ class LightRegion(RegionBase):
     def take(self, i):
         """The tensor the recompute saved at position ``i`` (single use: ``RecomputeError`` the second time)."""
         recomputed = self.ensure_recomputed()
-        t = recomputed[i]
+        t, recomputed[i] = recomputed[i], None
         if t is None:
             raise messages.already_used(f"saved tensor #{i}", self.path)
-        recomputed[i] = None
         return t
 
     def run_forward(self, args, kwargs):
-        run = RegionRun(self, FORWARD)
-        run.keeps = self.check.keep_proxies or None
-        stats = self.stats
+        run, check, stats = RegionRun(self, FORWARD), self.check, self.stats
+        run.keeps = check.keep_proxies or None
         stats.light_calls += 1
         ENGINE.push(run)
         try:
@@ -112,13 +97,12 @@ class LightRegion(RegionBase):
             with self.run_context(FORWARD), ms.saved_tensors_hooks(self._pack, _unpack), \
                     self.replaced.watch((args, kwargs)):
                 out = self.fn(*args, **kwargs)
-            self.probe = Sample(first_probed(out), self.check.probe_index)
-            self.stamp(args, kwargs, out, self.check.saved_outputs)   # its own ops: not an enclosing region's (N1)
+            self.probe = Sample(first_probed(out), check.probe_index)
+            self.stamp(args, kwargs, out, check.saved_outputs)   # its own ops: not an enclosing region's (N1)
         finally:
             ENGINE.pop(run)
         self.keep_replaced()
         self.finish_chain(out)
-        check = self.check
         if check.n_kept is None:
             check.n_kept = len(self.kept)
         if self.sig != check.fwd or len(self.dropouts) != check.n_dropouts or len(self.kept) != check.n_kept:
@@ -133,7 +117,18 @@ class LightRegion(RegionBase):
     def dropout_call(self, run, prim, x):
         """An ``nn.Dropout`` kernel call: keep its mask as bits in forward, rebuild its output in recompute."""
         if run.mode == FORWARD:
-            return self._dropout_forward(prim, x)
+            pending = self._pending = []
+            try:
+                out = prim(x)
+            finally:
+                self._pending = None
+            drop, where = self.keep_dropout(len(self.dropouts), x, out, float(prim.keep_prob),
+                                            [p.tensor for p in pending])
+            for p, j in zip(pending, where):   # all None when it can't be rebuilt bitwise: kept (drop.kept)
+                if j is not None:
+                    p.source, p.index, p.tensor = drop.rebuilt, j, None
+            self.dropouts.append(drop)
+            return out
         if run.mode != RECOMPUTE:
             return prim(x)
         i = run.dropout_idx
@@ -148,23 +143,9 @@ class LightRegion(RegionBase):
             raise messages.other_tensor(f"nn.Dropout #{i}, its input", drop.meta, got, self.path)
         self._collector.skip = True   # the rebuild's own ops save nothing for this region
         try:
-            drop.rebuilt = drop.rebuild(x)
+            drop.rebuilt[:] = out = drop.rebuild(x)
         finally:
             self._collector.skip = False
-        return drop.rebuilt
-
-    def _dropout_forward(self, prim, x):
-        pending = self._pending = []
-        try:
-            out = prim(x)
-        finally:
-            self._pending = None
-        drop, where = self.keep_dropout(len(self.dropouts), x, out, float(prim.keep_prob),
-                                        [p.tensor for p in pending])
-        for p, j in zip(pending, where):   # all None when it can't be rebuilt bitwise: kept (drop.kept)
-            if j is not None:
-                p.drop, p.index, p.tensor = drop, j, None
-        self.dropouts.append(drop)
         return out
 
     def keep_call(self, run, proxy, args, kwargs):
@@ -179,16 +160,16 @@ class LightRegion(RegionBase):
                 out = proxy.call_op(args, kwargs)
             finally:
                 packs, self._pending = self._pending, pending
-            plan = self._arg_plan(len(self.kept), args, out, [p.tensor for p in packs])
+            outs = [t for t in output_tensors(out) if isinstance(t, Tensor)]
+            plan, rerun_args = self._arg_plan(len(self.kept), args, outs, [p.tensor for p in packs]), []
             for p, i in zip(packs, plan):
                 if i is None:
                     self.bytes.keep(p.tensor)
                 else:
-                    p.call, p.index, p.tensor = len(self.kept), i, None   # K1: the re-run's argument
-            for t in output_tensors(out):
-                if isinstance(t, Tensor):
-                    self.bytes.keep(t)
-            self.kept.append((proxy, arg_meta(args), out))
+                    p.source, p.index, p.tensor = rerun_args, i, None   # K1: the re-run's argument
+            for t in outs:
+                self.bytes.keep(t)
+            self.kept.append((proxy, arg_meta(args), out, rerun_args))
             return out
         if run.mode != RECOMPUTE:
             return proxy.call_op(args, kwargs)
@@ -196,14 +177,14 @@ class LightRegion(RegionBase):
         run.keep_idx += 1
         if i >= len(self.kept):
             raise messages.kept_calls(run.keep_idx, len(self.kept), proxy.mac_keep, self.path)
-        held, meta, out = self.kept[i]
+        held, meta, out, rerun_args = self.kept[i]
         got = arg_meta(args)
         if held is not proxy or got != meta:
             raise messages.other_kept_call(i, held.mac_keep, meta, proxy.mac_keep, got, self.path)
         if not self.kept_inputs[i].matches(self._kept_input(args)):
             self._checks.forget(self._key)
             raise messages.other_values(self.path, f"the input of kept call #{i} ({proxy.mac_keep})")
-        self.kept_args.append(tensor_args(args))
+        rerun_args[:] = tensor_args(args)
         return out
 
     def _kept_input(self, args):
@@ -211,20 +192,16 @@ class LightRegion(RegionBase):
         weights = self.check.param_ptrs
         return next((t for t in tensor_args(args) if probed(t) and t.data_ptr() not in weights), None)
 
-    def _arg_plan(self, n, args, out, packed):
-        """K1 on the light path: for each tensor kept call ``n`` saved, the position of the argument it is (the
-        re-run's argument then stands for it), or None (kept). A legacy op saves converted copies of its arguments,
-        not the caller's tensors, so the first light forward of the signature compares values once and notes the
-        positions (``PathCheck.kept_arg_plans``); later ones check shapes."""
-        tensors = tensor_args(args)
-        plans = self.check.kept_arg_plans
-        plan = plans.get(n)
+    def _arg_plan(self, n, args, outs, packed):
+        """K1: per tensor kept call ``n`` saved, the position of the argument it is (the re-run's stands for it), or
+        None (kept). A legacy op saves converted copies of its arguments, so the signature's first light forward
+        compares values once (``PathCheck.kept_arg_plans``); later ones check shapes."""
+        tensors, plan = tensor_args(args), self.check.kept_arg_plans.get(n)
         metas = [(tuple(t.shape), t.dtype) for t in packed]
         if plan is not None and plan[0] == metas:
             return plan[1]
-        outs = {t.data_ptr() for t in output_tensors(out) if isinstance(t, Tensor)}
-        weights = set(self.check.param_ptrs)
-        skip = weights | set(self.input_ptrs) | outs   # kept anyway: keeping it again costs nothing
+        weights = self.check.param_ptrs   # kept anyway, as are the inputs and outputs: keeping it again costs nothing
+        skip = {t.data_ptr() for t in outs} | set(weights) | self.input_ptrs
         found = []
         for t, meta in zip(packed, metas):
             i = None
@@ -238,17 +215,16 @@ class LightRegion(RegionBase):
                     with no_grad():
                         i = next((j for j in same if tensors_equal(tensors[j], t)), None)
             found.append(i)
-        plans[n] = (metas, found)
+        self.check.kept_arg_plans[n] = (metas, found)
         return found
 
-    # -- recompute ------------------------------------------------------------------
     def _recompute(self):
         if self.fn is None:   # let go after a re-run no later backward was to reach (R1): a second backward
             raise messages.already_used("a saved tensor", self.path)
-        run = RegionRun(self, RECOMPUTE)
-        run.keeps = self.check.keep_proxies or None
+        run, check, stats = RegionRun(self, RECOMPUTE), self.check, self.stats
+        run.keeps = check.keep_proxies or None
         collector = self._collector = _Collector()
-        guard = BufferGuard(self.check.buffers) if self.check.buffers else None
+        guard = BufferGuard(check.buffers) if check.buffers else None
         args, kwargs = self.load_inputs()
         try:
             with self.replaced.rerun_from(), recompute_graph(run, self.precision, self.random_state):
@@ -261,13 +237,18 @@ class LightRegion(RegionBase):
             if guard is not None and guard.restore_if_written():
                 self._checks.forget(self._key)
                 ENGINE.warnings.warning(("light_write", self._key), messages.LIGHT_REWRITE)
-        self._check(saved, run)
+        sig = self.sig
+        if run.keep_idx != len(self.kept):
+            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep, self.path)
+        messages.check_saves([(t.shape, t.dtype) for t in saved], sig, check.describe_save
+                             if sig == check.fwd else (lambda j: f"saved tensor #{j}"), self.path)
+        if run.dropout_idx != len(self.dropouts):
+            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts), self.path)
         if not self.probe.matches(first_probed(out)):
             self._checks.forget(self._key)
-            raise messages.other_values(self.path, self.check.output_op)
+            raise messages.other_values(self.path, check.output_op)
         self.keep_rerun_output(out)
         self.recomputed = saved
-        check, stats = self.check, self.stats
         stats.ops_rerun += check.n_rerun
         stats.rerun_by_op.update(check.rerun_counts)
         stats.ops_reused += run.dropout_idx + check.n_kept_ops
@@ -278,15 +259,3 @@ class LightRegion(RegionBase):
         # not kept alive through it.
         self.inputs = self.sig = self.kept = self.kept_inputs = None
         self.fn = self.replaced = self.check = self._checks = None
-
-    def _check(self, saved, run):
-        """Raise ``RecomputeError`` unless the recompute saved what the forward saved and ran every nn.Dropout of
-        it."""
-        sig = self.sig
-        if run.keep_idx != len(self.kept):
-            raise messages.kept_calls(run.keep_idx, len(self.kept), self.kept[run.keep_idx][0].mac_keep, self.path)
-        messages.check_saves([(t.shape, t.dtype) for t in saved], sig, self.check.describe_save
-                             if sig == self.check.fwd else (lambda j: f"saved tensor #{j}"), self.path)
-        if run.dropout_idx != len(self.dropouts):
-            raise messages.dropout_calls(run.dropout_idx, len(self.dropouts), self.path)
-

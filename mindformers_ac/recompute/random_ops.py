@@ -1,12 +1,6 @@
-"""Random ops in a recomputed region: which ones can't be run again, and how Dropout is rebuilt exactly.
-
-A random op's second call draws different numbers, so the engine never runs it again in a recompute: ``Dropout``
-(the only random kernel the CPU build has on this path) keeps its mask as packed bits and its output is rebuilt as
-``x * (mask * (1 / keep_prob))``, a formula checked bitwise against the kernel once per dtype and keep_prob (if the
-check fails the outputs are kept instead); other random ops keep their outputs, unless marked replayable
-(``REPLAYABLE_ATTR``; docs/exactness.md, "Random ops"). A random op is one MindSpore marks as random
-(``is_random_op``), its name only the fallback.
-"""
+"""Random ops in a recomputed region (docs/exactness.md, "Random ops"): which ones can't be run again (a second call
+draws other numbers), and how ``Dropout``, the only random kernel the CPU build has on this path, is rebuilt from its
+mask bits exactly."""
 import logging
 import re
 
@@ -29,18 +23,14 @@ RANDOM_OP_PATTERN = re.compile(
     r"dropout|uniform|normal(?!ize)|random|bernoulli|multinomial|randperm|randint|randn|^rand|"
     r"^gamma|poisson|shuffle|seed|laplace|cauchy", re.IGNORECASE)
 
-
 # A random primitive with this attribute set to True promises that calling it again on the same
 # inputs draws the same output (a fresh primitive with explicit seeds: a counter-based RNG).
 REPLAYABLE_ATTR = "mac_replayable"
 
-# What MindSpore sets on a primitive that draws random numbers: ``side_effect_hidden`` (every primitive of
-# ``ops/operations/random_ops.py``, Dropout) and the seeds it draws from.
-_RANDOM_ATTRS = ("side_effect_hidden", "seed", "seed2")
-
 
 def is_random_primitive(prim):
-    """True for a primitive MindSpore marks as random: ``side_effect_hidden``, or a ``seed`` / ``seed2``."""
+    """True for a primitive MindSpore marks as random: ``side_effect_hidden`` (every primitive of
+    ``ops/operations/random_ops.py``, Dropout), or the seeds it draws from."""
     attrs = prim.attrs if isinstance(getattr(prim, "attrs", None), dict) else {}
     return attrs.get("side_effect_hidden") is True or "seed" in attrs or "seed2" in attrs
 
@@ -52,27 +42,22 @@ def is_random_op_name(name):
 
 
 def is_random_op(name, args):
-    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers: a primitive
-    MindSpore marks (``is_random_primitive``), else by ``is_random_op_name``."""
+    """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers."""
     prim = args[0] if args and isinstance(args[0], Primitive) else None
     return (prim is not None and is_random_primitive(prim)) or is_random_op_name(name)
 
 
 def is_unreplayable_random_op(name, args):
-    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat: not one
-    marked ``REPLAYABLE_ATTR``, recomputed like any other op."""
-    if not is_random_op(name, args):
-        return False
-    return not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
+    """True if op ``name`` called with ``args`` draws random numbers that a second call would not repeat (one marked
+    ``REPLAYABLE_ATTR`` is recomputed like any other op)."""
+    return is_random_op(name, args) and not (args and getattr(args[0], REPLAYABLE_ATTR, False) is True)
 
 
 class DropoutFormulaCheck:
-    """Whether ``dropout_formula`` equals the kernel bitwise, checked once per (dtype, keep_prob).
-
-    The outputs are compared as bit patterns (a NaN equals itself, -0 differs from 0). Only a call whose input and
-    output are all finite decides the cached answer: an overflowed step (which a loss scaler skips) is judged for
-    itself alone, so it can neither cache a failure for the process nor log one.
-    """
+    """Whether ``dropout_formula`` equals the kernel bitwise (as bit patterns: a NaN equals itself, -0 differs from
+    0), checked once per (dtype, keep_prob). Only a call whose input and output are all finite decides the cached
+    answer: an overflowed step (which a loss scaler skips) is judged for itself alone, so it can neither cache a
+    failure for the process nor log one."""
 
     def __init__(self):
         self._ok = {}   # (dtype, keep_prob) -> bool, from finite calls only
@@ -82,40 +67,28 @@ class DropoutFormulaCheck:
         ok = self._ok.get(key)
         if ok is not None:
             return ok
-        xn, on = x.asnumpy(), out.asnumpy()
-        ok = self._rebuilds(x, on, mask, keep_prob)
-        if not (np.isfinite(xn).all() and np.isfinite(on).all()):
-            return ok
-        self._ok[key] = ok
-        if not ok:
-            logger.warning(messages.DROPOUT_NOT_REBUILT, key)
+        on, mn = out.asnumpy(), mask.asnumpy()
+        ok = False
+        if np.isin(mn, (0, 1)).all():
+            with no_grad():   # a check, not part of the graph
+                rebuilt = dropout_formula(x, mn, keep_prob).asnumpy()
+            bits = np.dtype(f"u{on.dtype.itemsize}")
+            ok = rebuilt.dtype == on.dtype and rebuilt.shape == on.shape and \
+                np.array_equal(rebuilt.view(bits), on.view(bits))
+        if np.isfinite(x.asnumpy()).all() and np.isfinite(on).all():
+            self._ok[key] = ok
+            if not ok:
+                logger.warning(messages.DROPOUT_NOT_REBUILT, key)
         return ok
-
-    @staticmethod
-    def _rebuilds(x, out_np, mask, keep_prob):
-        mn = mask.asnumpy()
-        if not np.isin(mn, (0, 1)).all():
-            return False
-        with no_grad():   # a check, not part of the graph
-            rebuilt = dropout_formula(x, mask, keep_prob).asnumpy()
-        if rebuilt.dtype != out_np.dtype or rebuilt.shape != out_np.shape:
-            return False
-        bits = np.dtype(f"u{out_np.dtype.itemsize}")
-        return np.array_equal(rebuilt.view(bits), out_np.view(bits))
 
 
 def dropout_formula(x, mask, keep_prob):
-    """The CPU kernel's ``out = mask * x * (1/keep_prob)`` as ``x * (mask * scale)``.
-
-    With mask in {0, 1} both orders round identically (x*scale or a signed zero); the scale is rounded in the mask
-    dtype as the kernel does, except for float16 / bfloat16, which the kernel computes in float32. Runs a MindSpore
-    op so that the rebuilt output carries gradient history from ``x`` (the recompute must record the ops that
-    consume it).
-    """
-    mask = mask.asnumpy() if isinstance(mask, Tensor) else mask
+    """The CPU kernel's ``out = mask * x * (1/keep_prob)`` as ``x * (mask * scale)`` (``mask``: a numpy array). With
+    mask in {0, 1} both orders round identically (x*scale or a signed zero); the scale is rounded in the mask dtype as
+    the kernel does, except for float16 / bfloat16, which the kernel computes in float32. Runs a MindSpore op so that
+    the rebuilt output carries gradient history from ``x`` (the recompute must record the ops that consume it)."""
     if x.dtype in _HALF:
-        # The CPU kernel computes a 16-bit dropout in float32 and rounds once at the end; the ops run
-        # without mixed-precision casts, which would otherwise change the dtypes they compute in.
+        # rounded once at the end, and without mixed-precision casts (they would change the dtypes computed in)
         scaled = mask.astype(np.float32) * (np.float32(1.0) / np.float32(keep_prob))
         with no_casts():
             return ops.cast(ops.mul(ops.cast(x, ms.float32), Tensor.from_numpy(scaled)), x.dtype)
@@ -135,15 +108,14 @@ class DropoutRecord:
         self.meta = (tuple(x.shape), x.dtype)   # the input's, checked by a light re-run
         self.keep_prob, self.kept, self.bits = keep_prob, None if rebuilds else out, None
         self.pack_outputs = []   # intercepting path: (pack number, output index) of the packs the op made
-        self.rebuilt = None      # light path: the re-run's (output, mask), which its packs unpack
+        self.rebuilt = []        # light path: the re-run's (output, mask), which its packs unpack
         if rebuilds:
             m = out[1].asnumpy()
             self.shape, self.dtype = m.shape, m.dtype
             self.bits = np.packbits(m != 0)
 
     def rebuild(self, x):
-        n = int(np.prod(self.shape))
-        mask = np.unpackbits(self.bits, count=n).reshape(self.shape).astype(self.dtype)
+        mask = np.unpackbits(self.bits, count=int(np.prod(self.shape))).reshape(self.shape).astype(self.dtype)
         return dropout_formula(x, mask, self.keep_prob), Tensor.from_numpy(mask)
 
 

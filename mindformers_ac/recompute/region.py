@@ -1,10 +1,6 @@
-"""The op-intercepting way into a region: every op numbered and decided before it runs.
-
-What it shares with the light path is ``rerun.RegionBase``; the per-op rules are objects of ``rules`` (one per rule,
-each with its own state), which this region dispatches to. A checking call hands what the light path needs to its
-``path_choice.CheckRecorder``. A region met inside another's forward is its child: the parent's recompute *replays*
-it (same kept outputs, same masks).
-"""
+"""The op-intercepting way into a region: every op numbered and decided before it runs, each decision dispatched to
+the rule objects of ``rules``. A region met inside another's forward is its child: the parent's recompute *replays*
+it (same kept outputs, same masks)."""
 import contextlib
 
 from ..checkpoint_policy import CheckpointPolicy
@@ -51,26 +47,21 @@ class Region(RegionBase):
     def rules(self):
         return self.kept, self.swap, self.writes, self.random, self.align, self.nesting, self.net
 
-    # -- the light path's one mark (see path_choice) ------------------------------
     @property
     def intercept(self):
         """Why this call's signature stays intercepted (key -> reason): every rule's reasons, collected here."""
-        found = {}
-        for rule in self.rules():
-            found.update(rule.reasons)
-        return found
+        return {key: reason for rule in self.rules() for key, reason in rule.reasons.items()}
 
     def keep_intercepted(self, key, reason):
         """A fact of this call outside the rules (a feature of a subclass) the light path can't reproduce."""
         self.nesting.keeps_intercepted(key, reason)
 
     def light_reproduces(self, key):
-        """Decision ``key`` is one the light path reproduces itself (an nn.Dropout's mask bits, a random op that
-        draws again from the forward's state, an op kept at its site): it no longer keeps the signature."""
+        """The light path reproduces decision ``key`` itself (Dropout mask bits, a random op drawn again from the
+        forward's state, an op kept at its site): it no longer keeps the signature intercepted."""
         for rule in self.rules():
             rule.reasons.pop(key, None)
 
-    # -- decisions --------------------------------------------------------------
     def decide(self, run, idx, name, func, args, kwargs):
         """Decision for op ``idx`` in forward; random ops are kept whatever the policy says."""
         kept = self.kept
@@ -94,7 +85,6 @@ class Region(RegionBase):
         if idx in self.kept.policy_saves:
             self.kept.note_args(idx, args)
 
-    # -- saved tensors ------------------------------------------------------------
     def pack_forward(self, run, t):
         """Forward pack hook: what the autograd graph keeps for ``t`` (itself, a swap holder or a Token)."""
         if run.in_hook:
@@ -161,7 +151,6 @@ class Region(RegionBase):
     def dropout_call(self, run, prim, x):
         return self.random.dropout_call(run, prim, x)
 
-    # -- runs -------------------------------------------------------------------
     def tracking(self):
         return self.tracker.active() if self.tracker is not None else contextlib.nullcontext()
 
@@ -239,7 +228,6 @@ class Region(RegionBase):
             recorder, self.recorder = self.recorder, None
             recorder.finish(self)
 
-    # -- messages -----------------------------------------------------------------
     def describe_op(self, idx):
         """``Name (in 'cell.path')`` of forward op ``idx``."""
         return messages.describe_op(self.op_names, self.op_paths, idx)

@@ -1,6 +1,4 @@
-"""Re-run alignment and early stop (rules W7 and S1 of docs/exactness.md): re-run op *i* is forward op *i*, or one
-past ops it may skip under the marker; every op that left something for backward saves as many tensors as in
-forward, of the same shapes and dtypes; a re-run may stop once the last dropped tensor is rebuilt."""
+"""Re-run alignment and early stop (rules W7 and S1 of docs/exactness.md)."""
 from ...mindspore_compat import pushes_cell_state
 from .. import messages
 from ..debug_log import DebugLog
@@ -47,13 +45,13 @@ class Alignment(Rule):
     def realign(self, run, idx):
         """A re-run op ``idx`` saves a tensor, but forward op ``idx`` saved none: it is the next forward op of its
         name that saved some, past skippable ops (the re-run skipped a same-named side effect). Renumbers the run."""
-        names, region = self.region.op_names, self.region
+        names = self.region.op_names
         if not self.skippable(idx, run):
             return
         j = idx + 1
         while j < len(names) and names[j] != names[idx] and self.skippable(j, run):
             j += 1
-        if j >= len(names) or names[j] != names[idx] or not self.fwd_npacks.get(j) or j in region.decisions:
+        if j >= len(names) or names[j] != names[idx] or not self.fwd_npacks.get(j) or j in self.region.decisions:
             return
         run.npacks[j] = run.npacks.pop(idx, 0)
         run.inside = [j if i == idx else i for i in run.inside]
@@ -68,22 +66,18 @@ class Alignment(Rule):
         rebound in forward (put back when the re-run ends, after its last op's saves are handed over)."""
         region = self.region
         self.n_needed = len(region.token_meta)
-        if (not self.early_stop or region.recorder is not None or region.feeds_next or region.children
-                or region.nesting.grad_calls() or not region.token_meta or region.replaced.before):
-            self.stop_after = None
-        else:
-            self.stop_after = max(idx for idx, _ in region.token_meta)
+        whole = (not self.early_stop or region.recorder is not None or region.feeds_next or region.children
+                 or region.nesting.grad_calls() or not region.token_meta or region.replaced.before)
+        self.stop_after = None if whole else max(idx for idx, _ in region.token_meta)
 
     def stop_if_done(self, run, key):
-        """After re-run save ``key``: stop once the last dropped tensor is rebuilt and its op made all its saves."""
         if (self.stop_after is not None and not run.inside and len(self.region.recomputed) >= self.n_needed
                 and run.npacks.get(key[0]) == self.fwd_npacks.get(key[0])):
             raise StopRerun()
 
     def check(self, run, stopped):
-        """After a re-run: it ran every op that left something for backward, each saved as many tensors as in
-        forward, and each dropped tensor came back with its shape and dtype (docs/exactness.md, "Int and bool
-        inputs"); else ``RecomputeError`` naming the op and the region."""
+        """After a re-run: every op that left something for backward ran and saved as in forward, shapes and dtypes
+        too (docs/exactness.md, "Int and bool inputs"); else ``RecomputeError`` naming the op and the region."""
         region = self.region
         n, where = len(region.op_names), region.cell_path()
         missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)),

@@ -1,6 +1,5 @@
 """Kept ops (rules K1, K2 of docs/exactness.md): what a policy keeps (``MUST_SAVE``, ``exclude_op``,
-``PREFER_SAVE``) keeps its outputs, not its inputs, and is never re-run; unread ``PREFER_SAVE`` outputs are re-run
-instead while the region keeps more than its forward saved."""
+``PREFER_SAVE``)."""
 from mindspore import Tensor
 
 from ...checkpoint_policy import CheckpointPolicy
@@ -50,7 +49,6 @@ class KeptOps(Rule):
         self.kept_args[idx] = {t.data_ptr(): i for i, t in enumerate(tensor_args(args)) if t.data_ptr() not in ptrs}
 
     def saves_argument(self, key, ptr):
-        """Forward pack of kept op ``key[0]``: True when the tensor is one of its arguments (K1: the re-run's)."""
         position = self.kept_args.get(key[0], {}).get(ptr)
         if position is None or ptr in self.region.writes.input_ptrs:
             return False
@@ -70,7 +68,6 @@ class KeptOps(Rule):
         return self.region.swap.load(out) if self.region.decisions[idx] == SWAP else out
 
     def serve_arguments(self, idx, args):
-        """In the re-run, at kept op ``idx``: its saved arguments are the re-run's (K1)."""
         tensors, region = tensor_args(args), self.region
         for key, i in self.arg_saves.items():
             if key[0] == idx and key in region.token_meta:

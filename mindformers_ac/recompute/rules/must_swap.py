@@ -1,5 +1,4 @@
-"""``MUST_SWAP`` and swapped inputs: what a policy swaps goes to the swap executor in forward, once per storage and
-op, and is loaded back when the re-run or backward asks for it."""
+"""``MUST_SWAP`` and swapped inputs: offloaded in forward once per storage and op, loaded back on demand."""
 from mindspore import Tensor
 
 from ...tensors import output_tensors

@@ -1,6 +1,5 @@
 """Nested regions and grad calls inside a forward (rule N1 and "Higher-order gradients and nested regions" of
-docs/exactness.md): a child region is replayed by its parent's re-run, and what a grad call of the region's own
-function saves belongs to that call's graph."""
+docs/exactness.md)."""
 from ...mindspore_compat import EXECUTOR_CALLS, recording_backward
 from ..dispatch import RegionDispatch
 from ..rerun import RegionRun, saved_hooks

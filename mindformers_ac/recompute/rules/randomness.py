@@ -19,16 +19,14 @@ class RandomOps(Rule):
         self.ops, self.dropouts = {}, {}
 
     def decide(self, idx, name, args):
-        """REBUILD for a Dropout, SAVE for another random op, None for an op that draws nothing."""
         if not is_unreplayable_random_op(name, args):
             return None
         self.ops[idx] = args[0] if args and isinstance(args[0], Primitive) else None
         return REBUILD if name == "Dropout" and dropout_input(args)[0] is not None else SAVE
 
     def finish_dropout(self, run, idx, args, out):
-        """After Dropout op ``idx`` ran: its mask as bits, its packed outputs left for the rebuild; what it packed
-        that is not an output, or everything when the output can't be rebuilt bitwise (then it is kept and not run
-        again), is handed to its token as it is."""
+        """After Dropout op ``idx`` ran: its packed outputs are left for the rebuild from its mask bits; anything else
+        it packed, or everything when it can't be rebuilt bitwise (then it is kept), is handed to its token."""
         region = self.region
         pending, run.pending = run.pending, []
         x, keep_prob = dropout_input(args)
@@ -57,9 +55,9 @@ class RandomOps(Rule):
             out = prim(x)
         finally:
             run.in_cell_dropout = False
-        recorder = self.region.recorder
-        if run.op_idx == start + 1 and self.region.decisions.get(run.op_idx) == REBUILD and recorder is not None:
-            recorder.note_cell_dropout(self.region, run.op_idx)
+        region = self.region
+        if run.op_idx == start + 1 and region.decisions.get(run.op_idx) == REBUILD and region.recorder is not None:
+            region.recorder.note_cell_dropout(region, run.op_idx)
         return out
 
     def rebuild(self, run, idx, args):

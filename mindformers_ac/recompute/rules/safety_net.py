@@ -1,8 +1,5 @@
-"""The safety net of every re-run (docs/exactness.md, "The safety net"): whatever pattern no rule knows, a re-run
-that computes other values than its forward must not hand them to backward. ``PROBE_SIZE`` evenly spaced elements of
-a tensor the forward computed are compared bitwise with the re-run's before any saved tensor leaves the region: one
-``GatherNd`` per forward and per re-run.
-"""
+"""The safety net of every re-run (docs/exactness.md, "The safety net"): ``PROBE_SIZE`` evenly spaced elements of a
+tensor the forward computed are compared bitwise with the re-run's before any saved tensor leaves the region."""
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
@@ -26,25 +23,17 @@ def probed(t):
 
 
 def first_probed(out):
-    """The first tensor of ``out`` (nested in any object ``tensor_leaves_in_objects`` searches) that can be
-    sampled."""
+    """The first tensor of ``out`` (in any object ``tensor_leaves_in_objects`` searches) that can be sampled."""
     return next((t for t in tensor_leaves_in_objects(out) if probed(t)), None)
 
 
-class SampleIndex:
+class SampleIndex(dict):
     """Per wrapper: output shape -> the coordinates a ``Sample`` of that shape gathers (built once)."""
 
-    __slots__ = ("_index",)
-
-    def __init__(self):
-        self._index = {}
-
-    def of(self, shape):
-        index = self._index.get(shape)
-        if index is None:
-            positions = np.arange(0, int(np.prod(shape)), max(1, int(np.prod(shape)) // PROBE_SIZE))[:PROBE_SIZE]
-            coords = np.stack(np.unravel_index(positions, shape), -1) if shape else positions[:, None]
-            index = self._index[shape] = Tensor(coords.astype(np.int32))
+    def __missing__(self, shape):
+        positions = np.arange(0, int(np.prod(shape)), max(1, int(np.prod(shape)) // PROBE_SIZE))[:PROBE_SIZE]
+        coords = np.stack(np.unravel_index(positions, shape), -1) if shape else positions[:, None]
+        index = self[shape] = Tensor(coords.astype(np.int32))
         return index
 
 
@@ -56,11 +45,10 @@ class Sample:
 
     def __init__(self, t, index):
         self.index = self.values = self.shape = None
-        if t is None:
-            return
-        self.shape = tuple(t.shape)
-        self.index = index.of(self.shape)
-        self.values = self._take(t)
+        if t is not None:
+            self.shape = tuple(t.shape)
+            self.index = index[self.shape]
+            self.values = self._take(t)
 
     def _take(self, t):
         with no_grad(), no_casts():
@@ -68,9 +56,8 @@ class Sample:
 
     def matches(self, t):
         """Whether ``t`` (the re-run's tensor) holds the sampled elements bitwise."""
-        if self.values is None:
-            return True
-        return t is not None and tuple(t.shape) == self.shape and tensors_equal(self.values, self._take(t))
+        return self.values is None or (t is not None and tuple(t.shape) == self.shape
+                                       and tensors_equal(self.values, self._take(t)))
 
 
 class SafetyNet(Rule):
@@ -112,31 +99,26 @@ class SafetyNet(Rule):
                 self.cut_samples[point] = self._sample_last_drop()
 
     def check_at_kept(self, run, point):
-        cut = self.cut_samples.get(point)
-        if cut is None:
-            return
-        key, sample = cut
         with run.engine_ops():
-            same = sample.matches(self.region.recomputed.get(key))
-        if not same:
-            self._refuse(key)
+            self._check_drop(self.cut_samples.get(point))
 
     def check(self, out, stopped):
         """After the re-run, before a rebuilt tensor leaves the region: the samples hold the forward's values
         bitwise, else ``RecomputeError`` naming the region and the op: a pattern no rule knows fails at once."""
         at_output, _, last = self.samples
-        if last is not None and not last[1].matches(self.region.recomputed.get(last[0])):
-            self._refuse(last[0])
+        self._check_drop(last)
         if not stopped and not at_output.matches(first_probed(out)):
             raise messages.other_values(self.region.cell_path(), self.describe_output_op())
 
-    def _refuse(self, key):
-        raise messages.other_values(self.region.cell_path(), f"op #{key[0]} {self.region.describe_op(key[0])}, "
-                                                             f"its saved tensor #{key[1]}")
+    def _check_drop(self, drop):
+        """``drop``: (key, Sample) of a dropped tensor, or None."""
+        if drop is not None and not drop[1].matches(self.region.recomputed.get(drop[0])):
+            key = drop[0]
+            raise messages.other_values(self.region.cell_path(), f"op #{key[0]} {self.region.describe_op(key[0])}, "
+                                                                 f"its saved tensor #{key[1]}")
 
     def describe_output_op(self):
         """``op #7 Add (in 'mlp'), the region's output``: the op that made the sampled output."""
         idx = self.samples[1] if self.samples is not None else None
-        if idx is None:
-            return "the region's output"
-        return f"op #{idx} {self.region.describe_op(idx)}, the region's output"
+        output = "the region's output"
+        return output if idx is None else f"op #{idx} {self.region.describe_op(idx)}, {output}"

@@ -39,8 +39,7 @@ class Writes(Rule):
         self.param_ptrs = param_ptrs(self.params)
         self.input_ptrs = set()
         self.snapshots = {}         # op index -> StateSnapshot of a side-effect op's written tensors
-        self.written = {}
-        self.writes_arg = set()
+        self.written, self.writes_arg = {}, set()
         self.may_write_seen = False   # an op that may write tensors ran in forward
         self.dropped = {}             # (storage, producing op) -> keys of the saves of it the forward dropped
         self.saved_outputs = {}       # position of an output an op of the region saved -> keys of its dropped saves
@@ -75,27 +74,23 @@ class Writes(Rule):
     def protect_targets(self, run, idx, name, args):
         """W1: a region input the op writes gets a private copy first (the re-run starts from it); W2: so does a
         kept op's output (the re-run gets it back as the kept op returned it, and the writer writes it again)."""
-        kept_ptrs = self.region.kept.kept_ptrs
+        kept = self.region.kept
         for t in written_tensors(name, args):
             ptr = t.data_ptr()
-            if ptr in self.input_ptrs or ptr in kept_ptrs:
-                with run.engine_ops():   # the copy is ours: it must not shift the op numbering
-                    if ptr in kept_ptrs:
-                        self.protect_kept(ptr, idx, name)
-                    elif self.region.protect_input(ptr):
+            if ptr in kept.kept_ptrs:
+                owner, j = kept.kept_ptrs.pop(ptr)
+                out = kept.cache[owner]
+                single = isinstance(out, Tensor)
+                with run.engine_ops(), no_grad(), no_casts():   # the copy is ours: it must not shift the op numbering
+                    copy = ops.deepcopy(out if single else out[j])
+                kept.cache[owner] = copy if single else type(out)((*out[:j], copy, *out[j + 1:]))
+                self.region.bytes.keep(copy)
+                self.keeps_intercepted(("writes_kept", owner), f"op #{idx} {name} writes the kept output of op "
+                                                               f"#{owner} {self.region.op_names[owner]} in place")
+            elif ptr in self.input_ptrs:
+                with run.engine_ops():
+                    if self.region.protect_input(ptr):
                         self.keeps_intercepted("writes_input", "an op writes one of its inputs in place")
-
-    def protect_kept(self, ptr, idx, name):
-        kept = self.region.kept
-        owner, j = kept.kept_ptrs.pop(ptr)
-        out = kept.cache[owner]
-        single = isinstance(out, Tensor)
-        with no_grad(), no_casts():
-            copy = ops.deepcopy(out if single else out[j])
-        kept.cache[owner] = copy if single else type(out)((*out[:j], copy, *out[j + 1:]))
-        self.region.bytes.keep(copy)
-        self.keeps_intercepted(("writes_kept", owner), f"op #{idx} {name} writes the kept output of op #{owner} "
-                                                       f"{self.region.op_names[owner]} in place")
 
     def note_kept_writer(self, idx, name, args):
         """W3: a kept op that wrote its argument (``all_reduce(t)``, ``t.copy_``): the re-run writes the kept value
@@ -144,16 +139,14 @@ class Writes(Rule):
             return replace_at(args, served) if served else args
 
     def find_saved_outputs(self, leaves, packed, producer):
-        """W6, at the end of the forward: ``saved_outputs``, the region's outputs (``leaves``) that an op of the
-        region saved (``packed``), each with the keys of the saves of it the forward dropped (served from the held
-        output, not rebuilt: ``RegionBase.stamp``)."""
+        """W6, at the end of the forward: the region's outputs an op of it saved, each with the keys of the saves of
+        it the forward dropped (served from the held output, not rebuilt: ``RegionBase.stamp``)."""
         storages = [(storage_info(t)[0], producer.get(storage_info(t)[0])) for t in leaves]
         self.saved_outputs = {j: tuple(self.dropped.get(s, ())) for j, s in enumerate(storages) if s in packed}
         self.dropped = None
         return self.saved_outputs
 
     def param_moved(self, old, new):
-        """A Parameter was rebound in forward: its old storage pointers are no weight's any more."""
         self.param_ptrs.difference_update(old - new)
         self.param_ptrs.update(new)
 
