@@ -163,11 +163,9 @@ class LightRegion(RegionBase):
             outs = [t for t in output_tensors(out) if isinstance(t, Tensor)]
             plan, rerun_args = self._arg_plan(len(self.kept), args, outs, [p.tensor for p in packs]), []
             for p, i in zip(packs, plan):
-                if i is None:
-                    self.bytes.keep(p.tensor)
-                else:
+                if i is not None:
                     p.source, p.index, p.tensor = rerun_args, i, None   # K1: the re-run's argument
-            for t in outs:
+            for t in outs + [p.tensor for p in packs if p.tensor is not None]:
                 self.bytes.keep(t)
             self.kept.append((proxy, arg_meta(args), out, rerun_args))
             return out

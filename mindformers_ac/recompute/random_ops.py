@@ -43,8 +43,7 @@ def is_random_op_name(name):
 
 def is_random_op(name, args):
     """True if op ``name`` called with ``args`` (a legacy op's primitive first) draws random numbers."""
-    prim = args[0] if args and isinstance(args[0], Primitive) else None
-    return (prim is not None and is_random_primitive(prim)) or is_random_op_name(name)
+    return (bool(args) and isinstance(args[0], Primitive) and is_random_primitive(args[0])) or is_random_op_name(name)
 
 
 def is_unreplayable_random_op(name, args):

@@ -80,8 +80,7 @@ class Alignment(Rule):
         too (docs/exactness.md, "Int and bool inputs"); else ``RecomputeError`` naming the op and the region."""
         region = self.region
         n, where = len(region.op_names), region.cell_path()
-        missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)),
-                                            None)
+        missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)), None)
         if missing is not None:
             raise messages.missing_ops(missing, n, region.describe_op(missing), where)
         self.skipped.update(range(run.op_idx + 1, n))

@@ -16,8 +16,7 @@ class KeptOps(Rule):
     """The policy's decisions and the outputs kept for the re-run. ``packed``: (storage, producing op) -> bytes of
     every tensor saved in forward (K2's budget, and W6: was an output saved); ``None`` after it."""
 
-    __slots__ = ("policy_fn", "site_policy", "policy_saves", "cache", "kept_ptrs", "kept_args", "arg_saves",
-                 "packed")
+    __slots__ = ("policy_fn", "site_policy", "policy_saves", "cache", "kept_ptrs", "kept_args", "arg_saves", "packed")
 
     def __init__(self, region, policy_fn):
         super().__init__(region)

@@ -1,5 +1,4 @@
-"""Nested regions and grad calls inside a forward (rule N1 and "Higher-order gradients and nested regions" of
-docs/exactness.md)."""
+"""Nested regions and grad calls inside a forward (docs/exactness.md, "Higher-order gradients and nested regions")."""
 from ...mindspore_compat import EXECUTOR_CALLS, recording_backward
 from ..dispatch import RegionDispatch
 from ..rerun import RegionRun, saved_hooks

@@ -105,9 +105,8 @@ class SafetyNet(Rule):
     def check(self, out, stopped):
         """After the re-run, before a rebuilt tensor leaves the region: the samples hold the forward's values
         bitwise, else ``RecomputeError`` naming the region and the op: a pattern no rule knows fails at once."""
-        at_output, _, last = self.samples
-        self._check_drop(last)
-        if not stopped and not at_output.matches(first_probed(out)):
+        self._check_drop(self.samples[2])
+        if not stopped and not self.samples[0].matches(first_probed(out)):
             raise messages.other_values(self.region.cell_path(), self.describe_output_op())
 
     def _check_drop(self, drop):

@@ -5,20 +5,8 @@ from mindspore import Tensor, ops
 from ...mindspore_compat import no_grad
 from ...precision import no_casts
 from ...tensors import param_ptrs, storage_info
-from .. import messages
+from .. import messages, side_effects
 from ..dispatch import SAVE
-from ..side_effects import (
-    KEEP,
-    StateSnapshot,
-    choose_handling,
-    first_input,
-    read_slots,
-    replace_at,
-    slot_ptrs,
-    writes_first_input,
-    written_slots,
-    written_tensors,
-)
 from ..state import ENGINE
 from .base import Rule
 
@@ -51,20 +39,20 @@ class Writes(Rule):
         self.may_write_seen = True
         if self.input_ptrs or self.region.kept.kept_ptrs:
             self.protect_targets(run, idx, name, args)
-        slots = written_slots(name, args, self.param_ptrs)
+        slots = side_effects.written_slots(name, args, self.param_ptrs)
         if not slots:
             return decision
         snapshot = None
-        if decision is None and choose_handling(args, slots) != KEEP:
+        if decision is None and side_effects.choose_handling(args, slots) != side_effects.KEEP:
             with run.engine_ops(), no_casts():   # the copies are ours: they must not shift the op numbering
-                snapshot = StateSnapshot(args, slots)
+                snapshot = side_effects.StateSnapshot(args, slots)
             self.snapshots[idx] = snapshot
             self.region.bytes.keep_bytes(("state", idx), snapshot.nbytes)
         elif decision is None:
             decision = SAVE
             ENGINE.warnings.warning(("keep_side_effect", name), messages.KEEP_SIDE_EFFECT, name)
         buffers = {p.data_ptr() for p in self.buffers}
-        for k, ptr in enumerate(slot_ptrs(args, slots)):
+        for k, ptr in enumerate(side_effects.slot_ptrs(args, slots)):
             self.written.setdefault(ptr, (idx, snapshot, k))
             if ptr not in buffers:
                 self.keeps_intercepted(("writes", ptr), f"op #{idx} {name} writes a tensor that is not one of "
@@ -75,7 +63,7 @@ class Writes(Rule):
         """W1: a region input the op writes gets a private copy first (the re-run starts from it); W2: so does a
         kept op's output (the re-run gets it back as the kept op returned it, and the writer writes it again)."""
         kept = self.region.kept
-        for t in written_tensors(name, args):
+        for t in side_effects.written_tensors(name, args):
             ptr = t.data_ptr()
             if ptr in kept.kept_ptrs:
                 owner, j = kept.kept_ptrs.pop(ptr)
@@ -95,20 +83,20 @@ class Writes(Rule):
     def note_kept_writer(self, idx, name, args):
         """W3: a kept op that wrote its argument (``all_reduce(t)``, ``t.copy_``): the re-run writes the kept value
         into its own argument, which the code after it reads (``replay_write``)."""
-        if writes_first_input(name, args) and first_input(args).data_ptr() not in self.param_ptrs:
+        if side_effects.writes_first_input(name, args) and \
+                side_effects.first_input(args).data_ptr() not in self.param_ptrs:
             self.writes_arg.add(idx)
-            self.keeps_intercepted(("kept_writer", idx), f"op #{idx} {name} is kept and writes its argument "
-                                                         f"in place")
+            self.keeps_intercepted(("kept_writer", idx), f"op #{idx} {name} is kept and writes its argument in place")
 
     @staticmethod
     def replay_write(run, args, out):
-        target = first_input(args)
+        target = side_effects.first_input(args)
         with run.engine_ops(), no_grad(), no_casts():
             target.copy_(out if isinstance(out, Tensor) else out[0])
         return target if isinstance(out, Tensor) else type(out)((target, *out[1:]))
 
     def note_rerun_write(self, idx, name, args):
-        if written_slots(name, args, self.param_ptrs):   # on copies here; a light re-run would write for real
+        if side_effects.written_slots(name, args, self.param_ptrs):   # copies here; a light re-run writes for real
             self.keeps_intercepted("rerun_writes", f"re-run op #{idx} {name} writes (a light re-run would write "
                                                    f"for real)")
 
@@ -121,7 +109,7 @@ class Writes(Rule):
             if snapshot is not None:
                 return snapshot.args_for_rerun(args, run.written)
             served = {}
-            for pos, ptr, t in read_slots(args, self.written):
+            for pos, ptr, t in side_effects.read_slots(args, self.written):
                 first, snap, k = self.written[ptr]
                 if snap is not None and (t.shape, t.dtype) != (snap.copies[k].shape, snap.copies[k].dtype):
                     continue   # another tensor at an address the written one had (found by program_generator)
@@ -136,7 +124,7 @@ class Writes(Rule):
                         continue   # after the write: the real tensor holds the written value
                     run.written[ptr] = snap.fresh(k)
                 served[pos] = run.written[ptr]
-            return replace_at(args, served) if served else args
+            return side_effects.replace_at(args, served) if served else args
 
     def find_saved_outputs(self, leaves, packed, producer):
         """W6, at the end of the forward: the region's outputs an op of it saved, each with the keys of the saves of
