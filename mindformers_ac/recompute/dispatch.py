@@ -145,11 +145,7 @@ class RegionDispatch(MsDispatchMode):
                     with no_casts():
                         return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
-        return self._reused_op(run, region, idx, func, args, kwargs, decision)
-
-    @staticmethod
-    def _reused_op(run, region, idx, func, args, kwargs, decision):
-        """A kept, swapped or rebuilt op in the re-run: its forward output, checked at the safety net's cuts."""
+        # A kept, swapped or rebuilt op: its forward output, checked at the safety net's cuts.
         region.stats.ops_reused += 1
         net = region.net
         if net.cut_samples:

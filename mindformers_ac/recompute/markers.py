@@ -24,15 +24,10 @@ def is_in_recompute():
     """True only while a backward-time recompute re-runs a forward (per thread)."""
     if not ENGINE.in_recompute():
         return False
-    note_marker_asked()
-    return True
-
-
-def note_marker_asked():
-    """The running re-run's code asked the marker: from here it may skip one-shot side effects."""
     run = ENGINE.top()
-    if run is not None:
+    if run is not None:   # the running re-run's code asked: from here it may skip one-shot side effects
         run.asked_marker = True
+    return True
 
 
 def save_for_recompute(key, value):

@@ -21,8 +21,6 @@ from .state import ENGINE
 class OpSlot:
     """Stands in an op slot for the callable ``mac_inner`` (see the module docstring for the roles)."""
 
-    mac_is_op_proxy = True
-
     def __init__(self, inner):
         self.mac_inner = inner
         self.mac_paths = {}
@@ -54,10 +52,6 @@ class OpSlot:
             return target.observe(args, kwargs, lambda: self.mac_inner(*args, **kwargs))
         return self.mac_inner(*args, **kwargs)
 
-    def in_use(self):
-        return bool(self.mac_paths) or self.mac_keep is not None or self.mac_output is not None \
-            or self.mac_dropout > 0
-
     def __getattr__(self, name):   # only for names the slot lacks: the op's attributes stay reachable
         return getattr(self.__dict__["mac_inner"], name)
 
@@ -84,7 +78,8 @@ def release(holder, key, slot):
     """Put the plain op back in ``holder``'s slot ``key`` once ``slot`` has no role left (a slot someone replaced
     since is left as they set it)."""
     table = holder if isinstance(holder, dict) else vars(holder)
-    if slot.in_use() or table.get(key) is not slot:
+    if slot.mac_paths or slot.mac_keep is not None or slot.mac_output is not None or slot.mac_dropout > 0 \
+            or table.get(key) is not slot:
         return
     if isinstance(holder, dict):
         holder[key] = slot.mac_inner

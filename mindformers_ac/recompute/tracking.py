@@ -5,11 +5,8 @@ role of each op attribute's ``op_slot.OpSlot``) of the innermost running region 
 what the policy is handed per op.
 """
 import contextlib
-import functools
-import types
 
 import mindspore as ms
-from mindspore.ops import Primitive
 
 from ..construct_patch import drop_on_copy, hold_copy_hook, release_copy_hook
 from ..whitelist import COMM_OPS_REGISTRY, registry_slot
@@ -72,9 +69,6 @@ def is_op_attribute(value):
     """A cell attribute that runs ops when called: a Primitive, a function, a ``functools.partial``, a bound method,
     a callable object (a kernel wrapper, a CPU stand-in for a fused kernel), or one of our proxies; not a Cell (a
     sub-cell is tracked as a cell), a class or a tensor."""
-    if isinstance(value, (Primitive, types.FunctionType, types.BuiltinFunctionType, functools.partial,
-                          types.MethodType)) or getattr(value, "mac_is_op_proxy", False):
-        return True
     return callable(value) and not isinstance(value, (ms.nn.Cell, type, ms.Tensor))
 
 
