@@ -7,8 +7,7 @@ hand: **track** (``mac_paths``: the slot's path under each path tracker's root, 
 policy's ``ctx.attr_path`` and for keep sites), **keep** (``mac_keep``: a light run that keeps this slot hands the call
 to ``LightRegion.keep_call``), **dropout** (``mac_dropout``: an ``nn.Dropout`` kernel, handed to the running region)
 and **output** (``mac_output``: output recompute of the op). A call goes through the roles in that order and ends in
-the op; other attribute reads go to the op; a deep copy of the cell gets the plain op; ``release`` puts the plain op
-back when the last role is cleared (unless someone replaced the slot since).
+the op.
 """
 import copy
 

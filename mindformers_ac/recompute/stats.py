@@ -1,9 +1,5 @@
-"""Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run, which path ran.
-
-A region's bytes are counted by the package's one ledger (``ledger.ActivationLedger``, which swap groups write too);
-``RecomputeStats`` holds the totals of each region while it is alive, and ``accounting.LayerMeter``'s step figures
-read those sums.
-"""
+"""Counters of recompute regions: bytes kept, dropped and swapped (each region's ``ledger.ActivationLedger`` totals,
+held while it is alive, summed by ``accounting.LayerMeter``), ops run and re-run, which path ran."""
 import collections
 import weakref
 

@@ -104,11 +104,17 @@ class PathTracker:
         if self.installed:
             return
         self.installed = True
+
+        @drop_on_copy   # a plain function: a deep copy of a sub-cell must not keep our hooks
+        def leave(cell, _args, _output):
+            run = ENGINE.top()
+            if run is not None and run.tracker is self and run.path and run.path[-1][1] is cell:
+                run.path.pop()
         for name, cell in self.root.cells_and_names():
             if cell is not self.root and name:
                 self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
                 # No always_call: a call that raises ends its region run, and the path dies with it.
-                self._handles.append(cell.register_forward_hook(self._make_exit()))
+                self._handles.append(cell.register_forward_hook(leave))
                 hold_copy_hook(cell)
                 self._hooked.append(cell)
             for holder, key, attr in _op_slots(cell):
@@ -147,12 +153,4 @@ class PathTracker:
             if run is not None and run.tracker is self:
                 run.path.append((name, cell))
         return enter
-
-    def _make_exit(self):
-        @drop_on_copy
-        def leave(cell, _args, _output):
-            run = ENGINE.top()
-            if run is not None and run.tracker is self and run.path and run.path[-1][1] is cell:
-                run.path.pop()
-        return leave
 
