@@ -78,25 +78,13 @@ class RegionDispatch(MsDispatchMode):
             return func(*args, **kwargs)
         run.op_idx += 1
         idx = run.op_idx
-        if run.mode == FORWARD:
-            return self._forward_op(run, idx, func, args, kwargs)
-        return self._recompute_op(run, idx, func, args, kwargs)
-
-    @staticmethod
-    def _call(run, idx, func, args, kwargs):
-        run.inside.append(idx)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            run.inside.pop()
-            run.last = idx
-
-    def _forward_op(self, run, idx, func, args, kwargs):
         region = run.region
         name = op_name_of(func, args)
-        region.op_names.append(name)
         if region.align.debug_log is not None:
-            region.align.debug_log.note(False, idx, name, run.cell_path())
+            region.align.debug_log.note(run.mode != FORWARD, idx, name, run.cell_path())
+        if run.mode != FORWARD:
+            return self._recompute_op(run, region, idx, name, func, args, kwargs)
+        region.op_names.append(name)
         region.stats.ops_forward += 1
         net = region.net
         if net.cut_pending is not None:   # a pyboost op packs after it returns: the kept op before is done
@@ -120,12 +108,17 @@ class RegionDispatch(MsDispatchMode):
             region.writes.note_kept_writer(idx, name, args)
         return out
 
-    def _recompute_op(self, run, idx, func, args, kwargs):
-        region = run.region
-        name = op_name_of(func, args)
+    @staticmethod
+    def _call(run, idx, func, args, kwargs):
+        run.inside.append(idx)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            run.inside.pop()
+            run.last = idx
+
+    def _recompute_op(self, run, region, idx, name, func, args, kwargs):
         align = region.align
-        if align.debug_log is not None:
-            align.debug_log.note(True, idx, name, run.cell_path())
         idx = run.op_idx = align.align(run, idx, name, args)
         if align.stop_after is not None and idx > align.stop_after:
             raise StopRerun()   # no later op left a tensor for backward (early_stop)
