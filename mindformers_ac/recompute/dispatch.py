@@ -21,11 +21,8 @@ OP_NAME_ATTR = "mac_op_name"
 
 
 def op_name_of(op, args=()):
-    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds).
-
-    A legacy op is dispatched with its primitive as ``args[0]``; a str ``mac_op_name`` attribute on that primitive
-    is the name instead.
-    """
+    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds), or the str ``mac_op_name`` of
+    the primitive a legacy op is dispatched with (``args[0]``)."""
     alias = getattr(args[0], OP_NAME_ATTR, None) if args else None
     if isinstance(alias, str):
         return alias

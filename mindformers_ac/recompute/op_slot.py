@@ -31,8 +31,7 @@ class OpSlot:
         if run is None:
             return self.call_op(args, kwargs)
         path = self.mac_paths.get(run.tracker) if self.mac_paths else None
-        tracked = path is not None
-        if tracked:
+        if path is not None:
             run.attrs.append((self, path))
         try:
             if self.mac_keep is not None and run.keeps is not None and self in run.keeps:
@@ -41,7 +40,7 @@ class OpSlot:
                 return run.region.dropout_call(run, self.mac_inner, *args)
             return self.call_op(args, kwargs)
         finally:
-            if tracked:
+            if path is not None:
                 run.attrs.pop()
 
     def call_op(self, args, kwargs):

@@ -470,8 +470,7 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None,
         holder, key = registry_slot(table, attr_name)   # MindFormers' {'fn': op, ...} entry, or the op
         op = holder[key]
     slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
-    if slot is not None:
-        op = slot.mac_inner
+    op = slot.mac_inner if slot is not None else op
     if (slot is not None and slot.mac_output is not None) or \
             (isinstance(op, nn.Cell) and find_patch(op, _OUTPUT_KIND) is not None):
         raise ValueError(f"op '{attr_name}' of {type(owner_cell).__name__} is already output-recomputed; "
