@@ -421,20 +421,12 @@ class _Target:
 
 
 class OpOutputHandle:
-    """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
+    """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot. ``original``: the wrapped op."""
 
     def __init__(self, holder, attr, target, patch, slot=None):
         self.holder, self.attr, self.target, self._patch, self.slot = holder, attr, target, patch, slot
+        self.stats, self.original = target.stats, target.op
         self.removed = False
-
-    @property
-    def stats(self):
-        return self.target.stats
-
-    @property
-    def original(self):
-        """The wrapped op itself."""
-        return self.target.op
 
     def remove(self):
         if self.removed:

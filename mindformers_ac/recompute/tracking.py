@@ -105,14 +105,19 @@ class PathTracker:
             return
         self.installed = True
 
-        @drop_on_copy   # a plain function: a deep copy of a sub-cell must not keep our hooks
+        @drop_on_copy   # plain functions: a deep copy of a sub-cell must not keep our hooks
         def leave(cell, _args, _output):
             run = ENGINE.top()
             if run is not None and run.tracker is self and run.path and run.path[-1][1] is cell:
                 run.path.pop()
         for name, cell in self.root.cells_and_names():
             if cell is not self.root and name:
-                self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
+                @drop_on_copy
+                def enter(cell, _args, name=name):
+                    run = ENGINE.top()
+                    if run is not None and run.tracker is self:
+                        run.path.append((name, cell))
+                self._handles.append(cell.register_forward_pre_hook(enter))
                 # No always_call: a call that raises ends its region run, and the path dies with it.
                 self._handles.append(cell.register_forward_hook(leave))
                 hold_copy_hook(cell)
@@ -136,21 +141,11 @@ class PathTracker:
     @contextlib.contextmanager
     def active(self):
         """Install for the duration of a run unless installed for good (by ``checkpoint_wrapper``)."""
-        if self.installed:
-            yield
-            return
+        installed = self.installed
         self.install()
         try:
             yield
         finally:
-            self.remove()
-
-    # Plain functions marked drop_on_copy: a deep copy of a sub-cell must not keep our hooks.
-    def _make_enter(self, name):
-        @drop_on_copy
-        def enter(cell, _args):
-            run = ENGINE.top()
-            if run is not None and run.tracker is self:
-                run.path.append((name, cell))
-        return enter
+            if not installed:
+                self.remove()
 
