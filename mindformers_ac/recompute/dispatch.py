@@ -38,8 +38,7 @@ _COMM_NAMES = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast
 
 
 def is_comm_op(name):
-    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``, an
-    ``AllToAll`` stand-in)."""
+    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``)."""
     lowered = name.lower()
     return any(n in lowered for n in _COMM_NAMES)
 

@@ -329,7 +329,13 @@ class _Scope:
             rec.settle(False)
             kept.update(freeable)
             if target.keep_output is not True and target not in why:
-                why[target] = _kept_warning(target.name, rec, freeable, gain, cost)
+                name = target.name   # the warn-once key, text and arguments saying why it kept what it saved
+                if gain:
+                    why[target] = ("inputs_cost", name), messages.OUTPUT_INPUTS_COST, name, cost, gain
+                elif any(rec.out_tokens) or freeable:
+                    why[target] = ("output_kept_by_op", name), messages.OUTPUT_KEPT_ELSEWHERE, name
+                else:
+                    why[target] = ("nothing_dropped", name), messages.OUTPUT_NOTHING_DROPPED, name
         if ledgers:   # the meter counts what was passed
             next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
         for stats, ledger in ledgers.values():
@@ -354,15 +360,6 @@ class _Scope:
         return t
 
     setattr(_pack, CHAIN_PASSED, True)   # what it lets through is counted by an outer meter
-
-
-def _kept_warning(name, rec, freeable, gain, cost):
-    """The warn-once key, text and arguments saying why a call of op ``name`` kept what it saved."""
-    if gain:
-        return ("inputs_cost", name), messages.OUTPUT_INPUTS_COST, name, cost, gain
-    if any(rec.out_tokens) or freeable:
-        return ("output_kept_by_op", name), messages.OUTPUT_KEPT_ELSEWHERE, name
-    return ("nothing_dropped", name), messages.OUTPUT_NOTHING_DROPPED, name
 
 
 class _Target:
@@ -396,8 +393,7 @@ class _Target:
         try:
             with ms.saved_tensors_hooks(rec.pack_inner, _unpack_output):
                 if self.keep_output is None:
-                    probe = _RerunProbe()
-                    with probe:
+                    with _RerunProbe() as probe:
                         out = call()
                     self.keep_output = bool(probe.random_ops or probe.side_effect_ops)
                     if probe.random_ops:

@@ -37,12 +37,19 @@ class OpContext:
 
     @property
     def attr_path(self):
-        if self._attr_path is not None:
+        if self._attr_path is not None or self._cell is None:
             return self._attr_path
-        attr = _find_op_attr(self._cell, self.op_name)
-        if attr is None:
+        want = _norm_op_name(self.op_name)
+        found = []
+        for attr, value in vars(self._cell).items():
+            if attr.startswith("_") or not callable(value) or isinstance(value, ms.nn.Cell):
+                continue
+            name = getattr(value, "name", None) or getattr(value, "__name__", None)
+            if isinstance(name, str) and _norm_op_name(name) == want:
+                found.append(attr)
+        if len(found) != 1:   # two attributes running the same op (bmm_qk, bmm_pv) can't be told apart by it
             return None
-        return f"{self.cell_path}.{attr}" if self.cell_path else attr
+        return f"{self.cell_path}.{found[0]}" if self.cell_path else found[0]
 
 
 def _norm_op_name(name):
@@ -50,25 +57,9 @@ def _norm_op_name(name):
     return name[:-3] if name.endswith("ext") else name
 
 
-def _find_op_attr(cell, op_name):
-    if cell is None:
-        return None
-    want = _norm_op_name(op_name)
-    found = []
-    for attr, value in vars(cell).items():
-        if attr.startswith("_") or not callable(value) or isinstance(value, ms.nn.Cell):
-            continue
-        name = getattr(value, "name", None) or getattr(value, "__name__", None)
-        if isinstance(name, str) and _norm_op_name(name) == want:
-            found.append(attr)
-    # Two attributes running the same op (bmm_qk, bmm_pv) can't be told apart from the op alone.
-    return found[0] if len(found) == 1 else None
-
-
 def is_op_attribute(value):
-    """A cell attribute that runs ops when called: a Primitive, a function, a ``functools.partial``, a bound method,
-    a callable object (a kernel wrapper, a CPU stand-in for a fused kernel), or one of our proxies; not a Cell (a
-    sub-cell is tracked as a cell), a class or a tensor."""
+    """A cell attribute that runs ops when called: any callable (a Primitive, a function, a kernel wrapper, an
+    ``OpSlot`` ...) but a Cell (a sub-cell is tracked as a cell), a class or a tensor."""
     return callable(value) and not isinstance(value, (ms.nn.Cell, type, ms.Tensor))
 
 
