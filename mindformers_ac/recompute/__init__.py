@@ -1,11 +1,8 @@
 """The recompute engine: drop activations in forward, rebuild them exactly in backward.
 
-Public: ``checkpoint``, ``checkpoint_wrapper``/``unwrap``, ``exclude_policy`` (HyperParallel's checkpoint API, with
-PyTorch's checkpoint keywords), MindFormers' marker API (``is_in_recompute``, ``save_for_recompute`` /
-``get_recompute_metadata``), output recompute of one op (``wrap_op_output``) and ``RecomputeStats``;
-``CheckpointPolicy`` is defined in ``mindformers_ac.checkpoint_policy`` (the swap engine reads it too) and
-re-exported here. Each mechanism of the engine, what it exists for and the invariant it keeps, with its module:
-docs/architecture.md, "The recompute engine's mechanisms" (one list, not repeated here).
+Public (``__all__``): HyperParallel's checkpoint API with PyTorch's keywords, MindFormers' marker API and output
+recompute of one op; ``CheckpointPolicy`` lives in ``mindformers_ac.checkpoint_policy`` (the swap engine reads it too).
+Each mechanism, why it exists and its invariant: docs/architecture.md, "The recompute engine's mechanisms".
 
 A recompute that can't rebuild what its forward dropped raises ``RecomputeError`` (a ``RuntimeError``) in backward.
 """

@@ -20,13 +20,6 @@ _DEPTH = 200   # innermost frames summarised per op: the engine's and MindSpore'
 _WINDOW = 40   # rows shown around the first difference of a long log
 
 
-def _user_line():
-    for frame in reversed(traceback.extract_stack(limit=_DEPTH)):
-        if not frame.filename.startswith(_SKIPPED):
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
-    return "?"
-
-
 class DebugLog:
     """The op logs of one region call: its forward's and its re-run's."""
 
@@ -36,9 +29,10 @@ class DebugLog:
         self.forward_ops, self.rerun_ops = [], []
 
     def note(self, rerun, idx, name, path):
-        """Op ``idx`` of the forward, or (``rerun``) of the re-run."""
-        (self.rerun_ops if rerun else self.forward_ops).append(f"#{idx} {name}{f' ({path})' if path else ''} "
-                                                               f"{_user_line()}")
+        """Op ``idx`` of the forward, or (``rerun``) of the re-run, with the line of model code that ran it."""
+        line = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(traceback.extract_stack(
+            limit=_DEPTH)) if not f.filename.startswith(_SKIPPED)), "?")
+        (self.rerun_ops if rerun else self.forward_ops).append(f"#{idx} {name}{f' ({path})' if path else ''} {line}")
 
     def side_by_side(self):
         """Both logs in two columns, ``<<`` on the first row where they differ (as ops, lines aside)."""

@@ -21,11 +21,8 @@ OP_NAME_ATTR = "mac_op_name"
 
 
 def op_name_of(op, args=()):
-    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds).
-
-    A legacy op is dispatched with its primitive as ``args[0]``; a str ``mac_op_name`` attribute on that primitive
-    is the name instead.
-    """
+    """Name of a dispatched op (``op.name`` is a str, or a method on some op kinds), or the str ``mac_op_name`` of
+    the primitive a legacy op is dispatched with (``args[0]``)."""
     alias = getattr(args[0], OP_NAME_ATTR, None) if args else None
     if isinstance(alias, str):
         return alias
@@ -41,8 +38,7 @@ _COMM_NAMES = ("allreduce", "allgather", "alltoall", "reducescatter", "broadcast
 
 
 def is_comm_op(name):
-    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``, an
-    ``AllToAll`` stand-in)."""
+    """True for an op name of a collective or point-to-point communication (``AllGather``, ``DistCommAllReduce``)."""
     lowered = name.lower()
     return any(n in lowered for n in _COMM_NAMES)
 
@@ -78,25 +74,13 @@ class RegionDispatch(MsDispatchMode):
             return func(*args, **kwargs)
         run.op_idx += 1
         idx = run.op_idx
-        if run.mode == FORWARD:
-            return self._forward_op(run, idx, func, args, kwargs)
-        return self._recompute_op(run, idx, func, args, kwargs)
-
-    @staticmethod
-    def _call(run, idx, func, args, kwargs):
-        run.inside.append(idx)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            run.inside.pop()
-            run.last = idx
-
-    def _forward_op(self, run, idx, func, args, kwargs):
         region = run.region
         name = op_name_of(func, args)
-        region.op_names.append(name)
         if region.align.debug_log is not None:
-            region.align.debug_log.note(False, idx, name, run.cell_path())
+            region.align.debug_log.note(run.mode != FORWARD, idx, name, run.cell_path())
+        if run.mode != FORWARD:
+            return self._recompute_op(run, region, idx, name, func, args, kwargs)
+        region.op_names.append(name)
         region.stats.ops_forward += 1
         net = region.net
         if net.cut_pending is not None:   # a pyboost op packs after it returns: the kept op before is done
@@ -120,12 +104,17 @@ class RegionDispatch(MsDispatchMode):
             region.writes.note_kept_writer(idx, name, args)
         return out
 
-    def _recompute_op(self, run, idx, func, args, kwargs):
-        region = run.region
-        name = op_name_of(func, args)
+    @staticmethod
+    def _call(run, idx, func, args, kwargs):
+        run.inside.append(idx)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            run.inside.pop()
+            run.last = idx
+
+    def _recompute_op(self, run, region, idx, name, func, args, kwargs):
         align = region.align
-        if align.debug_log is not None:
-            align.debug_log.note(True, idx, name, run.cell_path())
         idx = run.op_idx = align.align(run, idx, name, args)
         if align.stop_after is not None and idx > align.stop_after:
             raise StopRerun()   # no later op left a tensor for backward (early_stop)
@@ -145,11 +134,7 @@ class RegionDispatch(MsDispatchMode):
                     with no_casts():
                         return self._call(run, idx, func, served, kwargs)
             return self._call(run, idx, func, args, kwargs)
-        return self._reused_op(run, region, idx, func, args, kwargs, decision)
-
-    @staticmethod
-    def _reused_op(run, region, idx, func, args, kwargs, decision):
-        """A kept, swapped or rebuilt op in the re-run: its forward output, checked at the safety net's cuts."""
+        # A kept, swapped or rebuilt op: its forward output, checked at the safety net's cuts.
         region.stats.ops_reused += 1
         net = region.net
         if net.cut_samples:

@@ -5,6 +5,8 @@
 ``item``: a Primitive held in a dict attribute or by a dict-held cell. The site's ``OpSlot`` gets the keep role
 (``LightRegion.keep_call``) from ``path_choice.CheckRecorder``.
 """
+import collections
+
 from mindspore import nn
 from mindspore.ops import Primitive
 
@@ -21,27 +23,13 @@ def decides_by_site(policy_fn):
     return getattr(policy_fn, "decides_by_site", False) is True
 
 
-class Site:
-    """One place an excluded op is reached (see the module docstring); ``key`` identifies it."""
+# One place an excluded op is reached (see the module docstring); ``key`` identifies it.
+Site = collections.namedtuple("Site", "kind key cell where callee description")
 
-    __slots__ = ("kind", "key", "cell", "where", "callee", "description")
-
-    def __init__(self, kind, key, cell, where, callee, description):
-        self.kind, self.key, self.cell, self.where, self.callee = kind, key, cell, where, callee
-        self.description = description
-
-
-class NoSite:
-    """An op reached where no proxy can stand; ``why`` says where, for ``intercept_reasons``.
-
-    ``held``: the object whose ``id`` is in ``key``, kept alive until the check ends, so that no object made later
-    in the same forward (a primitive built on first use) takes its address and its key.
-    """
-
-    __slots__ = ("key", "why", "held")
-
-    def __init__(self, key, why, held=None):
-        self.key, self.why, self.held = key, why, held
+# An op reached where no proxy can stand; ``why`` says where, for ``intercept_reasons``. ``held``: the object whose
+# ``id`` is in ``key``, kept alive until the check ends, so that no object made later in the same forward (a primitive
+# built on first use) takes its address and its key.
+NoSite = collections.namedtuple("NoSite", "key why held")
 
 
 def region_cells(root):
@@ -83,32 +71,28 @@ def _inner(value):
     return value.mac_inner if isinstance(value, OpSlot) else value
 
 
-def _held_site(name, args, cells, paths):
-    """The held Primitive (``_held_primitives``) a kept op ran: the one a legacy op was dispatched with, or else the
-    only one of the op's name (a pyboost op is dispatched without its Primitive)."""
+def find_site(run, name, args, cells, paths, resolve):
+    """The ``Site`` (or ``NoSite``) of op ``name`` being dispatched now in ``run``: the innermost op attribute slot
+    running (``run.attrs``), else the held Primitive (``_held_primitives``; ``cells`` / ``paths``: ``id`` -> cell /
+    its path) it ran: the one a legacy op was dispatched with, or else the only one of the op's name (a pyboost op is
+    dispatched without its Primitive). Without ``resolve`` only the key is sure: enough to tell which site a
+    recomputed op runs under.
+    """
+    if run.attrs:
+        slot, path = run.attrs[-1]
+        return Site("attr", ("slot", id(slot)), None, slot, None, f"attribute {path}")
     prim = args[0] if args and isinstance(args[0], Primitive) else None
+    key = ("none",) if prim is None else ("prim", id(prim))
+    if not resolve:
+        return NoSite(key, "", prim)
     held = _held_primitives(cells, paths)
     found = [h for h in held if h[2] is prim] if prim is not None else \
         [h for h in held if (getattr(h[2], OP_NAME_ATTR, None) or h[2].name) == name]
     if len(found) != 1:
         why = _NO_SLOT if not found else f"{len(found)} primitives named {name} are held by the region's cells"
-        return NoSite(("none",) if prim is None else ("prim", id(prim)), why, prim)
+        return NoSite(key, why, prim)
     cell, where, prim, description = found[0]
     return Site("item", ("prim", id(prim)), cell, where, prim, description)
-
-
-def find_site(run, name, args, cells, paths, resolve):
-    """The ``Site`` (or ``NoSite``) of op ``name`` being dispatched now in ``run``: the innermost op attribute slot
-    running (``run.attrs``), else a held Primitive (``_held_site``; ``cells`` / ``paths``: ``id`` -> cell / its
-    path). Without ``resolve`` only the key is sure: enough to tell which site a recomputed op runs under.
-    """
-    if run.attrs:
-        slot, path = run.attrs[-1]
-        return Site("attr", ("slot", id(slot)), None, slot, None, f"attribute {path}")
-    if resolve:
-        return _held_site(name, args, cells, paths)
-    prim = args[0] if args and isinstance(args[0], Primitive) else None
-    return NoSite(("none",) if prim is None else ("prim", id(prim)), "", prim)
 
 
 def install_site(site, installed):

@@ -24,15 +24,10 @@ def is_in_recompute():
     """True only while a backward-time recompute re-runs a forward (per thread)."""
     if not ENGINE.in_recompute():
         return False
-    note_marker_asked()
-    return True
-
-
-def note_marker_asked():
-    """The running re-run's code asked the marker: from here it may skip one-shot side effects."""
     run = ENGINE.top()
-    if run is not None:
+    if run is not None:   # the running re-run's code asked: from here it may skip one-shot side effects
         run.asked_marker = True
+    return True
 
 
 def save_for_recompute(key, value):
@@ -44,10 +39,9 @@ def save_for_recompute(key, value):
     run = ENGINE.top()
     if run is None or run.mode != FORWARD:
         return False
-    region = run.region
-    if region.metadata is None:
-        region.metadata = collections.defaultdict(list)
-    region.metadata[key].append(value)
+    if run.region.metadata is None:
+        run.region.metadata = collections.defaultdict(list)
+    run.region.metadata[key].append(value)
     return True
 
 
@@ -62,11 +56,10 @@ def get_recompute_metadata(key):
         return None
     run.asked_marker = True
     values = run.region.metadata.get(key, ()) if run.region.metadata is not None else ()
-    read = run.metadata_read
-    i = read.get(key, 0)
+    i = run.metadata_read.get(key, 0)
     if i >= len(values):
         raise messages.no_metadata(key)
-    read[key] = i + 1
+    run.metadata_read[key] = i + 1
     return values[i]
 
 
@@ -90,10 +83,7 @@ def default_context_fn():
 
 
 def resolve_context_fn(context_fn):
-    """``apply_ac``'s ``context_fn``: None -> ``default_context_fn()``, False -> none, else the callable.
-
-    Raises TypeError naming ``context_fn`` for anything else.
-    """
+    """``apply_ac``'s ``context_fn``: None -> ``default_context_fn()``, False -> none, else the callable."""
     if context_fn is False:
         return None
     if context_fn is None:
@@ -103,7 +93,6 @@ def resolve_context_fn(context_fn):
 
 
 def check_context_fn(context_fn):
-    """TypeError unless ``context_fn`` is None or a callable."""
     if context_fn is not None and not callable(context_fn):
         raise TypeError(f"context_fn must be a callable returning (forward_ctx, recompute_ctx), "
                         f"got {type(context_fn).__name__}")

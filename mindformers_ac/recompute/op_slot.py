@@ -7,8 +7,7 @@ hand: **track** (``mac_paths``: the slot's path under each path tracker's root, 
 policy's ``ctx.attr_path`` and for keep sites), **keep** (``mac_keep``: a light run that keeps this slot hands the call
 to ``LightRegion.keep_call``), **dropout** (``mac_dropout``: an ``nn.Dropout`` kernel, handed to the running region)
 and **output** (``mac_output``: output recompute of the op). A call goes through the roles in that order and ends in
-the op; other attribute reads go to the op; a deep copy of the cell gets the plain op; ``release`` puts the plain op
-back when the last role is cleared (unless someone replaced the slot since).
+the op.
 """
 import copy
 
@@ -21,8 +20,6 @@ from .state import ENGINE
 class OpSlot:
     """Stands in an op slot for the callable ``mac_inner`` (see the module docstring for the roles)."""
 
-    mac_is_op_proxy = True
-
     def __init__(self, inner):
         self.mac_inner = inner
         self.mac_paths = {}
@@ -34,8 +31,7 @@ class OpSlot:
         if run is None:
             return self.call_op(args, kwargs)
         path = self.mac_paths.get(run.tracker) if self.mac_paths else None
-        tracked = path is not None
-        if tracked:
+        if path is not None:
             run.attrs.append((self, path))
         try:
             if self.mac_keep is not None and run.keeps is not None and self in run.keeps:
@@ -44,7 +40,7 @@ class OpSlot:
                 return run.region.dropout_call(run, self.mac_inner, *args)
             return self.call_op(args, kwargs)
         finally:
-            if tracked:
+            if path is not None:
                 run.attrs.pop()
 
     def call_op(self, args, kwargs):
@@ -53,10 +49,6 @@ class OpSlot:
         if target is not None:
             return target.observe(args, kwargs, lambda: self.mac_inner(*args, **kwargs))
         return self.mac_inner(*args, **kwargs)
-
-    def in_use(self):
-        return bool(self.mac_paths) or self.mac_keep is not None or self.mac_output is not None \
-            or self.mac_dropout > 0
 
     def __getattr__(self, name):   # only for names the slot lacks: the op's attributes stay reachable
         return getattr(self.__dict__["mac_inner"], name)
@@ -84,7 +76,8 @@ def release(holder, key, slot):
     """Put the plain op back in ``holder``'s slot ``key`` once ``slot`` has no role left (a slot someone replaced
     since is left as they set it)."""
     table = holder if isinstance(holder, dict) else vars(holder)
-    if slot.in_use() or table.get(key) is not slot:
+    if slot.mac_paths or slot.mac_keep is not None or slot.mac_output is not None or slot.mac_dropout > 0 \
+            or table.get(key) is not slot:
         return
     if isinstance(holder, dict):
         holder[key] = slot.mac_inner

@@ -85,14 +85,6 @@ class _ScopeRun:
         self.passed = {}
         self.weights = weights
 
-    def alive_passed(self):
-        alive = {}
-        for ptr, entries in self.passed.items():
-            sizes = [n for n, ref in entries if ref() is not None]
-            if sizes:
-                alive[ptr] = max(sizes)
-        return alive
-
 
 class _OutputRecord:
     """One call of the wrapped op: its inputs, what it saved, its outputs; re-run in backward if dropped.
@@ -145,16 +137,6 @@ class _OutputRecord:
         self.inner.append(detached(t))   # a tensor with its graph node would tie the graph to itself
         self.inner_meta.append((tuple(t.shape), t.dtype))
         return _Token(self, len(self.inner) - 1, True)
-
-    def note_outputs(self, out):
-        outs = output_tensors(out)
-        self.outs = tuple((t.data_ptr(), _layout(t)) if isinstance(t, Tensor) else None for t in outs)
-        self.held_outs = [detached(t) if isinstance(t, Tensor) else None for t in outs]
-        self.out_tokens = [0] * len(outs)
-
-    def output_token(self, j):
-        self.out_tokens[j] += 1
-        return _Token(self, j, False)
 
     def freeable(self):
         """``{storage: bytes}`` of what dropping this call would stop keeping (before other savers)."""
@@ -323,7 +305,11 @@ class _Scope:
 
     def _settle(self, run, records):
         """Drop each call that frees more than its inputs cost; report the bytes; say why for the rest."""
-        passed = run.alive_passed()
+        passed = {}
+        for ptr, entries in run.passed.items():
+            sizes = [n for n, ref in entries if ref() is not None]
+            if sizes:
+                passed[ptr] = max(sizes)
         kept = dict(passed)
         # The ledger (ActivationLedger) per stats object: what the scope keeps goes into the first
         # target's (apply_ac gives a layer's targets one stats), what each target's dropped calls freed into
@@ -343,7 +329,13 @@ class _Scope:
             rec.settle(False)
             kept.update(freeable)
             if target.keep_output is not True and target not in why:
-                why[target] = _kept_warning(target.name, rec, freeable, gain, cost)
+                name = target.name   # the warn-once key, text and arguments saying why it kept what it saved
+                if gain:
+                    why[target] = ("inputs_cost", name), messages.OUTPUT_INPUTS_COST, name, cost, gain
+                elif any(rec.out_tokens) or freeable:
+                    why[target] = ("output_kept_by_op", name), messages.OUTPUT_KEPT_ELSEWHERE, name
+                else:
+                    why[target] = ("nothing_dropped", name), messages.OUTPUT_NOTHING_DROPPED, name
         if ledgers:   # the meter counts what was passed
             next(iter(ledgers.values()))[1].kept = {p: n for p, n in kept.items() if p not in passed}
         for stats, ledger in ledgers.values():
@@ -355,39 +347,19 @@ class _Scope:
                     target.retire(warning)
             target.settled_once = True
 
-    def record(self, rec, out):
-        rec.note_outputs(out)
-        for j, o in enumerate(rec.outs):
-            if o is not None:
-                self.live[o[0]] = (rec, j)
-        self.run.records.append(rec)
-
     def _pack(self, t):
         hit = self.live.get(t.data_ptr())
-        if hit is not None:
+        if hit is not None and hit[0].dropped is None and hit[0].outs[hit[1]][1] == _layout(t):
             rec, j = hit
-            if rec.dropped is None and rec.outs[j][1] == _layout(t):
-                return rec.output_token(j)
-        return self._pass(t)
-
-    setattr(_pack, CHAIN_PASSED, True)   # what it lets through is counted by an outer meter
-
-    def _pass(self, t):
-        """``t`` kept as it is: noted for the decisions."""
-        run = self.run
+            rec.out_tokens[j] += 1
+            return _Token(rec, j, False)
+        run = self.run   # anything else is kept as it is, noted for the decisions
         if run is not None and t.data_ptr() not in run.weights:
             ptr, nbytes = storage_info(t)
             run.passed.setdefault(ptr, []).append((nbytes, weakref.ref(t)))
         return t
 
-
-def _kept_warning(name, rec, freeable, gain, cost):
-    """The warn-once key, text and arguments saying why a call of op ``name`` kept what it saved."""
-    if gain:
-        return ("inputs_cost", name), messages.OUTPUT_INPUTS_COST, name, cost, gain
-    if any(rec.out_tokens) or freeable:
-        return ("output_kept_by_op", name), messages.OUTPUT_KEPT_ELSEWHERE, name
-    return ("nothing_dropped", name), messages.OUTPUT_NOTHING_DROPPED, name
+    setattr(_pack, CHAIN_PASSED, True)   # what it lets through is counted by an outer meter
 
 
 class _Target:
@@ -409,58 +381,48 @@ class _Target:
         if self.on_retire is not None:
             self.on_retire(self.retired)
 
-    def active(self):
-        scope = self.scope
-        return (self.keep_output is not True and self.retired is None and scope.run is not None
-                and not scope.calling and ENGINE.top() is None and not ENGINE.in_recompute())
-
-    def decide_rerun(self, random_ops, side_effect_ops=()):
-        """Decide, from the first recorded call, whether the op can be run again at all."""
-        self.keep_output = bool(random_ops) or bool(side_effect_ops)
-        if random_ops:
-            ENGINE.warnings.warning(("random_output", self.name), messages.OUTPUT_RANDOM_OPS, self.name,
-                                    random_ops)
-        elif side_effect_ops:
-            ENGINE.warnings.warning(("side_effect_output", self.name), messages.OUTPUT_SIDE_EFFECT_OPS, self.name,
-                                    side_effect_ops)
-
     def observe(self, args, kwargs, call):
-        """Run ``call()`` (the op), recording it when the scope is collecting."""
-        if not self.active():
-            return call()
+        """Run ``call()`` (the op), recording it when the scope is collecting; the first recorded call decides
+        whether the op can be run again at all."""
         scope = self.scope
+        if self.keep_output is True or self.retired is not None or scope.run is None or scope.calling \
+                or ENGINE.top() is not None or ENGINE.in_recompute():
+            return call()
         rec = _OutputRecord(self, scope.run, args, kwargs)
         scope.calling += 1
         try:
             with ms.saved_tensors_hooks(rec.pack_inner, _unpack_output):
                 if self.keep_output is None:
-                    probe = _RerunProbe()
-                    with probe:
+                    with _RerunProbe() as probe:
                         out = call()
-                    self.decide_rerun(probe.random_ops, probe.side_effect_ops)
+                    self.keep_output = bool(probe.random_ops or probe.side_effect_ops)
+                    if probe.random_ops:
+                        ENGINE.warnings.warning(("random_output", self.name), messages.OUTPUT_RANDOM_OPS,
+                                                self.name, probe.random_ops)
+                    elif probe.side_effect_ops:
+                        ENGINE.warnings.warning(("side_effect_output", self.name), messages.OUTPUT_SIDE_EFFECT_OPS,
+                                                self.name, probe.side_effect_ops)
                 else:
                     out = call()
         finally:
             scope.calling -= 1
-        scope.record(rec, out)   # a kept op (random, writes) is settled as kept with the others
+        # a kept op (random, writes) is settled as kept with the others
+        outs = output_tensors(out)
+        rec.outs = tuple((t.data_ptr(), _layout(t)) if isinstance(t, Tensor) else None for t in outs)
+        rec.held_outs = [detached(t) if isinstance(t, Tensor) else None for t in outs]
+        rec.out_tokens = [0] * len(outs)
+        scope.live.update((o[0], (rec, j)) for j, o in enumerate(rec.outs) if o is not None)
+        scope.run.records.append(rec)
         return out
 
 
 class OpOutputHandle:
-    """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot."""
+    """Undo handle returned by ``wrap_op_output``; ``remove()`` restores the op slot. ``original``: the wrapped op."""
 
     def __init__(self, holder, attr, target, patch, slot=None):
         self.holder, self.attr, self.target, self._patch, self.slot = holder, attr, target, patch, slot
+        self.stats, self.original = target.stats, target.op
         self.removed = False
-
-    @property
-    def stats(self):
-        return self.target.stats
-
-    @property
-    def original(self):
-        """The wrapped op itself."""
-        return self.target.op
 
     def remove(self):
         if self.removed:
@@ -472,14 +434,6 @@ class OpOutputHandle:
             self.slot.mac_output = None
             release(self.holder, self.attr, self.slot)
         self.target.scope.detach(self.target)
-
-
-def _scope_of(cell):
-    scope = cell.__dict__.get(_SCOPE_ATTR)
-    if scope is None:
-        scope = _Scope(cell)
-        object.__setattr__(cell, _SCOPE_ATTR, scope)   # plain attribute: not a sub-cell or parameter
-    return scope
 
 
 def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None, on_retire=None):
@@ -504,16 +458,18 @@ def wrap_op_output(owner_cell, attr_name, stats=None, registry=None, scope=None,
         holder, key = registry_slot(table, attr_name)   # MindFormers' {'fn': op, ...} entry, or the op
         op = holder[key]
     slot = op if isinstance(op, OpSlot) else None   # a checkpoint region's slot (track, keep, dropout roles)
-    if slot is not None:
-        op = slot.mac_inner
+    op = slot.mac_inner if slot is not None else op
     if (slot is not None and slot.mac_output is not None) or \
             (isinstance(op, nn.Cell) and find_patch(op, _OUTPUT_KIND) is not None):
         raise ValueError(f"op '{attr_name}' of {type(owner_cell).__name__} is already output-recomputed; "
                          "remove() its handle first")
     if not callable(op):
         raise TypeError(f"'{attr_name}' of {type(owner_cell).__name__} is not callable ({type(op).__name__})")
+    cell = scope if scope is not None else owner_cell
+    if _SCOPE_ATTR not in cell.__dict__:
+        object.__setattr__(cell, _SCOPE_ATTR, _Scope(cell))   # plain attribute: not a sub-cell or parameter
     name = f"{type(owner_cell).__name__}.{attr_name}"
-    target = _Target(op, name, owner_cell, _scope_of(scope if scope is not None else owner_cell),
+    target = _Target(op, name, owner_cell, cell.__dict__[_SCOPE_ATTR],
                      stats if stats is not None else RecomputeStats(), on_retire)
     if is_random_op_name(op_name_of(op) if not isinstance(op, nn.Cell) else type(op).__name__):
         logger.warning(messages.OUTPUT_RANDOM_OP, name, op)

@@ -1,9 +1,5 @@
-"""Counters of recompute regions: bytes kept, dropped and swapped, ops run and re-run, which path ran.
-
-A region's bytes are counted by the package's one ledger (``ledger.ActivationLedger``, which swap groups write too);
-``RecomputeStats`` holds the totals of each region while it is alive, and ``accounting.LayerMeter``'s step figures
-read those sums.
-"""
+"""Counters of recompute regions: bytes kept, dropped and swapped (each region's ``ledger.ActivationLedger`` totals,
+held while it is alive, summed by ``accounting.LayerMeter``), ops run and re-run, which path ran."""
 import collections
 import weakref
 
@@ -43,10 +39,8 @@ class RecomputeStats:
     def reset(self):
         """Zero every counter; regions still alive no longer report to this object."""
         self._generation += 1
-        for name in self._COUNTERS:
+        for name in (*self._COUNTERS, "_live_dropped", "_live_swapped"):
             setattr(self, name, 0)
-        self._live_dropped = 0
-        self._live_swapped = 0
         self.rerun_by_op = collections.Counter()
         self.intercept_reasons = collections.Counter()
 
@@ -55,7 +49,6 @@ class RecomputeStats:
         self.intercept_reasons.update(set(reasons))
 
     def note_kept_over(self, nbytes):
-        """A region's forward kept ``nbytes`` more than it saved (MUST_SAVE ops kept as asked)."""
         self.kept_over_bytes = max(self.kept_over_bytes, nbytes)
 
     def count_rerun(self, op_name, n=1):

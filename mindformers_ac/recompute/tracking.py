@@ -5,11 +5,8 @@ role of each op attribute's ``op_slot.OpSlot``) of the innermost running region 
 what the policy is handed per op.
 """
 import contextlib
-import functools
-import types
 
 import mindspore as ms
-from mindspore.ops import Primitive
 
 from ..construct_patch import drop_on_copy, hold_copy_hook, release_copy_hook
 from ..whitelist import COMM_OPS_REGISTRY, registry_slot
@@ -40,12 +37,19 @@ class OpContext:
 
     @property
     def attr_path(self):
-        if self._attr_path is not None:
+        if self._attr_path is not None or self._cell is None:
             return self._attr_path
-        attr = _find_op_attr(self._cell, self.op_name)
-        if attr is None:
+        want = _norm_op_name(self.op_name)
+        found = []
+        for attr, value in vars(self._cell).items():
+            if attr.startswith("_") or not callable(value) or isinstance(value, ms.nn.Cell):
+                continue
+            name = getattr(value, "name", None) or getattr(value, "__name__", None)
+            if isinstance(name, str) and _norm_op_name(name) == want:
+                found.append(attr)
+        if len(found) != 1:   # two attributes running the same op (bmm_qk, bmm_pv) can't be told apart by it
             return None
-        return f"{self.cell_path}.{attr}" if self.cell_path else attr
+        return f"{self.cell_path}.{found[0]}" if self.cell_path else found[0]
 
 
 def _norm_op_name(name):
@@ -53,28 +57,9 @@ def _norm_op_name(name):
     return name[:-3] if name.endswith("ext") else name
 
 
-def _find_op_attr(cell, op_name):
-    if cell is None:
-        return None
-    want = _norm_op_name(op_name)
-    found = []
-    for attr, value in vars(cell).items():
-        if attr.startswith("_") or not callable(value) or isinstance(value, ms.nn.Cell):
-            continue
-        name = getattr(value, "name", None) or getattr(value, "__name__", None)
-        if isinstance(name, str) and _norm_op_name(name) == want:
-            found.append(attr)
-    # Two attributes running the same op (bmm_qk, bmm_pv) can't be told apart from the op alone.
-    return found[0] if len(found) == 1 else None
-
-
 def is_op_attribute(value):
-    """A cell attribute that runs ops when called: a Primitive, a function, a ``functools.partial``, a bound method,
-    a callable object (a kernel wrapper, a CPU stand-in for a fused kernel), or one of our proxies; not a Cell (a
-    sub-cell is tracked as a cell), a class or a tensor."""
-    if isinstance(value, (Primitive, types.FunctionType, types.BuiltinFunctionType, functools.partial,
-                          types.MethodType)) or getattr(value, "mac_is_op_proxy", False):
-        return True
+    """A cell attribute that runs ops when called: any callable (a Primitive, a function, a kernel wrapper, an
+    ``OpSlot`` ...) but a Cell (a sub-cell is tracked as a cell), a class or a tensor."""
     return callable(value) and not isinstance(value, (ms.nn.Cell, type, ms.Tensor))
 
 
@@ -110,11 +95,22 @@ class PathTracker:
         if self.installed:
             return
         self.installed = True
+
+        @drop_on_copy   # plain functions: a deep copy of a sub-cell must not keep our hooks
+        def leave(cell, _args, _output):
+            run = ENGINE.top()
+            if run is not None and run.tracker is self and run.path and run.path[-1][1] is cell:
+                run.path.pop()
         for name, cell in self.root.cells_and_names():
             if cell is not self.root and name:
-                self._handles.append(cell.register_forward_pre_hook(self._make_enter(name)))
+                @drop_on_copy
+                def enter(cell, _args, name=name):
+                    run = ENGINE.top()
+                    if run is not None and run.tracker is self:
+                        run.path.append((name, cell))
+                self._handles.append(cell.register_forward_pre_hook(enter))
                 # No always_call: a call that raises ends its region run, and the path dies with it.
-                self._handles.append(cell.register_forward_hook(self._make_exit()))
+                self._handles.append(cell.register_forward_hook(leave))
                 hold_copy_hook(cell)
                 self._hooked.append(cell)
             for holder, key, attr in _op_slots(cell):
@@ -136,29 +132,11 @@ class PathTracker:
     @contextlib.contextmanager
     def active(self):
         """Install for the duration of a run unless installed for good (by ``checkpoint_wrapper``)."""
-        if self.installed:
-            yield
-            return
+        installed = self.installed
         self.install()
         try:
             yield
         finally:
-            self.remove()
-
-    # Plain functions marked drop_on_copy: a deep copy of a sub-cell must not keep our hooks.
-    def _make_enter(self, name):
-        @drop_on_copy
-        def enter(cell, _args):
-            run = ENGINE.top()
-            if run is not None and run.tracker is self:
-                run.path.append((name, cell))
-        return enter
-
-    def _make_exit(self):
-        @drop_on_copy
-        def leave(cell, _args, _output):
-            run = ENGINE.top()
-            if run is not None and run.tracker is self and run.path and run.path[-1][1] is cell:
-                run.path.pop()
-        return leave
+            if not installed:
+                self.remove()
 
