@@ -191,13 +191,11 @@ def recompute_input(a):
 
 
 def _region_input(a):
-    """``recompute_input(a)``, to be handed to the re-run through an op when it must (``_RerunInput``).
-
-    The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as a write into
-    a leaf (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires grad"). A view costs
-    nothing; a ``copy_`` target needs a copy of its own, so the saved one stays as it was (``* 1``: a recorded,
-    exact copy; ``deepcopy`` would not be tracked).
-    """
+    """``recompute_input(a)``, to be handed to the re-run through an op when it must (``_RerunInput``): the forward's
+    input came out of an op; the re-run's must too, or an in-place write into it fails as a write into a leaf
+    (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires grad"). A view costs nothing; a
+    ``copy_`` target needs a copy of its own, so the saved one stays as it was (``* 1``: a recorded, exact copy;
+    ``deepcopy`` would not be tracked)."""
     if isinstance(a, ChainedInput):   # runs the previous member's re-run first
         a = SavedInput(a.region.rerun_output(), a.tracked, a.ptr)
     t = recompute_input(a)
@@ -471,13 +469,11 @@ class RegionBase:
 
     def ensure_recomputed(self):
         """What the re-run of the running backward rebuilt and no unpack took yet: re-run now on its first unpack.
-
-        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of its
-        own, keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant recompute
-        and PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them a second time.
-        Raises ``RecomputeError`` for a recompute that asks for its own saved tensors, and (from ``_recompute``) for
-        one that diverged from its forward; that engine then has no re-run.
-        """
+        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of its own,
+        keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant recompute and
+        PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them a second time. Raises
+        ``RecomputeError`` for a recompute that asks for its own saved tensors, or that diverged from its forward
+        (``_recompute``); that engine then has no re-run."""
         engine = autodiff_engine_id()
         saved = self.reruns.get(engine)
         if saved is not None:
@@ -497,8 +493,11 @@ class RegionBase:
         finally:
             self._running = False
         saved = self.reruns[engine] = self.recomputed
-        for key, held in self.held_saves.items():   # W6: what the graph reads without AC (saved: a dict or a list)
-            saved[key] = held
+        # W6: what the graph reads without AC; a backward that records (a grad of a grad) takes the re-run's tensors,
+        # whose graph the held views lack (saved: a dict or a list)
+        if not _executor.requires_grad():
+            for key, held in self.held_saves.items():
+                saved[key] = held
         self.stats.recompute_calls += 1
         return saved
 
