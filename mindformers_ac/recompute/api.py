@@ -71,41 +71,21 @@ class CheckpointOptions:
         self.debug, self.early_stop = debug, early_stop
 
 
-def take_options(where, kwargs):
-    """Pop PyTorch's checkpoint keywords from ``kwargs`` (the rest go to the user's function) and check them."""
-    found = {name: kwargs.pop(name) for name in TORCH_OPTIONS if name in kwargs}
-    return CheckpointOptions(where, **found)
-
-
-def check_exclude_args(names, path_patterns, base_policy):
-    """``exclude_policy``'s arguments: lists of strings (and valid regexes), a callable base policy.
-
-    Returns ``(names, compiled patterns)`` as tuples. TypeError / ValueError name the argument and the bad item.
-    """
-    checked = []
-    for arg, items in (("names", names), ("path_patterns", path_patterns)):
-        if isinstance(items, (str, bytes)):
-            raise TypeError(f"exclude_policy({arg}=...) takes a list of strings, not a string: "
-                            f"write {arg}=[{quote(items)}]")
-        try:
-            items = tuple(items)
-        except TypeError:
-            raise TypeError(f"exclude_policy({arg}=...) takes a list of strings, got {type(items).__name__} "
-                            f"{quote(items)}") from None
-        for i, item in enumerate(items):
-            if not isinstance(item, str):
-                raise TypeError(f"exclude_policy({arg}=...): item {i} must be a string (an op name"
-                                f"{'' if arg == 'names' else ' regex'}), got {type(item).__name__} {quote(item)}")
-        checked.append(items)
-    names, path_patterns = checked
-    compiled = []
-    for p in path_patterns:
-        try:
-            compiled.append(re.compile(p))
-        except re.error as exc:
-            raise ValueError(f"exclude_policy(path_patterns=...): {quote(p)} is not a valid regex ({exc})") from None
-    check_policy_fn("exclude_policy", base_policy, arg="base_policy")
-    return names, tuple(compiled)
+def _strings(arg, items):
+    """``exclude_policy``'s argument ``arg`` as a tuple of strings; a TypeError names it and the bad item."""
+    if isinstance(items, (str, bytes)):
+        raise TypeError(f"exclude_policy({arg}=...) takes a list of strings, not a string: "
+                        f"write {arg}=[{quote(items)}]")
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"exclude_policy({arg}=...) takes a list of strings, got {type(items).__name__} "
+                        f"{quote(items)}") from None
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"exclude_policy({arg}=...): item {i} must be a string (an op name"
+                            f"{'' if arg == 'names' else ' regex'}), got {type(item).__name__} {quote(item)}")
+    return items
 
 _KIND = "checkpoint_wrapper"
 
@@ -130,18 +110,16 @@ def checkpoint(fn, *args, policy_fn=None, swap_inputs=False, context_fn=None, st
     """
     if not callable(fn):
         raise TypeError(f"checkpoint() needs a callable, got {type(fn).__name__}")
-    options = _region_options("checkpoint", take_options("checkpoint", kwargs), policy_fn, stats, swap_executor,
-                              swap_inputs, context_fn)
-    root = root_cell_of(fn)
-    return run_region(fn, args, kwargs, tracker=_tracker_for(root, policy_fn), **options)
+    # PyTorch's keywords are popped: the rest go to fn
+    torch_options = CheckpointOptions("checkpoint", **{n: kwargs.pop(n) for n in TORCH_OPTIONS if n in kwargs})
+    options = _region_options("checkpoint", torch_options, policy_fn, stats, swap_executor, swap_inputs, context_fn)
+    return run_region(fn, args, kwargs, tracker=_tracker_for(root_cell_of(fn), policy_fn), **options)
 
 
 def _region_options(where, torch_options, policy_fn, stats, swap_executor, swap_inputs, context_fn, settings=None):
-    """The keywords of ``checkpoint`` / ``checkpoint_wrapper`` (``where``), checked, as a region's options.
-
-    ``swap_executor`` defaults to ``SwapManager``'s (stateless: one per call is as cheap as a shared one);
-    ``settings`` is the ``recompute`` section a region reads (``Region.settings``; None: the defaults), and the
-    ``early_stop`` keyword, when False, is that section's field."""
+    """The keywords of ``checkpoint`` / ``checkpoint_wrapper`` (``where``), checked, as a region's options; the
+    ``early_stop`` keyword, when False, is the field of ``settings`` (the ``recompute`` section a region reads). The
+    default ``swap_executor`` is stateless: one per call is as cheap as a shared one."""
     check_policy_fn(where, policy_fn)
     check_context_fn(context_fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
@@ -279,10 +257,17 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="",
     (``self_attention.core_attention.Softmax``) and ``ctx.attr_path`` (``self_attention.core_attention.softmax``),
     relative to the region root, or to ``path_prefix`` before it. ``observer(ctx)``: told every op asked about
     (``apply_ac`` finds unmatched ``exclude_op`` names with it). Marked ``decides_by_site`` (unless ``base_policy``
-    isn't): its regions may keep ops at keep sites on the light path (``keep_sites``).
+    isn't): its regions may keep ops at keep sites on the light path (``keep_sites``). A bad argument is a TypeError
+    / ValueError naming it and the bad item.
     """
-    names, compiled = check_exclude_args(names, path_patterns, base_policy)
-    lowered = tuple(n.lower() for n in names)
+    lowered = tuple(n.lower() for n in _strings("names", names))
+    compiled = []
+    for p in _strings("path_patterns", path_patterns):
+        try:
+            compiled.append(re.compile(p))
+        except re.error as exc:
+            raise ValueError(f"exclude_policy(path_patterns=...): {quote(p)} is not a valid regex ({exc})") from None
+    check_policy_fn("exclude_policy", base_policy, arg="base_policy")
 
     def policy(ctx, op, *args, **kwargs):
         if observer is not None:
@@ -295,9 +280,7 @@ def exclude_policy(names=(), path_patterns=(), base_policy=None, path_prefix="",
                      if p is not None]
             if any(p.fullmatch(path) for p in compiled for path in paths):
                 return CheckpointPolicy.MUST_SAVE
-        if base_policy is not None:
-            return base_policy(ctx, op, *args, **kwargs)
-        return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE if base_policy is None else base_policy(ctx, op, *args, **kwargs)
 
     policy.exclude_names = lowered
     policy.exclude_patterns = tuple(p.pattern for p in compiled)

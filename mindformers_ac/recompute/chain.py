@@ -3,10 +3,9 @@ inputs (MindSpeed's ``--recompute-method uniform``).
 
 A member after the first, called on the previous member's output (``x = layer(x, ...)``, or by keyword), does not
 keep that argument but holds the previous member's region (``rerun.ChainedInput``), whose re-run output rebuilds it:
-less is kept at the end of forward, more is alive inside backward. ``LayerChain`` is the forward's bookkeeping of
-one group (the last member and its output, held weakly, with its stamp). A member not called on the previous one's
-output, or out of order, is refused with a ``RecomputeError`` naming the layers; one whose chained argument was
-written between the two keeps it as an ungrouped layer does (rule W5 of docs/exactness.md).
+less is kept at the end of forward, more is alive inside backward. A member not called on the previous one's output,
+or out of order, is refused with a ``RecomputeError`` naming the layers; one whose chained argument was written
+between the two keeps it as an ungrouped layer does (rule W5 of docs/exactness.md).
 """
 import weakref
 
@@ -18,22 +17,8 @@ from . import messages
 
 def first_output(out):
     """The output a next member receives first: ``out`` itself, or the first item of a tuple output."""
-    if isinstance(out, Tensor):
-        return out
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-        return out[0]
-    return None
-
-
-def _argument_holding(output, args, kwargs):
-    """Where ``output`` went in a call: the first position or keyword holding that very tensor, or None."""
-    for i, a in enumerate(args):
-        if a is output:
-            return i
-    for key, value in kwargs.items():
-        if value is output:
-            return key
-    return None
+    first = out[0] if isinstance(out, (tuple, list)) and out else out
+    return first if isinstance(first, Tensor) else None
 
 
 class LayerChain:
@@ -62,7 +47,9 @@ class LayerChain:
                                                                     "right before it")
         region = self._region() if self._region is not None else None
         output = self._output() if self._output is not None else None
-        where = _argument_holding(output, args, kwargs or {}) if output is not None else None
+        # where the output went: the first position or keyword holding that very tensor
+        where = next((k for k, a in (*enumerate(args), *(kwargs or {}).items()) if output is not None and a is output),
+                     None)
         if region is None or where is None:
             self._reset()
             raise messages.group_not_chained(self.layer_ids, index, "did not receive the previous layer's output "

@@ -1,11 +1,9 @@
 """The texts of what the recompute engine finds while it runs (in forward and backward), written once.
 
 Both ways into a region report the same failure with the same words (a bad argument of ``checkpoint`` is not here:
-``api`` raises it at the call, docs/architecture.md). Each function returns the exception to raise, built from what
-the caller knows (an op by ``describe_op``, a saved tensor by ``describe_meta``); the upper-case constants are
-warnings logged once. A message starts with ``mindformers_ac:``, says what differed between the forward and its
-recompute, and what to change in the region; tests and users match on these texts, so a change of wording is a
-change of interface.
+``api`` raises it at the call). Each function returns the exception to raise; the upper-case constants are warnings
+logged once. A message says what differed between the forward and its recompute, and what to change in the region;
+tests and users match on these texts, so a change of wording is a change of interface.
 """
 from ..errors import RecomputeError
 
@@ -17,6 +15,11 @@ _SAME_SHAPES = ("The region must compute the same shapes and dtypes when run aga
                 "that changed since the forward; a tensor read from outside the region's arguments must be "
                 "passed as an argument).")
 _DIVERGED = "mindformers_ac: recompute diverged from forward"
+
+
+def _diverged(region, what, why=SAME_PATH):
+    """``mindformers_ac: recompute diverged from forward in the recomputed region 'x': {what} {why}``."""
+    return RecomputeError(f"{_DIVERGED}{of_region(region)}: {what} {why}")
 
 
 def in_path(path):
@@ -41,32 +44,24 @@ def describe_meta(meta):
     return f"{tuple(meta[0])} {meta[1]}" if meta is not None else "not saved"
 
 
-def cast_hint(forward_op, recompute_op):
-    """What to add to a "diverged" message when the two runs differ by an inserted Cast."""
-    if "Cast" not in (forward_op, recompute_op):
-        return ""
-    return (" The runs differ by a Cast: the region's forward and recompute ran under different mixed-"
-            "precision types. The recompute uses the region cell's own type (set by to_float / amp O2/O3 "
-            "on every cell); a type set on an enclosing cell only is not seen: call to_float on the "
-            "region's cell as well.")
+# Added to a "diverged" message when the two runs differ by an inserted Cast.
+_CAST_HINT = (" The runs differ by a Cast: the region's forward and recompute ran under different mixed-precision "
+              "types. The recompute uses the region cell's own type (set by to_float / amp O2/O3 on every cell); a "
+              "type set on an enclosing cell only is not seen: call to_float on the region's cell as well.")
 
 
 # -- a recompute that took another code path -----------------------------------------------------
 
 def other_op(idx, forward_desc, forward_name, name, path, region):
     """The recompute's op ``idx`` is not the forward's."""
-    return RecomputeError(
-        f"{_DIVERGED} at op #{idx}: forward ran {forward_desc}, recompute runs {name}{in_path(path)}"
-        f"{of_region(region)}. "
-        f"{SAME_PATH}{cast_hint(forward_name, name)}")
+    return RecomputeError(f"{_DIVERGED} at op #{idx}: forward ran {forward_desc}, recompute runs {name}{in_path(path)}"
+                          f"{of_region(region)}. {SAME_PATH}{_CAST_HINT if 'Cast' in (forward_name, name) else ''}")
 
 
 def missing_ops(idx, n, first_missing, region):
     """The recompute skipped op ``idx`` of the forward's ``n``, which left something for backward."""
-    return RecomputeError(
-        f"{_DIVERGED}{of_region(region)}: it did not run op #{idx} {first_missing} of the forward's {n}, which saved "
-        "tensors for "
-        f"backward or kept its output (only ops that leave nothing for backward may be skipped). {SAME_PATH}")
+    return _diverged(region, f"it did not run op #{idx} {first_missing} of the forward's {n}, which saved tensors "
+                     "for backward or kept its output (only ops that leave nothing for backward may be skipped).")
 
 
 def written_after_forward(what, shape, dtype, region):
@@ -91,11 +86,9 @@ def parameter_replaced(region, name):
 
 def skipped_op_needed(idx, desc, region):
     """Backward reached an op that the re-run skipped under the marker."""
-    return RecomputeError(
-        f"{_DIVERGED}{of_region(region)}: its re-run skipped op #{idx} {desc} under is_in_recompute(), but the "
-        "backward needs "
-        "what that op saved: a skipped side effect must not feed the loss. Run the op in the re-run too, or "
-        "detach its result (ops.stop_gradient) before keeping it.")
+    return _diverged(region, f"its re-run skipped op #{idx} {desc} under is_in_recompute(), but the backward needs "
+                     "what that op saved: a skipped side effect must not feed the loss.", "Run the op in the re-run "
+                     "too, or detach its result (ops.stop_gradient) before keeping it.")
 
 
 def no_metadata(key):
@@ -110,8 +103,7 @@ def save_count_at_op(idx, desc, fwd, rec, region):
     """Op ``idx`` saved another number of tensors than in forward (the intercepting path knows the op)."""
     return RecomputeError(
         f"{_DIVERGED} at op #{idx} {desc}{of_region(region)}: it saved {fwd} tensor(s) for backward in forward but "
-        f"{rec} in the "
-        "recompute, so its dropped tensors can't be matched. An op saves different tensors when autograd "
+        f"{rec} in the recompute, so its dropped tensors can't be matched. An op saves different tensors when autograd "
         "tracks different inputs: e.g. a tensor the region reads from outside its arguments (a closure or an "
         "attribute set by the caller) that requires grad in only one of the runs; pass it as an argument of "
         "the region.")
@@ -119,10 +111,8 @@ def save_count_at_op(idx, desc, fwd, rec, region):
 
 def save_count(rec, fwd, first_unmatched, region):
     """The recompute saved another number of tensors than the forward (the light path counts saves only)."""
-    return RecomputeError(
-        f"{_DIVERGED}{of_region(region)}: it saved {rec} tensor(s) for backward, the forward {fwd}; the first "
-        "unmatched one is "
-        f"{first_unmatched}. {SAME_PATH} It must read tensors only from its arguments.")
+    return _diverged(region, f"it saved {rec} tensor(s) for backward, the forward {fwd}; the first unmatched one is "
+                     f"{first_unmatched}.", f"{SAME_PATH} It must read tensors only from its arguments.")
 
 
 def check_saves(got, expected, where, region):
@@ -140,13 +130,11 @@ def other_tensor(where, fwd_meta, rec_meta, region):
     """A saved tensor (or a Dropout input) ``where`` had another shape or dtype in the recompute."""
     return RecomputeError(
         f"{_DIVERGED} at {where}{of_region(region)}: it was {describe_meta(fwd_meta)} in forward but "
-        f"{describe_meta(rec_meta)} in "
-        f"the recompute. {_SAME_SHAPES}")
+        f"{describe_meta(rec_meta)} in the recompute. {_SAME_SHAPES}")
 
 
 def other_values(region, op):
-    """A re-run computed other values than its forward (the safety net's sampled elements differ bitwise):
-    ``region`` is the region's cell path (or its class), ``op`` the op whose tensor was sampled."""
+    """The safety net's sampled elements of ``op``'s tensor differ bitwise between the forward and its re-run."""
     return RecomputeError(
         f"{_DIVERGED} in {region!r}: the recompute computed another output than the forward at {op} (sampled "
         "elements differ bitwise), so the gradients would be wrong; no gradient left the region. Something the "
@@ -158,29 +146,25 @@ def other_values(region, op):
 
 def dropout_calls(rec, fwd, region):
     """The recompute called ``nn.Dropout`` another number of times than the forward."""
-    return RecomputeError(f"{_DIVERGED}{of_region(region)}: it called nn.Dropout {rec} time(s), the forward {fwd}. "
-                          f"{SAME_PATH}")
+    return _diverged(region, f"it called nn.Dropout {rec} time(s), the forward {fwd}.")
 
 
 def kept_calls(rec, fwd, where, region):
     """The recompute reached the ops exclude_op keeps another number of times than the forward."""
-    return RecomputeError(f"{_DIVERGED}{of_region(region)}: the forward made {fwd} call(s) of ops exclude_op keeps, "
-                          f"its recompute {rec} (at {where}). {SAME_PATH}")
+    return _diverged(region, f"the forward made {fwd} call(s) of ops exclude_op keeps, its recompute {rec} "
+                     f"(at {where}).")
 
 
 def other_kept_call(i, fwd_where, fwd_meta, where, got, region):
     """Kept call ``i`` of the recompute is not the forward's (another site, or inputs of other shapes)."""
-    fwd_args = ", ".join(describe_meta(m) for m in fwd_meta) or "no tensor"
-    args = ", ".join(describe_meta(m) for m in got) or "no tensor"
+    fwd_args, args = (", ".join(map(describe_meta, metas)) or "no tensor" for metas in (fwd_meta, got))
     return RecomputeError(f"{_DIVERGED} at kept call #{i}: forward called {fwd_where} on {fwd_args}, recompute calls "
                           f"{where} on {args}{of_region(region)}. {_SAME_SHAPES}")
 
 
 def nested_regions(fwd, region):
     """The recompute met more nested regions than the forward did."""
-    return RecomputeError(
-        f"{_DIVERGED}{of_region(region)}: it called more nested checkpoints in its recompute than in its forward "
-        f"({fwd}). {SAME_PATH}")
+    return _diverged(region, f"it called more nested checkpoints in its recompute than in its forward ({fwd}).")
 
 
 def read_before_kept_write(idx, name, path, writer_idx, writer_desc, region):

@@ -8,8 +8,7 @@ which the light path only reads, from one mark, ``Region.intercept`` (see ``Chec
 Nothing is raised here. A refused signature stays intercepted; a checking call whose region died without a recompute
 is checked again by the next call; past ``PathChecks.MAX_KEYS`` signatures per wrapper, new ones stay intercepted.
 The counters a light call can't measure (``ops_forward``, ``ops_rerun``, ``rerun_by_op``, ``dropped_bytes``) are its
-checking call's. ``run_region`` is the intercepting way in (and ``checkpoint``'s): a new region, a nested one
-replayed, or a plain run without gradient recording.
+checking call's.
 """
 import collections
 import enum
@@ -36,12 +35,8 @@ logger = logging.getLogger("mindformers_ac")
 
 class PathCheck:
     """What the first (intercepted) call of one call signature showed about the region (filled by its
-    ``CheckRecorder``; the light path only reads it).
-
-    ``ok`` is None until that call's recompute finished, then whether later calls with this signature may take the
-    light path. It also keeps what the light path reports in its place: op names and paths (to name an op in a
-    "diverged" message), op counts and the dropped bytes.
-    """
+    ``CheckRecorder``; the light path only reads it): ``ok``, None until that call's recompute finished, then whether
+    later calls with this signature may take the light path, and what the light path reports in its place."""
 
     __slots__ = ("fwd", "keys", "ok", "op_names", "op_paths", "n_rerun", "rerun_counts",
                  "n_dropouts", "dropped", "param_ptrs", "params", "buffers", "probe_index", "keep_proxies", "n_kept_ops",
@@ -136,34 +131,6 @@ class CheckRecorder:
         finally:
             run.in_hook = run.noting_replay = False
 
-    def _settle_sites(self, region):
-        """Give the keep role to the slot of every kept op whose site ran kept ops only; a kept op without one keeps
-        the signature intercepted (its reason says why). Returns the proxies the light path is to hand to the
-        region, and the ops they keep."""
-        by_site = {}
-        for idx, site in self.sites.items():
-            by_site.setdefault(site.key, []).append(idx)
-        proxies, kept_ops = set(), set()
-        for idx in sorted(region.kept.policy_saves):
-            site, name = self.sites.get(idx), region.op_names[idx]
-            if site is None or idx in region.random.ops or region.decisions.get(idx) != SAVE:
-                continue
-            others = [region.op_names[i] for i in by_site[site.key] if i not in region.kept.policy_saves]
-            if isinstance(site, NoSite):
-                why = site.why
-            elif others:
-                why = f"{site.description} also runs {others[0]}, which is recomputed"
-            else:
-                proxy = install_site(site, self.check.checks.installed)
-                if proxy is not None:
-                    proxies.add(proxy)
-                    kept_ops.add(idx)
-                    region.light_reproduces(("op", idx))
-                    continue
-                why = f"{site.description} can't hold a proxy for {name}"
-            region.kept.reasons[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
-        return frozenset(proxies), kept_ops
-
     def finish(self, region):
         """After the checking call's recompute: may this signature take the light path? Fills ``check``."""
         check, decisions, kept = self.check, region.decisions, region.kept.policy_saves
@@ -174,11 +141,30 @@ class CheckRecorder:
         check.keys = [key for key in self.keys if key is None or key[0] not in kept]
         if check.fwd != self.rec:
             region.align.keeps_intercepted("saves", "its recompute saved other tensors than its forward")
-        kept_ops = set()
+        proxies, kept_ops = set(), set()
         if kept and all(isinstance(k, tuple) and k[0] == "op" and k[1] in kept for k in region.intercept):
-            # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites)
-            check.keep_proxies, kept_ops = self._settle_sites(region)
-            check.n_kept_ops = len(kept_ops)
+            # only the policy's kept ops stand in the way: keep them at their sites instead (keep_sites). The slot of
+            # every kept op whose site ran kept ops only gets the keep role; a kept op without one keeps the signature
+            # intercepted (its reason says why).
+            for idx in sorted(kept):
+                site = self.sites.get(idx)
+                if site is None or idx in region.random.ops or decisions.get(idx) != SAVE:
+                    continue
+                others = [region.op_names[i] for i, s in self.sites.items() if s.key == site.key and i not in kept]
+                if isinstance(site, NoSite):
+                    why = site.why
+                elif others:
+                    why = f"{site.description} also runs {others[0]}, which is recomputed"
+                else:
+                    proxy = install_site(site, check.checks.installed)
+                    if proxy is not None:
+                        proxies.add(proxy)
+                        kept_ops.add(idx)
+                        region.light_reproduces(("op", idx))
+                        continue
+                    why = f"{site.description} can't hold a proxy for {region.op_names[idx]}"
+                region.kept.reasons[("op", idx)] = f"op #{idx} {region.describe_op(idx)} is kept, but {why}"
+            check.keep_proxies, check.n_kept_ops = frozenset(proxies), len(kept_ops)
         self.sites = self.cells = None   # they hold the checking call's primitives and cells
         # One mark, the reasons of every rule that made a per-op decision or found what a light re-run can't
         # reproduce (``Region.intercept``), taken back for one it does reproduce (``light_reproduces``); a new
@@ -206,7 +192,6 @@ class CheckRecorder:
 
 # Arguments keyed by value: immutable, and holding no tensor.
 _VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, np.generic, ms.dtype.Type, type)
-_MAX_DEPTH = 8
 
 
 _UNSIGNED = ("an argument can't be part of a call signature without holding it (a Cell, or an object other "
@@ -217,7 +202,7 @@ class _NoSignature(Exception):
     """An argument the signature can't describe without holding it."""
 
 
-def _signature(v, depth=_MAX_DEPTH):
+def _signature(v, depth=8):
     """A hashable description of ``v`` that holds no tensor and no object of the caller."""
     if isinstance(v, Tensor):
         return Tensor, v.shape, v.dtype, is_tracked(v), isinstance(v, Parameter)
@@ -287,28 +272,25 @@ _IN_CHECK = "its signature's first call is still being checked (its backward has
 
 
 def run_checkpoint(fn, args, kwargs, checks, root, **options):
-    """Entry point of a wrapped cell: the light path when its signature's check allows, else ``run_region``.
-
-    ``checks``: the wrapper's ``PathChecks``, or None when the light path is off (a policy, swapped inputs,
-    ``light_path=False``). Nested calls (inside another region's run) and calls without gradient recording always go
-    to ``run_region``, which replays or runs them plainly.
-    """
+    """Entry point of a wrapped cell: the light path when its signature's check allows, else ``run_region`` (always
+    for nested calls and calls without gradient recording). ``checks``: the wrapper's ``PathChecks``, or None when
+    the light path is off (a policy, swapped inputs, ``light_path=False``)."""
     if checks is None or ENGINE.top() is not None or not _executor.requires_grad():
         return run_region(fn, args, kwargs, root=root, **options)
     key = checks.key(root, args, kwargs)
-    if key is None:   # every call that stays intercepted says why (issue 42)
-        options["stats"].note_intercepted((_UNSIGNED,))
     check = checks.lookup(key) if key is not None else None
     if check is not None and check.ok:
         return LightRegion(fn, check, checks, key, options["stats"], options["context_fn"],
                            cell_precision(root), options.get("chain"), options.get("rebind")).run_forward(args, kwargs)
-    if key is not None and check is None:
+    if key is None:   # every call that stays intercepted says why (issue 42)
+        options["stats"].note_intercepted((_UNSIGNED,))
+    elif check is None:
         check = checks.start(key)
         if check is None:
             options["stats"].note_intercepted((_TOO_MANY,))
         else:
             options["recorder"] = CheckRecorder(check)
-    elif key is not None and check.ok is None:
+    elif check.ok is None:
         options["stats"].note_intercepted((_IN_CHECK,))
     return run_region(fn, args, kwargs, root=root, **options)
 

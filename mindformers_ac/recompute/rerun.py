@@ -31,8 +31,6 @@ _NO_CONTEXT = contextlib.nullcontext()
 # for recompute (it holds the region, not the tensor, until backward), a SwappedTensor for one handed to a
 # swap executor; unpack_saved turns either back into a tensor.
 class SwappedTensor:
-    """A tensor handed to a swap executor; loaded back on unpack."""
-
     __slots__ = ("executor", "handle")
 
     def __init__(self, executor, tensor):
@@ -43,8 +41,6 @@ class SwappedTensor:
 
 
 class Token:
-    """Stands in for a dropped saved tensor; holds the region (not the tensor) until backward."""
-
     __slots__ = ("region", "key", "tensor")
 
     def __init__(self, region, key):
@@ -78,37 +74,25 @@ def keep_saved(obj):
     return obj
 
 
-def drop_saved(_tensor):
-    # The replay graph is never backpropagated: keep nothing alive for it.
-    return None
-
-
-def weak_pack(run, pack, after=drop_saved):
-    """A pack hook calling ``pack(region, run, t)`` while ``run`` lives, ``after(t)`` once it is gone.
-
-    MindSpore keeps a hook function as long as the graph that used it (an inner grad call's made in a forward
-    outlived every step: one region a step kept, PyTorch's nested-grad test ported,
-    ``test_an_inner_grad_call_keeps_no_region_alive``): the hook holds the run, and so the region, weakly."""
+def saved_hooks(run, pack, forward=False):
+    """The saved-tensor hooks of ``run``: ``pack(region, run, t)`` while ``run`` lives; once it is gone a forward's
+    graph keeps what it packs (``unpack_saved`` resolves it), a re-run's or a replay's graph (never backpropagated)
+    nothing. MindSpore keeps a hook function as long as the graph that used it (an inner grad call's made in a forward
+    outlived every step: one region a step kept, ``test_an_inner_grad_call_keeps_no_region_alive``): the hook holds
+    the run, and so the region, weakly."""
     wrun = weakref.ref(run)
 
     def hook(t):
         r = wrun()
-        return pack(r.region, r, t) if r is not None else after(t)
-    return hook
-
-
-def saved_hooks(run, pack, forward=False):
-    """The saved-tensor hooks of ``run``: ``pack`` through ``weak_pack``; a forward's graph keeps what it packs
-    (``unpack_saved`` resolves it), a re-run's or a replay's graph nothing once the run is gone."""
-    if forward:
-        return ms.saved_tensors_hooks(weak_pack(run, pack, keep_saved), unpack_saved)
-    return ms.saved_tensors_hooks(weak_pack(run, pack), keep_saved)
+        if r is not None:
+            return pack(r.region, r, t)
+        return t if forward else None
+    return ms.saved_tensors_hooks(hook, unpack_saved if forward else keep_saved)
 
 
 class RegionRun:
-    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry. ``tracker``:
-    the region's ``PathTracker``, or None (path hooks and op slots' track role act only for their own tracker's runs).
-    The op-numbering fields are the intercepting path's, ``dropout_idx`` the light path's."""
+    """One execution (forward, recompute or replay) of a region's function: its ENGINE stack entry. ``tracker``: the
+    region's ``PathTracker``, or None (path hooks and op slots' track role act only for their own tracker's runs)."""
 
     __slots__ = ("region", "mode", "tracker", "op_idx", "inside", "last", "npacks", "path", "attrs",
                  "child_idx", "in_hook", "pending", "written", "dropout_idx", "in_cell_dropout", "noting_replay",
@@ -173,7 +157,6 @@ class SavedInput:
 
     @classmethod
     def of(cls, a):
-        """``a`` detached (the re-run makes its own graph), with whether autograd tracked it."""
         return cls(detached(a), is_tracked(a), a.data_ptr())
 
 
@@ -190,27 +173,6 @@ class ChainedInput:
 
     def __init__(self, region, tracked, ptr):
         self.region, self.tracked, self.ptr = region, tracked, ptr
-
-    def saved(self):
-        """A ``SavedInput`` of the previous member's re-run output (which runs that re-run first)."""
-        return SavedInput(self.region.rerun_output(), self.tracked, self.ptr)
-
-
-class _Held:
-    """A view of a saved output, made without recording, that reads like a weak reference (``held()``).
-
-    It shares the output's storage and version counter but has no graph node: holding the output itself would tie
-    the region to its own graph (a cycle through MindSpore's C++ nodes that a step failing before its backward never
-    frees)."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        with no_grad():
-            self.tensor = tensor.view(tensor.shape)
-
-    def __call__(self):
-        return self.tensor
 
 
 def recompute_input(a):
@@ -229,15 +191,13 @@ def recompute_input(a):
 
 
 def _region_input(a):
-    """``recompute_input(a)``, to be handed to the re-run through an op when it must (``_RerunInput``).
-
-    The forward's input came out of an op; the re-run's must too, or an in-place write into it fails as a write into
-    a leaf (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires grad"). A view costs
-    nothing; a ``copy_`` target needs a copy of its own, so the saved one stays as it was (``* 1``: a recorded,
-    exact copy; ``deepcopy`` would not be tracked).
-    """
-    if isinstance(a, ChainedInput):
-        a = a.saved()
+    """``recompute_input(a)``, to be handed to the re-run through an op when it must (``_RerunInput``): the forward's
+    input came out of an op; the re-run's must too, or an in-place write into it fails as a write into a leaf
+    (setitem: "input tensor from network"; ``copy_``: "leaf tensor that requires grad"). A view costs nothing; a
+    ``copy_`` target needs a copy of its own, so the saved one stays as it was (``* 1``: a recorded, exact copy;
+    ``deepcopy`` would not be tracked)."""
+    if isinstance(a, ChainedInput):   # runs the previous member's re-run first
+        a = SavedInput(a.region.rerun_output(), a.tracked, a.ptr)
     t = recompute_input(a)
     if not isinstance(a, SavedInput):
         return t
@@ -283,9 +243,8 @@ def recompute_graph(run, precision=None, random_state=None, outputs=None):
     caller appends to ``outputs``.
     """
     grad_flag, enable_grad = _executor.grad_flag(), _executor.enable_grad()
-    current = None
+    current = RandomState() if random_state is not None else None   # the random state to restore
     if random_state is not None:
-        current = RandomState()
         random_state.restore()
     ENGINE.enter_recompute()
     if run is not None:
@@ -334,20 +293,18 @@ class RegionBase:
         self.inputs = None        # (args, kwargs) with SavedInputs in place of tensors
         self.children = []        # regions nested in this one's forward, in call order
         self.bytes = ActivationLedger(param_ptrs)
-        self.stamps = ()             # (weakref, stamp, description) of what a later write must not touch
-        self.held_saves = {}         # save key (or light position) -> _Held output it saved: served, not rebuilt (W6)
+        self.stamps = ()             # (weakref or held view, stamp, description) of what a later write must not touch
+        self.held_saves = {}         # save key (or light position) -> held output it saved: served, not rebuilt (W6)
         self.recomputed = None       # what the re-run running now rebuilt (``_recompute`` fills it)
         self.reruns = {}             # autodiff engine id -> its re-run's ``recomputed``, taken on unpack (R1)
         self._running = False
         self._recompute_ctx = None   # the recompute context made with this call's forward context
 
     def start_forward(self):
-        """Note what the re-run must start from; called once the forward's run is on the ENGINE stack (so an
-        enclosing region's dispatch does not number the snapshot's op)."""
+        """Once the forward's run is on the ENGINE stack (so no enclosing region numbers the snapshot's op)."""
         self.random_state = RandomState()
 
     def keep_replaced(self):
-        """After the forward: count the pre-forward copies of rebound Parameters as kept."""
         for i, (_, c) in enumerate(self.replaced.before.values()):
             self.bytes.keep_bytes(("replaced", i), int(c.nbytes))
 
@@ -357,7 +314,7 @@ class RegionBase:
         it saved, and hold the outputs an op of the region saved for backward (``saved_outputs``: position in
         ``tensor_leaves_in_objects(out)`` -> the keys of its dropped saves). Inputs are held weakly (the saved alias
         has its own version counter, so the caller's tensor is stamped: once it dies nobody writes it). A saved
-        output is held as a view (``_Held``, counted as kept), as the graph holds it without AC, and its dropped
+        output is held as a view (counted as kept), as the graph holds it without AC, and its dropped
         saves are served from that view, not rebuilt (rule W6): the backward then reads what the code after the
         region wrote into it without a new version (``ops.assign_add``, ``ops.assign``), as without AC."""
         stamps = []
@@ -371,21 +328,14 @@ class RegionBase:
                     continue   # a light call's output holds fewer tensors than its checking call's
                 t = leaves[j]
                 self.bytes.keep(t)
-                held = _Held(t)
+                # a view made without recording: it shares the output's storage and version counter but has no graph
+                # node (holding the output itself would tie the region to its own graph: a cycle through MindSpore's
+                # C++ nodes that a step failing before backward never frees)
+                with no_grad():
+                    held = t.view(t.shape)
                 stamps.append((held, tensor_stamp(t), f"output #{j}"))
                 self.held_saves.update(dict.fromkeys(keys, held))
         self.stamps = stamps
-
-    def check_unwritten(self):
-        """Before the re-run: ``RecomputeError`` when a stamped tensor was written in place since the forward (same
-        storage, another version), as MindSpore refuses a saved tensor modified in place."""
-        for ref, (ptr, version), what in self.stamps:
-            t = ref()
-            if t is not None:
-                now_ptr, now_version = tensor_stamp(t)
-                if now_ptr == ptr and now_version != version:
-                    raise messages.written_after_forward(what, tuple(t.shape), t.dtype, self.describe_root())
-        self.stamps = ()
 
     def cell_path(self):
         """The region's cell path in its model, for messages (its root's class, or its function's name, here)."""
@@ -402,8 +352,7 @@ class RegionBase:
         output."""
         if self.chain is None:
             return None
-        chain, index = self.chain
-        link = chain.link(index, args, kwargs)
+        link = self.chain[0].link(self.chain[1], args, kwargs)
         if link is not None:
             link[0].feeds_next = True
             self.stats.chained_calls += 1
@@ -411,11 +360,9 @@ class RegionBase:
 
     def finish_chain(self, out):
         if self.chain is not None:
-            chain, index = self.chain
-            chain.done(index, self, out)
+            self.chain[0].done(self.chain[1], self, out)
 
     def keep_rerun_output(self, out):
-        """After the re-run: its first output, for the group's next member (only when one asks for it)."""
         if self.feeds_next:
             self._rerun_out = first_output(out)
 
@@ -429,17 +376,14 @@ class RegionBase:
 
     # -- inputs ---------------------------------------------------------------------------------------
     def save_inputs(self, args, kwargs, offload=None, chained=None):
-        """Keep the tensor arguments for the recompute; returns the storage pointers of those kept.
-
-        Each is detached (the recompute makes its own graph) and remembered with whether autograd tracked it.
-        Holding a tracked one with its graph node instead would tie the region to the graph that holds it (a cycle
-        through MindSpore's C++ nodes, which Python's collector can't break: tried, the checking call's regions
-        outlived every step, ``test_fifty_steps_do_not_grow``). ``offload(tensor, ptr) -> holder`` hands them to a
-        swap executor instead of keeping them on the device; kept ones are counted in ``bytes``. Parameters and
-        non-tensors are passed as they are (a Parameter is read at recompute time). ``chained``: ``(the previous
-        member's region, a position or keyword)`` in a layer group (``link_chain``); the argument there is then not
-        kept but rebuilt from that region (``ChainedInput``).
-        """
+        """Keep the tensor arguments for the recompute, detached, with whether autograd tracked them (``SavedInput``);
+        returns the storage pointers of those kept. Holding a tracked one with its graph node instead would tie the
+        region to the graph that holds it (a cycle through MindSpore's C++ nodes, which Python's collector can't
+        break: tried, the checking call's regions outlived every step, ``test_fifty_steps_do_not_grow``).
+        ``offload(tensor, ptr) -> holder`` hands them to a swap executor instead of keeping them on the device.
+        Parameters (read at recompute time) and non-tensors are passed as they are. ``chained``: ``(the previous
+        member's region, a position or keyword)`` in a layer group (``link_chain``), whose argument is rebuilt from
+        that region (``ChainedInput``), not kept."""
         ptrs = []
         where = link = None
         if chained is not None:   # not among the returned pointers: what an op saves of it is dropped too
@@ -480,8 +424,7 @@ class RegionBase:
         return False
 
     def load_inputs(self):
-        """The saved arguments for the recompute: loaded if swapped, tracked as in forward; pass them through
-        ``rerun_inputs`` inside the re-run's graph."""
+        """The saved arguments for the recompute; pass them through ``rerun_inputs`` inside the re-run's graph."""
         return map_inputs(lambda _, a: _region_input(a), *self.inputs)
 
     # -- Dropout ------------------------------------------------------------------------------------
@@ -507,7 +450,6 @@ class RegionBase:
 
     # -- runs ------------------------------------------------------------------------------------------
     def run_context(self, mode):
-        """The user's context for a run in ``mode``: the forward's, or the recompute's made with it."""
         if self.context_fn is None:
             return _NO_CONTEXT
         if mode == FORWARD:
@@ -519,7 +461,6 @@ class RegionBase:
         return context_pair(self.context_fn)[1]
 
     def next_child(self, run):
-        """The next nested region, in forward order, for ``run`` (a recompute or a replay)."""
         if run.child_idx >= len(self.children):
             raise messages.nested_regions(len(self.children), self.cell_path())
         child = self.children[run.child_idx]
@@ -528,28 +469,35 @@ class RegionBase:
 
     def ensure_recomputed(self):
         """What the re-run of the running backward rebuilt and no unpack took yet: re-run now on its first unpack.
-
-        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of its
-        own, keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant recompute
-        and PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them a second time.
-        Raises ``RecomputeError`` for a recompute that asks for its own saved tensors, and (from ``_recompute``) for
-        one that diverged from its forward; that engine then has no re-run.
-        """
+        Rule R1 of docs/exactness.md: each backward that reaches the region's saved tensors gets a re-run of its own,
+        keyed by MindSpore's autodiff engine (``autodiff_engine_id``), as MindSpore's non-reentrant recompute and
+        PyTorch's (keyed by the graph task) do: the backward of a grad of a grad reaches them a second time. Raises
+        ``RecomputeError`` for a recompute that asks for its own saved tensors, or that diverged from its forward
+        (``_recompute``); that engine then has no re-run."""
         engine = autodiff_engine_id()
         saved = self.reruns.get(engine)
         if saved is not None:
             return saved
         if self._running:
             raise messages.recompute_reentered(self.cell_path())
-        self.check_unwritten()
+        # a stamped tensor written in place since the forward (same storage, another version) is refused, as MindSpore
+        # refuses a saved tensor modified in place
+        for ref, (ptr, version), what in self.stamps:
+            t = ref() if isinstance(ref, weakref.ref) else ref
+            if t is not None and (now := tensor_stamp(t))[0] == ptr and now[1] != version:
+                raise messages.written_after_forward(what, tuple(t.shape), t.dtype, self.describe_root())
+        self.stamps = ()
         self._running = True
         try:
             self._recompute()
         finally:
             self._running = False
         saved = self.reruns[engine] = self.recomputed
-        for key, held in self.held_saves.items():   # W6: what the graph reads without AC
-            saved[key] = held()
+        # W6: what the graph reads without AC; a backward that records (a grad of a grad) takes the re-run's tensors,
+        # whose graph the held views lack (saved: a dict or a list)
+        if not _executor.requires_grad():
+            for key, held in self.held_saves.items():
+                saved[key] = held
         self.stats.recompute_calls += 1
         return saved
 

@@ -22,11 +22,8 @@ SNAPSHOT, KEEP = "snapshot", "keep"
 
 
 def is_side_effect_op(args):
-    """True for a legacy op whose primitive writes memory (``side_effect_mem``), checked cheaply.
-
-    Legacy ops are dispatched as ``(primitive, name, (inputs...))``; other ops' first argument is not a Primitive
-    and costs one isinstance check.
-    """
+    """True for a legacy op (dispatched as ``(primitive, name, (inputs...))``) whose primitive writes memory
+    (``side_effect_mem``); other ops cost one isinstance check."""
     return bool(args) and isinstance(args[0], Primitive) and getattr(args[0], "side_effect_mem", False) is True
 
 
@@ -78,11 +75,8 @@ def _positions(args):
 
 
 def written_slots(name, args, param_ptrs):
-    """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write.
-
-    For a ``side_effect_mem`` primitive: its Parameter arguments. For a writer by name (``writes_first_input``): its
-    first argument when it is one of ``param_ptrs`` (a parameter of the region). Empty for every other op.
-    """
+    """Positions (``(i,)`` or ``(i, j)`` in a legacy op's input tuple) of the tensors an op may write: a
+    ``side_effect_mem`` primitive's Parameter arguments, a writer's by name first one when it is in ``param_ptrs``."""
     if is_side_effect_op(args):
         return [pos for pos, a in _positions(args) if isinstance(a, Parameter)]
     if name.startswith(_WRITES_FIRST) and args and isinstance(args[0], Tensor) and args[0].data_ptr() in param_ptrs:
@@ -108,12 +102,11 @@ def choose_handling(args, slots):
 
 
 def slot_ptrs(args, slots):
-    """Storage pointers (``data_ptr``) of the tensors at ``slots``."""
     return [_item(args, pos).data_ptr() for pos in slots]
 
 
 def replace_at(args, replacements):
-    """``args`` with the values at the given positions replaced (``{position: value}``)."""
+    """``args`` with the values at the positions of ``{position: value}`` replaced."""
     out = list(args)
     nested = {}
     for pos, value in replacements.items():
@@ -127,12 +120,9 @@ def replace_at(args, replacements):
 
 
 class StateSnapshot:
-    """The tensors a side-effect op may write, copied before its forward call.
-
-    ``ptrs``: storage pointers (``data_ptr``) of the real tensors, which is how the recompute recognises reads of
-    them by other ops. Copies are made without recording a graph; a fresh copy per re-run requires grad exactly when
-    the original was tracked, so the op saves the same tensors as in forward.
-    """
+    """The tensors a side-effect op may write, copied before its forward call (``ptrs``: theirs, by which the
+    recompute recognises reads of them by other ops). A fresh copy per re-run requires grad exactly when the original
+    was tracked, so the op saves the same tensors as in forward."""
 
     __slots__ = ("slots", "ptrs", "copies", "tracked", "nbytes", "buffers", "live")
 
@@ -151,7 +141,6 @@ class StateSnapshot:
         self.nbytes = sum(int(c.nbytes) for c in self.copies)
 
     def fresh(self, k):
-        """A new copy of tensor ``k`` as it was before the forward's write."""
         with no_grad():
             c = ops.deepcopy(self.copies[k])
         if self.tracked[k]:
@@ -220,13 +209,11 @@ class BufferGuard:
 
     def restore_if_written(self):
         """Put back every buffer the re-run changed; returns whether any was."""
-        written = False
-        for p, c in zip(self.params, self.copies):
-            if p.asnumpy().tobytes() != c.asnumpy().tobytes():
-                with no_grad():
-                    ops.assign(p, c)   # in place: the Parameter keeps its storage
-                written = True
-        return written
+        written = [(p, c) for p, c in zip(self.params, self.copies) if p.asnumpy().tobytes() != c.asnumpy().tobytes()]
+        with no_grad():
+            for p, c in written:
+                ops.assign(p, c)   # in place: the Parameter keeps its storage
+        return bool(written)
 
 
 class RebindSlot:

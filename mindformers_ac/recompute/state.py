@@ -17,46 +17,43 @@ from .random_ops import DropoutFormulaCheck
 FORWARD, RECOMPUTE, REPLAY = "forward", "recompute", "replay"
 
 
-class EngineState:
-    """Per-thread stack of running region runs, plus the process-wide warn-once log and Dropout check."""
+class _ThreadState(threading.local):
+    def __init__(self):   # run in each thread on its first access
+        self.runs = []
+        self.recompute_depth = 0
 
+
+class EngineState:
     def __init__(self):
-        self._local = threading.local()
+        self._local = _ThreadState()
         self.warnings = OnceLogger(logging.getLogger("mindformers_ac.recompute"))
         self.dropout_formula_ok = DropoutFormulaCheck()
 
-    def _state(self):
-        local = self._local
-        if not hasattr(local, "runs"):
-            local.runs = []
-            local.recompute_depth = 0
-        return local
-
     def top(self):
-        runs = self._state().runs
+        runs = self._local.runs
         return runs[-1] if runs else None
 
     def forward_runs(self):
         """The forwards running on this thread, innermost last."""
-        return [run for run in self._state().runs if run.mode == FORWARD]
+        return [run for run in self._local.runs if run.mode == FORWARD]
 
     def push(self, run):
-        self._state().runs.append(run)
+        self._local.runs.append(run)
 
     def pop(self, run):
-        runs = self._state().runs
+        runs = self._local.runs
         if not runs or runs[-1] is not run:
             raise messages.stack_corrupted()
         runs.pop()
 
     def in_recompute(self):
-        return self._state().recompute_depth > 0
+        return self._local.recompute_depth > 0
 
     def enter_recompute(self):
-        self._state().recompute_depth += 1
+        self._local.recompute_depth += 1
 
     def exit_recompute(self):
-        self._state().recompute_depth -= 1
+        self._local.recompute_depth -= 1
 
 
 ENGINE = EngineState()
