@@ -7,9 +7,9 @@ and one that writes runs on copies (``rules.writes``). The dispatch only numbers
 from mindspore import Tensor
 from mindspore.utils import MsDispatchMode
 
-from ..precision import no_casts
+from ..precision import in_engine_ops, no_casts
 from .side_effects import may_write
-from .state import ENGINE, FORWARD
+from .state import ENGINE, FORWARD, RECOMPUTE
 
 # Decisions recorded per op index in forward (absent = recompute).
 SAVE, SWAP, REBUILD = "save", "swap", "rebuild"
@@ -68,9 +68,9 @@ class RegionDispatch(MsDispatchMode):
     def __ms_dispatch__(self, func, args, kwargs=None):
         run = self.run
         kwargs = kwargs or {}
-        # Ops of a nested region, or run by our own hooks, belong to nobody here; skipping
+        # Ops of a nested region, or run by our own hooks or another engine, belong to nobody here; skipping
         # them in forward and recompute alike keeps the numbering aligned.
-        if run.in_hook or ENGINE.top() is not run:
+        if run.in_hook or ENGINE.top() is not run or in_engine_ops():
             return func(*args, **kwargs)
         run.op_idx += 1
         idx = run.op_idx
@@ -137,13 +137,14 @@ class RegionDispatch(MsDispatchMode):
         # A kept, swapped or rebuilt op: its forward output, checked at the safety net's cuts.
         region.stats.ops_reused += 1
         net = region.net
-        if net.cut_samples:
+        checked = net.cut_samples and run.mode == RECOMPUTE   # a replay (N1) rebuilds nothing to compare
+        if checked:
             net.check_at_kept(run, (idx, "before"))
         run.last = idx
         out = region.random.rebuild(run, idx, args) if decision == REBUILD else region.kept.output(idx)
         if idx in region.kept.kept_args:
             region.kept.serve_arguments(idx, args)
-        if net.cut_samples:
+        if checked:
             net.check_at_kept(run, (idx, "after"))
         if idx in region.writes.writes_arg:
             out = region.writes.replay_write(run, args, out)

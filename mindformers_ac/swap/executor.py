@@ -18,6 +18,7 @@ import logging
 import weakref
 
 from ..mindspore_compat import attach_to_tensor, no_grad, tensor_version
+from ..precision import engine_ops
 from .backends import HostBufferPool, SwapBackend, UnsupportedTensorError, protocol_members, select_backend
 
 logger = logging.getLogger("mindformers_ac.swap")
@@ -166,7 +167,7 @@ class SwapHandle:
     """
 
     __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
-                 "_live", "_written_storage", "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
+                 "_alias", "_live", "_written_storage", "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
@@ -174,6 +175,7 @@ class SwapHandle:
         self.refs = 1              # packs sharing this handle (dedup); the cached load is dropped at 0
         self.state = HandleState.KEPT
         self._ticket = self._buf = self._give_back = self._device = self._live = self._written_storage = None
+        self._alias = None         # the device tensor's storage, untracked, for its SavedStorage stamp
         self._probe = None
         self._load = self._loaded = None
         self.version = None        # the saved tensor's version counter when it was saved (rule W6s)
@@ -219,6 +221,7 @@ class SwapHandle:
         if self.state is not HandleState.KEPT:   # checked inline: one call less per saved tensor
             self._refuse(HandleState.KEPT, "start an offload")
         self._ticket, self._device, self._buf, self._give_back = ticket, tensor, buf, give_back
+        self._alias = counter_alias(tensor)   # for the stamp, or for keep_on_device: one view per saved tensor
         self.version = tensor_version(tensor)
         self.state = HandleState.COPYING
 
@@ -240,13 +243,19 @@ class SwapHandle:
         self.state = HandleState.OFFLOADED
         return tensor
 
+    def take_alias(self):
+        """The device tensor's untracked alias made at the save (``counter_alias``), handed over once."""
+        alias, self._alias = self._alias, None
+        return alias
+
     def stamp(self, tensor, matches):
         """Attach a ``SavedStorage`` to the offloaded device tensor (rule W6s); False when it can't be attached
-        (a release without tensor user data: a write after the group's close is then not seen)."""
-        try:
-            live = SavedStorage(tensor, self, matches)
-        except AttributeError:   # a release without ``Tensor.data``
+        (a release without ``Tensor.data`` or tensor user data: a write after the group's close is then not
+        seen). ``matches`` None: no stamp (the synchronous ``offload`` of other engines)."""
+        alias = self.take_alias()
+        if alias is None or matches is None:
             return False
+        live = SavedStorage(alias, self, matches)
         if not attach_to_tensor(tensor, SavedStorage.KEY, live):
             return False
         self._live = weakref.ref(live)
@@ -341,16 +350,16 @@ class SwapHandle:
             self._release()
 
 
-def _counter_alias(t):
+def counter_alias(t):
     """``t``'s storage as another C++ tensor, untracked, sharing ``t``'s version counter: a view made without
     recording (about 5 us; ``Tensor.data`` has a counter of its own, and MindSpore's check of a saved
     tensor's version reads the counter of what the unpack returns). It does not hold ``t`` (measured: ``t``
     and its user data are freed when the caller drops it while the alias lives)."""
     try:
-        with no_grad():
+        with no_grad(), engine_ops():
             return t.view(t.shape)
     except (RuntimeError, TypeError, ValueError):   # a layout view() refuses: a copy_ is then not seen
-        return t.data
+        return getattr(t, "data", None)
 
 
 class SavedStorage:
@@ -381,8 +390,8 @@ class SavedStorage:
     __slots__ = ("alias", "handle", "matches", "armed", "__weakref__")
     KEY = "mindformers_ac.swap.saved_storage"
 
-    def __init__(self, tensor, handle, matches):
-        self.alias = _counter_alias(tensor)
+    def __init__(self, alias, handle, matches):
+        self.alias = alias
         self.handle = weakref.ref(handle)
         self.matches = matches
         self.armed = False
@@ -486,18 +495,18 @@ class SwapExecutor:
             handle.written = (handle.version, now)
         if self.verify and not copied_now:
             self._check_unchanged(handle, tensor, "before its layer's forward ended")
-        if stamp:
-            handle.stamp(tensor, self.backend.matches)
-        elif self.verify:
+        handle.stamp(tensor, self.backend.matches if stamp else None)
+        if not stamp and self.verify:
             handle.watch(tensor)
 
-    def keep_on_device(self, handle, held):
+    def keep_on_device(self, handle):
         """Give up ``handle``'s offload as its group closes: wait for a copy in flight (the buffer goes back
-        to the pool), then ``load`` returns ``held`` (the device tensor, held without its graph node)."""
+        to the pool), then ``load`` returns the device tensor's alias made at the save (held without its graph
+        node, sharing its version counter: ``counter_alias``)."""
         if handle.state is not HandleState.COPYING:
             return
         self.backend.wait_d2h(handle.ticket)
-        handle.keep_on_device(held)
+        handle.keep_on_device(handle.take_alias())
 
     def finish_offloads(self, handles):
         """``finish_offload`` of each handle (a group's, at its close): every handle is finished even if

@@ -51,7 +51,6 @@ import mindspore as ms
 from ..checkpoint_policy import CheckpointPolicy
 from ..config import SwapConfig
 from ..ledger import ActivationLedger
-from ..mindspore_compat import no_grad
 from ..precision import no_casts
 from ..tensors import WeightPointers, detached, is_tracked, storage_info, storage_ptr, tensor_bytes, tensor_storage_ptrs
 from .executor import SwapExecutor, SwapHandle
@@ -74,17 +73,6 @@ def _untracked(t):
     except AttributeError:
         with no_casts():   # inside a to_float / amp layer the detaching op would be cast too
             return detached(t)
-
-
-def _same_version_alias(t):
-    """``t``'s storage as a tensor autograd does not track that shares ``t``'s version counter (a view made
-    without recording; ``Tensor.data`` has a counter of its own): MindSpore's check of a saved tensor's
-    version then sees a ``copy_`` into ``t`` after the save and refuses the backward, as without AC."""
-    try:
-        with no_grad():
-            return t.view(t.shape)
-    except (RuntimeError, TypeError, ValueError):   # a layout view() refuses: the check is then MindSpore's own
-        return _untracked(t)
 
 
 class _Kept:
@@ -385,7 +373,7 @@ class SwapScheduler:
             if sptr not in out_ptrs:
                 still.append(h)
                 continue
-            self.executor.keep_on_device(h, _same_version_alias(device))
+            self.executor.keep_on_device(h)
             g.pending_bytes -= h.nbytes
             self.report.release(h.nbytes)
             g.ledger.unswap(h)
