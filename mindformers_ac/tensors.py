@@ -237,15 +237,6 @@ def root_cell_of(fn):
 is_tracked = tensor_tracked
 
 
-def version_alias(t):
-    """``t``'s storage as another C++ tensor that autograd does not track and that shares ``t``'s version counter:
-    a view made without recording (about 5 us). ``Tensor.data`` has a counter of its own, and MindSpore's check of
-    a saved tensor's version reads the counter of what an unpack returns; holding this view ties nothing to the
-    graph (no node: no cycle through MindSpore's C++ nodes). Raises what ``view`` raises for a layout it refuses."""
-    with no_grad():
-        return t.view(t.shape)
-
-
 def detached(t):
     """``t`` cut from autograd: same storage, no graph node, not tracked.
 
