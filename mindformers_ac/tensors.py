@@ -13,7 +13,7 @@ import weakref
 from mindspore import Tensor, nn, ops
 from mindspore.common import dtype as mstype
 
-from .mindspore_compat import no_grad, tensor_tracked
+from .mindspore_compat import no_grad, tensor_tracked, view_op
 
 MiB = 2 ** 20
 
@@ -235,6 +235,15 @@ def root_cell_of(fn):
 # constant float tensor is not. Ops save for backward only what their tracked inputs' gradients need, so this
 # decides which tensors an op packs. The door's function itself: swap asks it for every tensor it keeps.
 is_tracked = tensor_tracked
+
+
+def version_alias(t):
+    """``t``'s storage as another C++ tensor that autograd does not track and that shares ``t``'s version counter:
+    a view (about 4 us). ``Tensor.data`` has a counter of its own, and MindSpore's check of a saved tensor's version
+    reads the counter of what an unpack returns. Call it under ``no_grad()`` (once around a loop: entering it costs
+    as much as the view): a recorded view would have a graph node, and holding it would tie the holder to the
+    graph (a cycle through MindSpore's C++ nodes). Raises what ``view`` raises for a layout it refuses."""
+    return view_op(t, t.shape)
 
 
 def detached(t):

@@ -9,11 +9,14 @@ import argparse
 import collections
 import cProfile
 import gc
+import importlib
 import io
 import os
 import pstats
 import re
 import statistics
+import subprocess
+import sys
 import time
 
 from mindformers_ac.harness.spec import add_model_arguments, spec_from_args
@@ -193,3 +196,19 @@ def compare_profiles(rows, warmup, steps, top, block=5):
     print(f"\nown time per step (ms), the functions that differ most: {rows[0].name} / {rows[1].name}")
     for f in diffs:
         print(f"  {f:50s} {a.get(f, 0.0) / n * 1e3:7.3f} / {b.get(f, 0.0) / n * 1e3:7.3f}")
+
+
+def package_of(rev, workdir, module):
+    """``mindformers_ac.<module>`` of git revision ``rev`` of this repository, extracted into ``workdir`` under
+    the package name ``mac_<rev>`` (the package imports itself only relatively), for rows that compare two
+    engines in one process. Raises CalledProcessError for an unknown revision."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = "mac_" + "".join(c if c.isalnum() else "_" for c in rev)
+    if not os.path.isdir(os.path.join(workdir, name)):
+        archive = subprocess.run(["git", "-C", repo, "archive", rev, "mindformers_ac"], check=True,
+                                 capture_output=True)
+        subprocess.run(["tar", "-x", "-C", workdir], input=archive.stdout, check=True)
+        os.rename(os.path.join(workdir, "mindformers_ac"), os.path.join(workdir, name))
+    if workdir not in sys.path:
+        sys.path.insert(0, workdir)
+    return importlib.import_module(f"{name}.{module}")

@@ -3,6 +3,8 @@
     PYTHONPATH=. python scripts/bench_recompute.py [--family gpt|plain|llama] [--shape small|mid] [--dropout 0]
                                                    [--nn-dropout] [--steps 10]
     PYTHONPATH=. python scripts/bench_recompute.py --shape small --profile full
+    PYTHONPATH=scripts:. python scripts/bench_recompute.py --shape small --against REV   # + REV's engine rows
+    PYTHONPATH=scripts:. python scripts/bench_recompute.py --shape mid --against REV --profile "select mlp" "REV: select mlp"
 
 ``--family`` picks the model (``bench_families.py``): the reference GPT, a plain
 pre-LN transformer with another op mix, or the LLaMA of docs/own_model.md.
@@ -13,7 +15,13 @@ select mlp, and full and select mlp with exclude_op (``matmul``; ``AllToAll`` on
 built-in row of the same cells ("ref"). Kept bytes come from the engine's RecomputeStats for engine
 rows and from SavedTensorMeter for the others (the engine's own hooks hide an outer meter inside its
 regions, so for engine rows the meter is run too and the bytes outside the regions are added).
+
+``--against REV`` adds the four engine rows with the recompute engine of another revision of this
+repository (``bench_common.package_of``), interleaved with the others in the same process: before/after
+ratios that the load of a shared machine cannot skew.
 """
+import tempfile
+
 import mindspore as ms
 
 from mindformers_ac import recompute as rc
@@ -21,7 +29,7 @@ from mindformers_ac.meter import SavedTensorMeter
 from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.tensors import MiB
 
-from bench_common import DROPOUT_NAMES, Row, parse_args, print_table, profile, run_interleaved
+from bench_common import DROPOUT_NAMES, Row, package_of, parse_args, print_table, profile, run_interleaved
 from bench_families import FAMILIES, build, exclude_op
 
 
@@ -56,13 +64,14 @@ def case(a, name, setup, ref=None, extra_forward=False):
     return row
 
 
-def per_layer(policy=None, cells="layers"):
-    """``checkpoint_wrapper`` on each layer (``cells="layers"``) or each layer's MLP (``"mlp"``)."""
+def per_layer(policy=None, cells="layers", engine=rc):
+    """``checkpoint_wrapper`` on each layer (``cells="layers"``) or each layer's MLP (``"mlp"``), with the
+    recompute package ``engine``."""
     def setup(family):
         stats = []
         for cell in getattr(family, cells):
-            stats.append(rc.RecomputeStats())
-            rc.checkpoint_wrapper(cell, policy_fn=policy, stats=stats[-1])
+            stats.append(engine.RecomputeStats())
+            engine.checkpoint_wrapper(cell, policy_fn=policy, stats=stats[-1])
         return stats
     return setup
 
@@ -75,8 +84,10 @@ def cell_recompute(cells="layers"):
 
 
 def main():
-    a = parse_args(__doc__, lambda p: p.add_argument("--family", choices=FAMILIES, default="gpt",
-                                                       help="the model (default gpt: the reference GPT)"))
+    def add_arguments(p):
+        p.add_argument("--family", choices=FAMILIES, default="gpt", help="the model (default gpt: the reference GPT)")
+        p.add_argument("--against", metavar="REV", help="also run the engine rows with the engine of git revision REV")
+    a = parse_args(__doc__, add_arguments)
     synchronous_pynative()
     full_rc, mlp_rc, floor = "Cell.recompute() full", "Cell.recompute() mlp", "floor (baseline + 1 forward)"
     exclude = exclude_op(a.family)
@@ -90,6 +101,17 @@ def main():
         case(a, "select mlp", per_layer(cells="mlp"), ref=mlp_rc),
         case(a, "select mlp + exclude_op", per_layer(policy=rc.exclude_policy(exclude), cells="mlp"), ref=mlp_rc),
     ]
+    if a.against:
+        workdir = tempfile.TemporaryDirectory(prefix="bench_recompute_")   # removed when main returns
+        other, rev = package_of(a.against, workdir.name, "recompute"), a.against
+        rows += [
+            case(a, f"{rev}: full", per_layer(engine=other), ref=floor),
+            case(a, f"{rev}: full + exclude_op", per_layer(policy=other.exclude_policy(exclude), engine=other),
+                 ref=full_rc),
+            case(a, f"{rev}: select mlp", per_layer(cells="mlp", engine=other), ref=mlp_rc),
+            case(a, f"{rev}: select mlp + exclude_op",
+                 per_layer(policy=other.exclude_policy(exclude), cells="mlp", engine=other), ref=mlp_rc),
+        ]
     if a.profile:
         profile(rows, a.profile, a.warmup, a.steps)
         return

@@ -13,10 +13,6 @@ Swaps layers 0..L-2 (the last layer triggers layer L-2's prefetch). Prints a tab
 (forward + backward + SGD update) in wall and process CPU time, ratios to the baseline, and the per-step
 MiB offloaded, prefetched in time, late, loaded on demand and left resident.
 """
-import importlib
-import os
-import subprocess
-import sys
 import tempfile
 
 import mindspore as ms
@@ -27,7 +23,7 @@ from mindformers_ac.mindspore_compat import synchronous_pynative
 from mindformers_ac.swap import install_layer_swap
 from mindformers_ac.tensors import MiB
 
-from bench_common import DROPOUT_NAMES, Row, parse_args, print_table, profile, run_interleaved
+from bench_common import DROPOUT_NAMES, Row, package_of, parse_args, print_table, profile, run_interleaved
 
 
 def swap_row(a, name, prefetch, layer_ids=None, install=install_layer_swap):
@@ -53,19 +49,6 @@ def swap_row(a, name, prefetch, layer_ids=None, install=install_layer_swap):
     return row
 
 
-def installer_of(rev, workdir):
-    """``install_layer_swap`` of git revision ``rev`` of this repository, extracted into ``workdir`` under the
-    package name ``mac_<rev>`` (the package imports itself only relatively). Raises CalledProcessError for an
-    unknown revision."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    name = "mac_" + "".join(c if c.isalnum() else "_" for c in rev)
-    archive = subprocess.run(["git", "-C", repo, "archive", rev, "mindformers_ac"], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", workdir], input=archive.stdout, check=True)
-    os.rename(os.path.join(workdir, "mindformers_ac"), os.path.join(workdir, name))
-    sys.path.insert(0, workdir)
-    return importlib.import_module(f"{name}.swap").install_layer_swap
-
-
 def mib_columns(row):
     keys = {"offloaded": "offloaded_bytes", "in time": "prefetched_bytes", "late": "late_bytes",
             "on demand": "on_demand_bytes", "resident": "resident_bytes"}
@@ -85,7 +68,7 @@ def main():
             swap_row(a, "layer 0 only, prefetch=1", 1, layer_ids=[0])]
     if a.against:
         workdir = tempfile.TemporaryDirectory(prefix="bench_swap_")   # removed when main returns
-        other = installer_of(a.against, workdir.name)
+        other = package_of(a.against, workdir.name, "swap").install_layer_swap
         rows += [swap_row(a, f"{a.against}: layer swap, prefetch={a.prefetch}", a.prefetch, install=other),
                  swap_row(a, f"{a.against}: layer swap, on demand", 0, install=other)]
     if a.profile:

@@ -100,3 +100,37 @@ def test_a_rerun_that_computes_other_values_raises_before_the_optimizer_step(cas
     if case in ("light", "light kept"):   # step 0 intercepted (checked), step 1 light
         assert paths[:2] == ["2", "2"], res.stdout
 
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["host read", "device GatherNd"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 32, 64), (5,), ()])
+def test_a_sample_holds_its_elements_on_the_host_and_on_a_device(on_host, dtype, shape):
+    """``Sample`` reads the tensor's memory in place on the host, or gathers on a device: the same tensor
+    matches, one changed sampled element or another dtype or shape does not, and the sample is a copy (a
+    write into the tensor after it was taken is seen)."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor, ops
+
+    from mindformers_ac.recompute.rules.safety_net import PROBE_SIZE, Sample, SampleIndex, probed
+
+    if dtype == "bfloat16" and not on_host:
+        pytest.skip("the CPU build has no bfloat16 GatherNd (a device build has)")
+    ms_dtype = getattr(ms, dtype)
+    values = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 1
+    t = ops.cast(Tensor(values), ms_dtype)
+    assert probed(t)
+    index = SampleIndex(on_host=on_host)
+    sample = Sample(t, index)
+    assert isinstance(sample.index, int) == on_host
+    assert sample.matches(ops.cast(Tensor(values.copy()), ms_dtype))
+    assert not sample.matches(ops.cast(Tensor(values), ms.float64))
+    assert not sample.matches(None) and Sample(None, index).matches(None)
+    if shape:
+        assert not sample.matches(ops.cast(Tensor(values.reshape(-1)[None]), ms_dtype))
+    changed = values.copy().reshape(-1)
+    changed[(changed.size // PROBE_SIZE or 1) * (min(PROBE_SIZE, changed.size) - 1)] *= 2   # the last sampled
+    assert not sample.matches(ops.cast(Tensor(changed.reshape(shape)), ms_dtype))
+    t.copy_(ops.cast(Tensor(changed.reshape(shape)), ms_dtype))
+    assert not sample.matches(t)

@@ -15,7 +15,7 @@ from ..ledger import ActivationLedger
 from ..mindspore_compat import EXECUTOR_CALLS, RandomState, autodiff_engine_id, no_grad, tensor_stamp
 from ..mindspore_compat import pynative_executor as _executor
 from ..precision import no_casts, under_precision
-from ..tensors import detached, is_tracked, tensor_leaves_in_objects
+from ..tensors import detached, is_tracked, tensor_leaves_in_objects, version_alias
 from . import messages
 from .chain import first_output
 from .markers import context_pair
@@ -328,11 +328,10 @@ class RegionBase:
                     continue   # a light call's output holds fewer tensors than its checking call's
                 t = leaves[j]
                 self.bytes.keep(t)
-                # a view made without recording: it shares the output's storage and version counter but has no graph
-                # node (holding the output itself would tie the region to its own graph: a cycle through MindSpore's
-                # C++ nodes that a step failing before backward never frees)
+                # not the output itself, which would tie the region to its own graph: a cycle through MindSpore's C++
+                # nodes that a step failing before backward never frees
                 with no_grad():
-                    held = t.view(t.shape)
+                    held = version_alias(t)
                 stamps.append((held, tensor_stamp(t), f"output #{j}"))
                 self.held_saves.update(dict.fromkeys(keys, held))
         self.stamps = stamps

@@ -19,6 +19,7 @@ import weakref
 
 from ..mindspore_compat import attach_to_tensor, no_grad, tensor_version
 from ..precision import engine_ops
+from ..tensors import version_alias
 from .backends import HostBufferPool, SwapBackend, UnsupportedTensorError, protocol_members, select_backend
 
 logger = logging.getLogger("mindformers_ac.swap")
@@ -167,7 +168,7 @@ class SwapHandle:
     """
 
     __slots__ = ("key", "tag", "nbytes", "owner", "refs", "state", "_ticket", "_buf", "_give_back", "_device",
-                 "_alias", "_live", "_written_storage", "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
+                 "_live", "_written_storage", "_probe", "_load", "_loaded", "version", "written", "storage", "__weakref__")
 
     def __init__(self, key, tag, nbytes):
         self.key, self.tag, self.nbytes = key, tag, nbytes
@@ -175,7 +176,6 @@ class SwapHandle:
         self.refs = 1              # packs sharing this handle (dedup); the cached load is dropped at 0
         self.state = HandleState.KEPT
         self._ticket = self._buf = self._give_back = self._device = self._live = self._written_storage = None
-        self._alias = None         # the device tensor's storage, untracked, for its SavedStorage stamp
         self._probe = None
         self._load = self._loaded = None
         self.version = None        # the saved tensor's version counter when it was saved (rule W6s)
@@ -221,7 +221,6 @@ class SwapHandle:
         if self.state is not HandleState.KEPT:   # checked inline: one call less per saved tensor
             self._refuse(HandleState.KEPT, "start an offload")
         self._ticket, self._device, self._buf, self._give_back = ticket, tensor, buf, give_back
-        self._alias = counter_alias(tensor)   # for the stamp, or for keep_on_device: one view per saved tensor
         self.version = tensor_version(tensor)
         self.state = HandleState.COPYING
 
@@ -243,17 +242,12 @@ class SwapHandle:
         self.state = HandleState.OFFLOADED
         return tensor
 
-    def take_alias(self):
-        """The device tensor's untracked alias made at the save (``counter_alias``), handed over once."""
-        alias, self._alias = self._alias, None
-        return alias
-
     def stamp(self, tensor, matches):
         """Attach a ``SavedStorage`` to the offloaded device tensor (rule W6s); False when it can't be attached
         (a release without ``Tensor.data`` or tensor user data: a write after the group's close is then not
-        seen). ``matches`` None: no stamp (the synchronous ``offload`` of other engines)."""
-        alias = self.take_alias()
-        if alias is None or matches is None:
+        seen). Run under ``no_grad`` and ``engine_ops`` (its view is no region's op)."""
+        alias = counter_alias(tensor)
+        if alias is None:
             return False
         live = SavedStorage(alias, self, matches)
         if not attach_to_tensor(tensor, SavedStorage.KEY, live):
@@ -351,14 +345,13 @@ class SwapHandle:
 
 
 def counter_alias(t):
-    """``t``'s storage as another C++ tensor, untracked, sharing ``t``'s version counter: a view made without
-    recording (about 5 us; ``Tensor.data`` has a counter of its own, and MindSpore's check of a saved
-    tensor's version reads the counter of what the unpack returns). It does not hold ``t`` (measured: ``t``
-    and its user data are freed when the caller drops it while the alias lives)."""
+    """``t``'s storage as another C++ tensor, untracked, sharing ``t``'s version counter (``version_alias``; run
+    under ``no_grad`` and ``engine_ops``), or ``Tensor.data`` for a layout ``view`` refuses (a ``copy_`` is then
+    not seen). It does not hold ``t`` (measured: ``t`` and its user data are freed when the caller drops it while
+    the alias lives)."""
     try:
-        with no_grad(), engine_ops():
-            return t.view(t.shape)
-    except (RuntimeError, TypeError, ValueError):   # a layout view() refuses: a copy_ is then not seen
+        return version_alias(t)
+    except (RuntimeError, TypeError, ValueError):
         return getattr(t, "data", None)
 
 
@@ -495,28 +488,31 @@ class SwapExecutor:
             handle.written = (handle.version, now)
         if self.verify and not copied_now:
             self._check_unchanged(handle, tensor, "before its layer's forward ended")
-        handle.stamp(tensor, self.backend.matches if stamp else None)
-        if not stamp and self.verify:
+        if stamp:
+            handle.stamp(tensor, self.backend.matches)
+        elif self.verify:
             handle.watch(tensor)
 
     def keep_on_device(self, handle):
         """Give up ``handle``'s offload as its group closes: wait for a copy in flight (the buffer goes back
-        to the pool), then ``load`` returns the device tensor's alias made at the save (held without its graph
-        node, sharing its version counter: ``counter_alias``)."""
+        to the pool), then ``load`` returns the device tensor's alias (held without its graph node, sharing its
+        version counter: ``counter_alias``)."""
         if handle.state is not HandleState.COPYING:
             return
         self.backend.wait_d2h(handle.ticket)
-        handle.keep_on_device(handle.take_alias())
+        with no_grad(), engine_ops():
+            handle.keep_on_device(counter_alias(handle.device))
 
     def finish_offloads(self, handles):
         """``finish_offload`` of each handle (a group's, at its close): every handle is finished even if
         one fails the in-place check, and the first such RuntimeError is raised at the end."""
         error = None
-        for h in handles:
-            try:
-                self.finish_offload(h)
-            except RuntimeError as err:
-                error = error or err
+        with no_grad(), engine_ops():   # the stamps' views: untracked, and no op of a recompute region around
+            for h in handles:
+                try:
+                    self.finish_offload(h)
+                except RuntimeError as err:
+                    error = error or err
         for h in handles:   # the device tensors are dropped: a stamp alive now belongs to one held outside
             h.arm()
         if error is not None:

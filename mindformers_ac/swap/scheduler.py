@@ -463,7 +463,7 @@ class SwapScheduler:
             stats.dedup_hits += 1
             return prev
         if g.plain:
-            reason = "input" if sptr in g.exclude else ("small" if t.nbytes < self.min_bytes else None)
+            reason = "input" if sptr in g.exclude else ("small" if t.nbytes < self.settings.min_bytes else None)
         else:
             reason = self._keep_reason(g, t, sptr)
         if reason is None:
