@@ -160,6 +160,7 @@ class ExecutorCalls:
         self._lock = threading.Lock()
         self._users = 0
         self._originals = None   # [(module, name, MindSpore's function, our wrapper)] while counting
+        self._wrappers = {}      # MindSpore's function -> our wrapper, made once (a re-run installs them each time)
 
     def grad_calls(self):
         """How many grad calls (either half) this thread runs inside ``counting()``."""
@@ -187,7 +188,9 @@ class ExecutorCalls:
         originals = []
         for module, name in _entry_points():
             original = getattr(module, name)
-            wrapper = self._counted(original)
+            wrapper = self._wrappers.get(original)
+            if wrapper is None:
+                wrapper = self._wrappers[original] = self._counted(original)
             setattr(module, name, wrapper)
             originals.append((module, name, original, wrapper))
         self._originals = originals
@@ -232,10 +235,18 @@ def pushes_cell_state(root):
     (``mixed_precision_type``: ``to_float``, amp O2-O3) or the dynamic-shape flag (``_dynamic_shape_inputs``:
     ``set_inputs``). A re-run stopped early inside one would leave it set (MindSpore 2.10 undoes neither on an
     exception)."""
-    roots = [root] if isinstance(root, mindspore.nn.Cell) else \
+    stack = [root] if isinstance(root, mindspore.nn.Cell) else \
         [v for v in _closure_values(root) if isinstance(v, mindspore.nn.Cell)]
-    return any(cell.mixed_precision_type is not None or getattr(cell, "_dynamic_shape_inputs", None) is not None
-               for r in roots for _, cell in r.cells_and_names())
+    seen = set()
+    while stack:   # the cell tree by ``_cells``: half the time of ``cells_and_names``' nested generators
+        cell = stack.pop()
+        if id(cell) in seen:   # a cell held twice, or one holding its parent
+            continue
+        seen.add(id(cell))
+        if cell.mixed_precision_type is not None or getattr(cell, "_dynamic_shape_inputs", None) is not None:
+            return True
+        stack.extend(c for c in cell._cells.values() if c is not None)   # pylint: disable=protected-access
+    return False
 
 
 def autodiff_engine_id():

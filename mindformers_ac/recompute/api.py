@@ -31,6 +31,7 @@ from .keep_sites import decides_by_site
 from .markers import check_context_fn, is_in_recompute
 from .op_slot import install_dropout_slots
 from .path_choice import PathChecks, run_checkpoint, run_region
+from .rules.safety_net import SampleIndex
 from .side_effects import RebindSlots
 from .stats import RecomputeStats
 from .tracking import PathTracker
@@ -124,7 +125,7 @@ def _region_options(where, torch_options, policy_fn, stats, swap_executor, swap_
     check_context_fn(context_fn)
     options = dict(policy_fn=policy_fn, stats=stats if stats is not None else RecomputeStats(),
                    swap_executor=swap_executor if swap_executor is not None else ManagerSwapExecutor(),
-                   swap_inputs=swap_inputs, context_fn=context_fn)
+                   swap_inputs=swap_inputs, context_fn=context_fn, probe_index=SampleIndex())
     if torch_options.debug:   # the op logs come from the intercepting path
         options["debug"] = True
     if not torch_options.early_stop:

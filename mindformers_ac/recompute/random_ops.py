@@ -1,6 +1,7 @@
 """Random ops in a recomputed region (docs/exactness.md, "Random ops"): which ones can't be run again (a second call
 draws other numbers), and how ``Dropout``, the only random kernel the CPU build has on this path, is rebuilt from its
 mask bits exactly."""
+import functools
 import logging
 import re
 
@@ -35,6 +36,7 @@ def is_random_primitive(prim):
     return attrs.get("side_effect_hidden") is True or "seed" in attrs or "seed2" in attrs
 
 
+@functools.lru_cache(maxsize=None)   # a fact of MindSpore's op tables and of the name: asked once per op name
 def is_random_op_name(name):
     """True if an op called ``name`` draws random numbers by MindSpore's own op table (a pyboost op dispatched
     without its primitive: ``generator_random_op``), or by its name (the fallback)."""

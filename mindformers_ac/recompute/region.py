@@ -20,10 +20,10 @@ from .state import ENGINE, FORWARD, RECOMPUTE
 class Region(RegionBase):
     """One call on the op-intercepting path, from its forward to the end of its backward. ``recorder``: a
     ``path_choice.CheckRecorder`` when this call is the first of its call signature; ``settings``: the ``recompute``
-    section apply_ac was given (the checkpoint API's ``early_stop`` keyword is its field)."""
+    section apply_ac was given (the checkpoint API's ``early_stop`` keyword is its field); ``probe_index``: the wrapper's."""
 
     def __init__(self, fn, *, policy_fn, stats, swap_executor, swap_inputs, context_fn, tracker, root=None,
-                 recorder=None, chain=None, debug=False, settings=None, rebind=None):
+                 recorder=None, chain=None, debug=False, settings=None, rebind=None, probe_index=None):
         self.settings = settings if settings is not None else RecomputeConfig()
         self.root = root if root is not None else tracker.root if tracker is not None else root_cell_of(fn)
         self.writes = writes.Writes(self, self.root)
@@ -38,7 +38,7 @@ class Region(RegionBase):
         self.random, self.nesting = randomness.RandomOps(self), nesting.Nesting(self)
         self.align = alignment.Alignment(self, self.settings.early_stop, debug)
         self.net = safety_net.SafetyNet(self, recorder.check.probe_index if recorder is not None
-                                        else safety_net.SampleIndex())
+                                        else probe_index if probe_index is not None else safety_net.SampleIndex())
         if recorder is not None:
             recorder.attach(self)
         elif self.intercept:   # never checked: say why once per call (a per-call policy, swapped inputs)

@@ -16,9 +16,7 @@ class Alignment(Rule):
     def __init__(self, region, early_stop, debug):
         super().__init__(region)
         self.arg_metas, self.fwd_npacks, self.skipped = {}, {}, set()
-        # S1: a re-run stopped inside a cell call that pushes executor state would leave it pushed
-        self.early_stop = early_stop and not pushes_cell_state(region.root if region.root is not None
-                                                                else region.fn)
+        self.early_stop = early_stop   # S1 (``pushes_cell_state``) is asked only of a re-run that would stop early
         self.stop_after, self.n_needed = None, 0
         self.debug_log = DebugLog() if debug else None   # checkpoint(debug=True): both runs' op logs
 
@@ -67,7 +65,9 @@ class Alignment(Rule):
         region = self.region
         self.n_needed = len(region.token_meta)
         whole = (not self.early_stop or region.recorder is not None or region.feeds_next or region.children
-                 or region.nesting.grad_calls() or not region.token_meta or region.replaced.before)
+                 or region.nesting.grad_calls() or not region.token_meta or region.replaced.before
+                 # S1: a re-run stopped inside a cell call that pushes executor state would leave it pushed
+                 or pushes_cell_state(region.root if region.root is not None else region.fn))
         self.stop_after = None if whole else max(idx for idx, _ in region.token_meta)
 
     def stop_if_done(self, run, key):
@@ -79,10 +79,10 @@ class Alignment(Rule):
         """After a re-run: every op that left something for backward ran and saved as in forward, shapes and dtypes
         too (docs/exactness.md, "Int and bool inputs"); else ``RecomputeError`` naming the op and the region."""
         region = self.region
-        n, where = len(region.op_names), region.cell_path()
+        n = len(region.op_names)
         missing = None if stopped else next((i for i in range(run.op_idx + 1, n) if not self.skippable(i, run)), None)
         if missing is not None:
-            raise messages.missing_ops(missing, n, region.describe_op(missing), where)
+            raise messages.missing_ops(missing, n, region.describe_op(missing), region.cell_path())
         self.skipped.update(range(run.op_idx + 1, n))
         for key, meta in region.token_meta.items():
             idx, k = key
@@ -90,9 +90,9 @@ class Alignment(Rule):
                 continue   # kept or rebuilt: served otherwise; skipped: its tokens raise if asked for
             fwd, rec = self.fwd_npacks.get(idx, 0), run.npacks.get(idx, 0)
             if fwd != rec:
-                raise messages.save_count_at_op(idx, region.describe_op(idx), fwd, rec, where)
+                raise messages.save_count_at_op(idx, region.describe_op(idx), fwd, rec, region.cell_path())
             t = region.recomputed.get(key)
             got = (tuple(t.shape), t.dtype) if t is not None else None
             if got != meta:
                 raise messages.other_tensor(f"op #{idx} {region.describe_op(idx)}, its saved tensor #{k}", meta, got,
-                                            where)
+                                            region.cell_path())

@@ -12,7 +12,7 @@ from .base import Rule
 
 PROBE_SIZE = 64
 
-_PROBED = (ms.float16, ms.bfloat16, ms.float32, ms.float64)
+_PROBED = frozenset((ms.float16, ms.bfloat16, ms.float32, ms.float64))
 
 
 def probed(t):
@@ -38,13 +38,9 @@ class SampleIndex(dict):
     def __missing__(self, shape):
         size = int(np.prod(shape))
         step = max(1, size // PROBE_SIZE)
-        if self.on_host:
-            index = self[shape] = step
-            return index
-        coords = np.stack(np.unravel_index(np.arange(0, size, step)[:PROBE_SIZE], shape), -1) if shape else \
-            np.zeros((1, 1), np.int64)
-        index = self[shape] = Tensor(coords.astype(np.int32))
-        return index
+        coords = np.stack(np.unravel_index(np.arange(0, size, step)[:PROBE_SIZE], shape), -1) if shape else [[0]]
+        self[shape] = step if self.on_host else Tensor(np.asarray(coords, np.int32))
+        return self[shape]
 
 
 class Sample:
@@ -69,10 +65,8 @@ class Sample:
 
     def matches(self, t):
         """Whether ``t`` (the re-run's tensor) holds the sampled elements bitwise."""
-        if self.values is None:
-            return True
-        if t is None or tuple(t.shape) != self.shape or t.dtype != self.dtype:
-            return False
+        if self.values is None or t is None or tuple(t.shape) != self.shape or t.dtype != self.dtype:
+            return self.values is None
         got = self._take(t)
         return got == self.values if isinstance(got, bytes) else tensors_equal(self.values, got)
 
@@ -80,7 +74,7 @@ class Sample:
 class SafetyNet(Rule):
     """The intercepting region's samples: its output and the last tensor dropped before the forward's end and before
     and after each kept op (whose kept output hides from the region's output what the re-run computed before it).
-    ``index``: the signature's ``SampleIndex`` (a checking call's) or the region's own."""
+    ``index``: the signature's ``SampleIndex`` (a checking call's) or the wrapper's."""
 
     __slots__ = ("index", "samples", "last_drop", "cut_samples", "cut_pending")
 
@@ -129,12 +123,10 @@ class SafetyNet(Rule):
     def _check_drop(self, drop):
         """``drop``: (key, Sample) of a dropped tensor, or None."""
         if drop is not None and not drop[1].matches(self.region.recomputed.get(drop[0])):
-            key = drop[0]
-            raise messages.other_values(self.region.cell_path(), f"op #{key[0]} {self.region.describe_op(key[0])}, "
-                                                                 f"its saved tensor #{key[1]}")
+            (idx, k), region = drop[0], self.region
+            raise messages.other_values(region.cell_path(), f"op #{idx} {region.describe_op(idx)}, its saved tensor #{k}")
 
     def describe_output_op(self):
         """``op #7 Add (in 'mlp'), the region's output``: the op that made the sampled output."""
         idx = self.samples[1] if self.samples is not None else None
-        output = "the region's output"
-        return output if idx is None else f"op #{idx} {self.region.describe_op(idx)}, {output}"
+        return "the region's output" if idx is None else f"op #{idx} {self.region.describe_op(idx)}, the region's output"
