@@ -70,8 +70,13 @@ except ImportError:
 
 no_grad = mindspore._no_grad   # pylint: disable=protected-access
 
-try:   # the View primitive itself: ``Tensor.view`` costs 2 us more in Python around it (measured, 2.10 CPU)
-    from mindspore.ops.auto_generate.gen_ops_prim import view_op
+try:   # the View primitive's own call: ``Tensor.view`` and the primitive's ``__call__`` cost 2-3 us more around it
+    from mindspore._c_expression import pyboost_view as _pyboost_view
+    from mindspore.ops.auto_generate.gen_ops_prim import view_op as _VIEW
+
+    def view_op(t, shape):
+        """``t.view(shape)`` (outside ``ms.jit``, where the engines run)."""
+        return _pyboost_view(_VIEW, [t, shape])
 except ImportError:
     view_op = mindspore.Tensor.view
 

@@ -560,7 +560,7 @@ def test_device_backend_stream_event_order():
     for step in range(2):
         rt.log.clear()
         h = ex.start_offload(t, key="L")
-        ex.finish_offload(h, stamp=False)   # no SavedStorage: the test holds ``t``, which would be served
+        ex.finish_offload(h)   # no SavedStorage (no group): the test holds ``t``, which would be served
         ex.prefetch(h)
         out = ex.load(h)
         assert np.array_equal(out.asnumpy(), t.asnumpy())
@@ -746,7 +746,7 @@ def test_handle_state_transitions():
     t = Tensor(np.arange(256, dtype=np.float32))
     h = ex.start_offload(t, key="k")
     assert h.state is HandleState.COPYING
-    ex.finish_offload(h, stamp=False)   # no SavedStorage: the test holds ``t``, which would be served (W6s)
+    ex.finish_offload(h)   # no SavedStorage (no group): the test holds ``t``, which would be served (W6s)
     assert h.state is HandleState.OFFLOADED and not h.on_device and not h.prefetched
     assert ex.prefetch(h) and h.state is HandleState.LOADING and h.prefetched
     assert not ex.prefetch(h)                                   # already loading: no second load

@@ -242,14 +242,15 @@ class SwapHandle:
         self.state = HandleState.OFFLOADED
         return tensor
 
-    def stamp(self, tensor, matches):
+    def stamp(self, tensor, matches, closed):
         """Attach a ``SavedStorage`` to the offloaded device tensor (rule W6s); False when it can't be attached
         (a release without ``Tensor.data`` or tensor user data: a write after the group's close is then not
-        seen). Run under ``no_grad`` and ``engine_ops`` (its view is no region's op)."""
+        seen). ``closed``: the group's one-item list, true once it dropped its references (``SavedStorage``). Run
+        under ``no_grad`` and ``engine_ops`` (its view is no region's op)."""
         alias = counter_alias(tensor)
         if alias is None:
             return False
-        live = SavedStorage(alias, self, matches)
+        live = SavedStorage(alias, self, matches, closed)
         if not attach_to_tensor(tensor, SavedStorage.KEY, live):
             return False
         self._live = weakref.ref(live)
@@ -266,13 +267,6 @@ class SwapHandle:
     def probe(self):
         """The tensor ``watch`` was given, if its caller still holds it (for the late in-place check)."""
         return self._probe() if self._probe is not None else None
-
-    def arm(self):
-        """After the group dropped its references: a stamp still alive belongs to a tensor held outside the
-        graph (an output in any object, a cache), which may be written; it checks its storage when it dies."""
-        live = self._live() if self._live is not None else None
-        if live is not None:
-            live.armed = True
 
     def keep_written(self, alias):
         """The saved tensor died written since its host copy: the load serves its storage (``alias``)."""
@@ -376,21 +370,18 @@ class SavedStorage:
     * a write that advances the version counter (``copy_``) after the save is refused at the load, as
       MindSpore refuses it without AC (``RuntimeError`` naming the swap group, the tag and the versions).
 
-    Only a stamp that outlived its group's close (``armed``) compares: an intermediate tensor dies as the
-    group drops it, unwritten.
+    Only a stamp that outlived its group's close compares (``closed``, the one-item list its group's stamps
+    share, set once for them all): an intermediate tensor dies as the group drops it, unwritten.
     """
 
-    __slots__ = ("alias", "handle", "matches", "armed", "__weakref__")
+    __slots__ = ("alias", "handle", "matches", "closed", "__weakref__")
     KEY = "mindformers_ac.swap.saved_storage"
 
-    def __init__(self, alias, handle, matches):
-        self.alias = alias
-        self.handle = weakref.ref(handle)
-        self.matches = matches
-        self.armed = False
+    def __init__(self, alias, handle, matches, closed):
+        self.alias, self.handle, self.matches, self.closed = alias, weakref.ref(handle), matches, closed
 
     def __del__(self):
-        if not self.armed:
+        if not self.closed[0]:
             return
         handle = self.handle()
         if handle is None or self.alias is None or handle.state not in (HandleState.OFFLOADED, HandleState.LOADING):
@@ -468,7 +459,7 @@ class SwapExecutor:
         h.start_offload(ticket, tensor, buf, self._give_back)
         return h
 
-    def finish_offload(self, handle, stamp=True):
+    def finish_offload(self, handle, closed=None):
         """Finish the copy, drop the device reference; keep a weak one for the check at load.
 
         A backend that copied at ``start_offload`` (a device backend) is checked here: RuntimeError if
@@ -476,9 +467,10 @@ class SwapExecutor:
         copy, taken when the tensor was saved). A copy taken now (the host backend) holds the tensor as
         it is, in-place writes before this call included, so there is nothing to compare.
 
-        ``stamp``: attach a ``SavedStorage`` to the tensor (a swap group's offloads, rule W6s); False (the
-        synchronous ``offload`` of other engines): keep a weak reference to the caller's tensor instead, and
-        compare it with the host copy at load while it lives (a difference raises RuntimeError)."""
+        ``closed``: attach a ``SavedStorage`` to the tensor (a swap group's offloads, rule W6s), armed once the
+        group sets this one-item list true; None (the synchronous ``offload`` of other engines): keep a weak
+        reference to the caller's tensor instead, and compare it with the host copy at load while it lives (a
+        difference raises RuntimeError)."""
         if handle.state is not HandleState.COPYING:
             return
         copied_now = self.backend.wait_d2h(handle.ticket)
@@ -488,8 +480,8 @@ class SwapExecutor:
             handle.written = (handle.version, now)
         if self.verify and not copied_now:
             self._check_unchanged(handle, tensor, "before its layer's forward ended")
-        if stamp:
-            handle.stamp(tensor, self.backend.matches)
+        if closed is not None:
+            handle.stamp(tensor, self.backend.matches, closed)
         elif self.verify:
             handle.watch(tensor)
 
@@ -506,15 +498,16 @@ class SwapExecutor:
     def finish_offloads(self, handles):
         """``finish_offload`` of each handle (a group's, at its close): every handle is finished even if
         one fails the in-place check, and the first such RuntimeError is raised at the end."""
-        error = None
+        error, closed = None, [False]
         with no_grad(), engine_ops():   # the stamps' views: untracked, and no op of a recompute region around
             for h in handles:
                 try:
-                    self.finish_offload(h)
+                    self.finish_offload(h, closed)
                 except RuntimeError as err:
                     error = error or err
-        for h in handles:   # the device tensors are dropped: a stamp alive now belongs to one held outside
-            h.arm()
+        # the device tensors are dropped: a stamp alive now belongs to one held outside the graph (an output in any
+        # object, a cache), which may be written; it checks its storage when it dies
+        closed[0] = True
         if error is not None:
             raise error
 
@@ -535,7 +528,7 @@ class SwapExecutor:
             h = SwapHandle.kept(key, tag, tensor)
             self.report.layers[key].over_budget_bytes += h.nbytes
             return h
-        self.finish_offload(h, stamp=False)
+        self.finish_offload(h)
         self.report.layers[key].offloaded_bytes += h.nbytes
         self.report.layers[key].num_offloaded += 1
         return h
