@@ -74,18 +74,7 @@ def tensor_leaves(value, depth=8):
     (``swap/executor.py``, ``SavedStorage``; rule W6s of docs/exactness.md). ``depth`` bounds the nesting
     searched, so a self-referencing list ends.
     """
-    if isinstance(value, Tensor):
-        return [value]
-    if depth <= 0:
-        return []
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (tuple, list)):
-        return []
-    found = []
-    for item in value:
-        found.extend(tensor_leaves(item, depth - 1))
-    return found
+    return _leaves(value, _container_items, depth)
 
 
 def tensor_leaves_in_objects(value, depth=8):
@@ -96,14 +85,26 @@ def tensor_leaves_in_objects(value, depth=8):
     Used by the recompute engine (its saved outputs, rule W6; the safety net's sample; Parameters handed in an
     argument object), the meter and the budget's controller (a layer's outputs, wherever they are held).
     """
+    return _leaves(value, _held_values, depth)
+
+
+def _leaves(value, held, depth):
+    """The tensors in ``value`` and, ``depth`` levels down, in what ``held(value)`` yields."""
     if isinstance(value, Tensor):
         return [value]
     if depth <= 0:
         return []
     found = []
-    for item in _held_values(value):
-        found.extend(tensor_leaves_in_objects(item, depth - 1))
+    for item in held(value):
+        found.extend(_leaves(item, held, depth - 1))
     return found
+
+
+def _container_items(value):
+    """What ``tensor_leaves`` searches in ``value``: a tuple's or list's items, a dict's values."""
+    if isinstance(value, dict):
+        return value.values()
+    return value if isinstance(value, (tuple, list)) else ()
 
 
 _NOT_SEARCHED = (str, bytes, int, float, bool, type(None), nn.Cell, type, types.ModuleType, types.FunctionType,
@@ -112,10 +113,8 @@ _NOT_SEARCHED = (str, bytes, int, float, bool, type(None), nn.Cell, type, types.
 
 def _held_values(value):
     """What ``tensor_leaves_in_objects`` searches in ``value``: a container's items, an object's attributes."""
-    if isinstance(value, dict):
-        return value.values()
-    if isinstance(value, (tuple, list)):
-        return value
+    if isinstance(value, (dict, tuple, list)):
+        return _container_items(value)
     if isinstance(value, _NOT_SEARCHED):
         return ()
     if dataclasses.is_dataclass(value):

@@ -243,18 +243,16 @@ class SwapHandle:
         return tensor
 
     def stamp(self, tensor, matches, closed):
-        """Attach a ``SavedStorage`` to the offloaded device tensor (rule W6s); False when it can't be attached
+        """Attach a ``SavedStorage`` to the offloaded device tensor (rule W6s); none when it can't be attached
         (a release without ``Tensor.data`` or tensor user data: a write after the group's close is then not
         seen). ``closed``: the group's one-item list, true once it dropped its references (``SavedStorage``). Run
         under ``no_grad`` and ``engine_ops`` (its view is no region's op)."""
         alias = counter_alias(tensor)
         if alias is None:
-            return False
+            return
         live = SavedStorage(alias, self, matches, closed)
-        if not attach_to_tensor(tensor, SavedStorage.KEY, live):
-            return False
-        self._live = weakref.ref(live)
-        return True
+        if attach_to_tensor(tensor, SavedStorage.KEY, live):
+            self._live = weakref.ref(live)
 
     def watch(self, tensor):
         """Keep a weak reference to the offloaded tensor, for ``probe`` at load time (``SwapExecutor.offload``:

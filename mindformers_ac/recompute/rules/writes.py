@@ -129,7 +129,7 @@ class Writes(Rule):
     def find_saved_outputs(self, leaves, packed, producer):
         """W6, at the end of the forward: the region's outputs an op of it saved, each with the keys of the saves of
         it the forward dropped (served from the held output, not rebuilt: ``RegionBase.stamp``)."""
-        storages = [(storage_info(t)[0], producer.get(storage_info(t)[0])) for t in leaves]
+        storages = [(ptr, producer.get(ptr)) for ptr in (storage_info(t)[0] for t in leaves)]
         self.saved_outputs = {j: tuple(self.dropped.get(s, ())) for j, s in enumerate(storages) if s in packed}
         self.dropped = None
         return self.saved_outputs
